@@ -1,0 +1,1 @@
+"""Orchestration: stage entry points (`ppo <stage>`), Prefect flows and deployments."""

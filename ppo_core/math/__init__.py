@@ -1,0 +1,68 @@
+"""Layer 1 of ppo_core: PPO math on tensors. Imports torch only (DESIGN.md section 2)."""
+
+from ppo_core.math.accumulation import (
+    AccumulationResult,
+    accumulate_gradients,
+    all_reduce_count,
+    backward_scale,
+    data_parallel_world_size,
+)
+from ppo_core.math.batching import check_batch_sizes, micro_batch_slices, minibatch_indices
+from ppo_core.math.gae import compute_gae, whiten_advantages
+from ppo_core.math.kl import (
+    KL_ESTIMATORS,
+    AdaptiveKLController,
+    FixedKLController,
+    kl_penalty,
+    last_valid_index,
+    token_rewards,
+)
+from ppo_core.math.losses import (
+    LOSS_AGG_MODES,
+    LossParts,
+    PolicyLossOutput,
+    ValueLossOutput,
+    aggregate_loss,
+    count_units,
+    entropy_from_logits,
+    logprobs_from_logits,
+    policy_loss,
+    value_loss,
+)
+from ppo_core.math.masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from ppo_core.math.running_mean import RunningMean
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "AccumulationResult",
+    "AdaptiveKLController",
+    "FixedKLController",
+    "LossParts",
+    "PolicyLossOutput",
+    "RunningMean",
+    "ValueLossOutput",
+    "accumulate_gradients",
+    "aggregate_loss",
+    "all_reduce_count",
+    "backward_scale",
+    "check_batch_sizes",
+    "compute_gae",
+    "count_units",
+    "data_parallel_world_size",
+    "entropy_from_logits",
+    "kl_penalty",
+    "last_valid_index",
+    "logprobs_from_logits",
+    "masked_count",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "micro_batch_slices",
+    "minibatch_indices",
+    "policy_loss",
+    "token_rewards",
+    "value_loss",
+    "whiten_advantages",
+]

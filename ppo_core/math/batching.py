@@ -1,0 +1,116 @@
+"""Mini-batch and micro-batch index plans for the PPO update.
+
+Each PPO epoch shuffles the rollout batch (seeded) and splits it into mini-batches, one optimizer
+step each; each mini-batch is split into micro-batches whose gradients are accumulated
+(:mod:`ppo_core.math.accumulation`). A split that does not divide the batch is an error naming both
+sizes, unless the caller asked to drop the remainder, in which case a warning says how many rows
+were dropped (the ``drop_last`` discussion of the minibatching pull request in ``shared/seeds``).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor
+
+__all__ = ["check_batch_sizes", "micro_batch_slices", "minibatch_indices"]
+
+
+def check_batch_sizes(
+    rollout_batch_size: int, mini_batch_size: int, micro_batch_size: int, drop_last: bool = False
+) -> None:
+    """Check ``rollout_batch_size >= mini_batch_size >= micro_batch_size >= 1`` and divisibility.
+
+    Raises:
+        ValueError: naming the sizes, when they do not nest or do not divide.
+    """
+    names = {
+        "rollout_batch_size": rollout_batch_size,
+        "mini_batch_size": mini_batch_size,
+        "micro_batch_size": micro_batch_size,
+    }
+    for name, value in names.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if mini_batch_size > rollout_batch_size:
+        raise ValueError(
+            f"mini_batch_size={mini_batch_size} is larger than rollout_batch_size="
+            f"{rollout_batch_size}; sizes must nest rollout >= mini >= micro"
+        )
+    if micro_batch_size > mini_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} is larger than mini_batch_size="
+            f"{mini_batch_size}; sizes must nest rollout >= mini >= micro"
+        )
+    if mini_batch_size % micro_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} does not divide mini_batch_size="
+            f"{mini_batch_size}; choose a divisor (e.g. "
+            f"{_largest_divisor_at_most(mini_batch_size, micro_batch_size)})"
+        )
+    if rollout_batch_size % mini_batch_size and not drop_last:
+        raise ValueError(
+            f"mini_batch_size={mini_batch_size} does not divide rollout_batch_size="
+            f"{rollout_batch_size} ({rollout_batch_size % mini_batch_size} rows would be left "
+            "over); choose a divisor or set drop_last to drop them every epoch"
+        )
+
+
+def minibatch_indices(
+    batch_size: int,
+    mini_batch_size: int,
+    generator: torch.Generator | None = None,
+    drop_last: bool = False,
+    shuffle: bool = True,
+) -> list[Tensor]:
+    """Row indices of each mini-batch for one epoch.
+
+    Args:
+        batch_size: rows in the rollout batch.
+        mini_batch_size: rows per mini-batch.
+        generator: seeded generator for the shuffle (reproducible epochs).
+        drop_last: drop the rows that do not fill a last mini-batch (with a warning) instead of
+            raising.
+        shuffle: permute rows first.
+
+    Returns:
+        A list of int64 index tensors of length ``mini_batch_size`` each.
+    """
+    if mini_batch_size < 1 or batch_size < 1:
+        raise ValueError(
+            f"batch_size and mini_batch_size must be >= 1, got {batch_size} and {mini_batch_size}"
+        )
+    remainder = batch_size % mini_batch_size
+    if remainder and not drop_last:
+        raise ValueError(
+            f"mini_batch_size={mini_batch_size} does not divide the batch of {batch_size} rows "
+            f"({remainder} left over); choose a divisor or set drop_last"
+        )
+    if mini_batch_size > batch_size:
+        raise ValueError(
+            f"mini_batch_size={mini_batch_size} is larger than the batch of {batch_size} rows"
+        )
+    if remainder:
+        warnings.warn(
+            f"dropping {remainder} of {batch_size} rollout rows this epoch: mini_batch_size="
+            f"{mini_batch_size} does not divide the batch",
+            stacklevel=2,
+        )
+    order = torch.randperm(batch_size, generator=generator) if shuffle else torch.arange(batch_size)
+    usable = batch_size - remainder
+    return list(order[:usable].split(mini_batch_size))
+
+
+def micro_batch_slices(size: int, micro_batch_size: int) -> list[slice]:
+    """Consecutive slices of at most ``micro_batch_size`` rows covering ``range(size)``.
+
+    The last slice may be shorter; the exact normalisation makes that harmless for the gradient.
+    """
+    if micro_batch_size < 1:
+        raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
+    return [slice(start, min(start + micro_batch_size, size)) for start in range(0, size, micro_batch_size)]
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
