@@ -1,0 +1,136 @@
+"""The ``ppo`` command: one subcommand per pipeline stage.
+
+Every subcommand takes ``--config FILE`` (YAML) and ``key=value`` overrides of any config key,
+e.g. ``ppo train ppo.mini_batch_size=32 optim.lr=1e-4``. Run ``ppo config`` to see every key with
+its current value.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+app = typer.Typer(
+    name="ppo",
+    help=(
+        "PPO retraining pipeline for causal language models.\n\n"
+        "Stages: base (import or build the starting model), train (PPO), evaluate "
+        "(candidate vs baseline). Every command takes --config FILE and key=value overrides; "
+        "`ppo config` lists all keys."
+    ),
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+console = Console(stderr=True)
+
+ConfigOption = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="YAML config file (defaults are used for missing keys)."),
+]
+Overrides = Annotated[
+    list[str] | None,
+    typer.Argument(help="Config overrides as key=value, e.g. ppo.epochs=2 optim.lr=1e-4.",
+                   show_default=False),
+]
+
+
+def _load(config_file: Path | None, overrides: list[str] | None):
+    from ppo_core.config import load_config
+
+    return load_config(config_file, overrides or [])
+
+
+def _run(action):
+    """Run a stage; turn the errors users can fix into one clear line and exit code 2."""
+    from ppo_core.config import ConfigError
+    from ppo_core.modeling.checkpoint import CheckpointError
+    from ppo_core.modeling.data import PromptFileError
+    from ppo_core.modeling.policy import ModelFolderError
+    from ppo_core.modeling.reward_loading import RewardError
+
+    try:
+        return action()
+    except (ConfigError, PromptFileError, ModelFolderError, RewardError, CheckpointError,
+            FileExistsError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        raise typer.Exit(code=2) from None
+
+
+@app.command("config")
+def show_config(config: ConfigOption = None, overrides: Overrides = None) -> None:
+    """Print the resolved config (defaults + file + overrides) as YAML."""
+    from ppo_core.config import to_yaml
+
+    cfg = _run(lambda: _load(config, overrides))
+    sys.stdout.write(to_yaml(cfg))
+
+
+@app.command()
+def base(config: ConfigOption = None, overrides: Overrides = None) -> None:
+    """Put the starting policy in model.policy: import base.source, or build the tiny default."""
+    from flows import stages
+
+    cfg = _run(lambda: _load(config, overrides))
+    path = _run(lambda: stages.base(cfg))
+    console.print(f"base model ready in [bold]{path}[/]")
+
+
+@app.command()
+def train(config: ConfigOption = None, overrides: Overrides = None,
+          quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False) -> None:
+    """Run PPO on model.policy with the prompts of data.train_file.
+
+    Resumes from the newest checkpoint in train.checkpoint_dir (train.resume=false starts over).
+    Writes the policy to train.output_dir and per-iteration metrics to train.metrics_dir.
+    """
+    from flows import stages
+
+    cfg = _run(lambda: _load(config, overrides))
+    summary = _run(lambda: stages.train(cfg, show_progress=not quiet))
+    m = summary.final_metrics
+    console.print(
+        f"trained {summary.iterations} iterations (resumed at {summary.resumed_from}); "
+        f"score {m.get('rollout/score', float('nan')):.3f}, KL {m.get('rollout/kl', float('nan')):.2f}; "
+        f"policy in [bold]{summary.output_dir}[/]"
+    )
+
+
+@app.command()
+def evaluate(
+    config: ConfigOption = None,
+    overrides: Overrides = None,
+    candidate: Annotated[str | None, typer.Option(help="Model folder (default train.output_dir).")] = None,
+    baseline: Annotated[str | None, typer.Option(help="Model folder (default model.policy); '' for none.")] = None,
+) -> None:
+    """Score a candidate and a baseline on held-out prompts (data.eval_file).
+
+    Same prompts, seed and sampling for both. Reports mean score, positive rate, KL to the
+    reference (nats per sequence), response length, EOS rate and distinct-1/2, with samples, in
+    eval.output_dir (metrics.json, samples.json, report.md).
+    """
+    from flows import stages
+
+    cfg = _run(lambda: _load(config, overrides))
+    reports = _run(lambda: stages.evaluate(cfg, candidate, baseline if baseline != "" else None))
+    from rich.table import Table
+
+    table = Table(title=f"evaluation ({cfg.eval.output_dir})")
+    table.add_column("metric")
+    for name in reports:
+        table.add_column(name, justify="right")
+    for key in next(iter(reports.values())).metrics:
+        table.add_row(key, *(f"{r.metrics[key]:.4g}" for r in reports.values()))
+    Console().print(table)
+
+
+def main() -> None:  # pragma: no cover - console script entry
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

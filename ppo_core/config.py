@@ -1,0 +1,334 @@
+"""The project's typed configuration (layer 3).
+
+One tree of OmegaConf structured dataclasses, loaded from YAML and overridden by ``key=value``
+arguments. An unknown key, a wrong type or an out-of-range value fails at load time with the key's
+name and value (:class:`ConfigError`). Every field is documented where it is defined. Builders in
+the trainer unpack the config into keyword arguments: it never enters the math.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from ppo_core.math.batching import check_batch_sizes
+from ppo_core.math.kl import KL_ESTIMATORS
+from ppo_core.math.losses import LOSS_AGG_MODES
+
+__all__ = ["Config", "ConfigError", "load_config", "save_config", "to_yaml"]
+
+
+class ConfigError(ValueError):
+    """A configuration problem; the message names the key, the value and what is allowed."""
+
+
+@dataclass
+class ModelConfig:
+    """Which models play which part."""
+
+    policy: str = "models/base"
+    """Local folder of a Hugging Face causal LM (``save_pretrained`` layout) to start from."""
+    reference: str | None = None
+    """Local folder of the frozen KL reference; ``None`` uses a frozen copy of ``policy``."""
+    reward: str = "builtin:sentiment"
+    """``builtin:sentiment`` (VADER), ``module:function`` (user code, called with lists of prompts
+    and responses; it runs as Python), or a local folder of a sequence-classification reward
+    model."""
+    critic: str = "shared"
+    """``shared``: a value head on the policy's trunk; ``separate``: a critic trunk of its own,
+    initialised from the policy folder."""
+    trust_remote_code: bool = False
+    """Allow model folders to run their own Python code when loaded. Off unless you trust them."""
+
+
+@dataclass
+class BaseConfig:
+    """The ``base`` stage: where the starting policy (``model.policy``) comes from."""
+
+    source: str | None = None
+    """A local Hugging Face causal-LM folder to import as the base; ``None`` builds the tiny
+    default (a 2-layer GPT-2 warm-started on generated movie reviews, no download)."""
+    tiny_steps: int = 400
+    """Warm-start steps of the tiny default."""
+    tiny_seed: int = 0
+    """Seed of the tiny default's corpus, tokenizer and warm start."""
+
+
+@dataclass
+class DataConfig:
+    """Prompt files: JSONL (one object with a ``prompt`` field a line) or Parquet."""
+
+    train_file: str = "data/prepared/train.parquet"
+    eval_file: str = "data/prepared/eval.parquet"
+    prompt_field: str = "prompt"
+
+
+@dataclass
+class PPOConfig:
+    """The PPO update (Schulman et al. 2017) and its batching."""
+
+    rollout_batch_size: int = 64
+    """Prompts sampled per iteration (per data-parallel rank)."""
+    mini_batch_size: int = 16
+    """Rows per optimizer step; must divide ``rollout_batch_size`` (or set ``drop_last``)."""
+    micro_batch_size: int = 16
+    """Rows per forward/backward pass; must divide ``mini_batch_size``. Changes memory, not the
+    gradient (exact accumulation)."""
+    epochs: int = 4
+    """Passes over each rollout batch."""
+    drop_last: bool = False
+    """Drop rows that do not fill a last mini-batch (with a warning) instead of failing."""
+    clip_eps: float = 0.2
+    """Policy ratio clip range, ``rho`` in ``[1 - clip_eps, 1 + clip_eps_high]``."""
+    clip_eps_high: float | None = None
+    """Upper clip range; ``None`` uses ``clip_eps``."""
+    dual_clip: float | None = None
+    """Dual-clip constant ``c > 1`` bounding the loss of negative advantages; ``None`` is off."""
+    clip_eps_value: float | None = 0.2
+    """Value clip range around the rollout values; ``None`` is off."""
+    vf_coef: float = 0.1
+    """Weight of the value loss."""
+    entropy_coef: float = 0.0
+    """Weight of the entropy bonus."""
+    gamma: float = 1.0
+    """Discount factor."""
+    lam: float = 0.95
+    """GAE lambda."""
+    loss_agg_mode: str = "token-mean"
+    """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
+    whiten_advantages: bool = True
+    """Whiten advantages once per rollout batch."""
+    target_kl: float | None = None
+    """Stop the remaining updates of an iteration when a mini-batch's approximate KL exceeds it."""
+    max_grad_norm: float | None = 1.0
+    """Clip the global gradient norm; ``None`` is off."""
+    missing_eos_penalty: float | None = None
+    """Subtract this from the score of a response that did not end with EOS; ``None`` is off."""
+
+
+@dataclass
+class KLConfig:
+    """The KL penalty against the reference model."""
+
+    estimator: str = "k1"
+    """``k1``, ``k2``, ``k3`` or ``abs`` (per-token estimate in the reward)."""
+    coef: float = 0.05
+    """Initial (or fixed) coefficient ``beta``."""
+    adaptive: bool = False
+    """Adapt ``beta`` towards ``target`` (Ziegler et al. 2019)."""
+    target: float = 6.0
+    """Target KL per sequence, in nats, for the adaptive controller."""
+    horizon: int = 10000
+    """Horizon of the adaptive controller, in samples."""
+
+
+@dataclass
+class OptimConfig:
+    """Optimizer and learning-rate schedule."""
+
+    name: str = "adamw"
+    """``adamw`` or ``sgd``."""
+    lr: float = 3e-4
+    weight_decay: float = 0.0
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
+    """AdamW betas."""
+    eps: float = 1e-8
+    momentum: float = 0.0
+    """SGD momentum."""
+    scheduler: str = "constant"
+    """``constant`` or ``linear`` (decay to 0 over ``train.iterations``)."""
+    warmup_iterations: int = 0
+
+
+@dataclass
+class GenerationConfig:
+    """Sampling for rollouts and evaluation. Set explicitly: a model's own generation config can
+    silently add top-k 50, and the logprobs must describe the distribution that was sampled."""
+
+    max_new_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0
+    """0 disables top-k."""
+    top_p: float = 1.0
+    """1.0 disables nucleus sampling."""
+
+
+@dataclass
+class TrainConfig:
+    """The training run."""
+
+    iterations: int = 60
+    """PPO iterations (rollout + update)."""
+    output_dir: str = "models/candidate"
+    """Where the final policy is saved (``save_pretrained`` layout plus the value head)."""
+    checkpoint_dir: str = "checkpoints"
+    """Where resumable checkpoints go."""
+    checkpoint_every: int = 20
+    """Write a checkpoint every N iterations (and always at the end)."""
+    keep_checkpoints: int = 2
+    """How many checkpoints to keep."""
+    resume: bool = True
+    """Resume from the newest checkpoint in ``checkpoint_dir`` when there is one."""
+    metrics_dir: str = "reports/train"
+    """DVCLive folder for the per-iteration metrics and plots."""
+    log_every: int = 1
+
+
+@dataclass
+class EvalConfig:
+    """Held-out evaluation."""
+
+    num_prompts: int = 64
+    samples_per_prompt: int = 2
+    seed: int = 1234
+    """Sampling seed; candidate and baseline use the same one."""
+    output_dir: str = "reports/eval"
+    num_examples: int = 8
+    """Sample generations written beside the metrics."""
+
+
+@dataclass
+class Config:
+    """The whole configuration."""
+
+    seed: int = 0
+    device: str = "auto"
+    """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
+    precision: str = "fp32"
+    """``fp32`` or ``bf16`` (autocast on CUDA)."""
+    threads: int = 0
+    """CPU threads for torch; 0 keeps torch's default."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    base: BaseConfig = field(default_factory=BaseConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    kl: KLConfig = field(default_factory=KLConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    generation: GenerationConfig = field(default_factory=GenerationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
+    """Build the config: defaults, then the YAML file, then ``key=value`` overrides.
+
+    Raises:
+        ConfigError: unknown key, wrong type, malformed override, or a value out of range.
+    """
+    merged: DictConfig = OmegaConf.structured(Config)
+    try:
+        if path is not None:
+            path = Path(path)
+            if not path.is_file():
+                raise ConfigError(f"config file {str(path)!r} does not exist")
+            merged = OmegaConf.merge(merged, OmegaConf.load(path))
+        for item in overrides:
+            if "=" not in item:
+                raise ConfigError(f"override {item!r} is not of the form key=value")
+        if overrides:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc, path)) from None
+    config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate_config(config)
+    return config
+
+
+def _explain(exc: OmegaConfBaseException, path: Path | str | None) -> str:
+    key = getattr(exc, "full_key", None) or "?"
+    where = f" (in {path} or the overrides)" if path else ""
+    first = str(exc).splitlines()[0]
+    if "not in" in first or "Key" in type(exc).__name__:
+        return f"unknown config key {key!r}{where}: {first}. Run `ppo config` to list the keys."
+    return f"bad value for config key {key!r}{where}: {first}"
+
+
+def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+
+
+def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+def validate_config(config: Config) -> None:
+    """Check ranges, choices and the nesting of batch sizes; raise :class:`ConfigError`."""
+    _choice("device", config.device, ("auto", "cpu", "cuda"))
+    _choice("precision", config.precision, ("fp32", "bf16"))
+    _choice("model.critic", config.model.critic, ("shared", "separate"))
+    _choice("ppo.loss_agg_mode", config.ppo.loss_agg_mode, LOSS_AGG_MODES)
+    _choice("kl.estimator", config.kl.estimator, KL_ESTIMATORS)
+    _choice("optim.name", config.optim.name, ("adamw", "sgd"))
+    _choice("optim.scheduler", config.optim.scheduler, ("constant", "linear"))
+    ppo = config.ppo
+    try:
+        check_batch_sizes(ppo.rollout_batch_size, ppo.mini_batch_size, ppo.micro_batch_size,
+                          drop_last=ppo.drop_last)
+    except ValueError as exc:
+        raise ConfigError(f"ppo batch sizes: {exc}") from None
+    for key, value in {
+        "ppo.epochs": ppo.epochs,
+        "ppo.clip_eps": ppo.clip_eps,
+        "optim.lr": config.optim.lr,
+        "generation.max_new_tokens": config.generation.max_new_tokens,
+        "generation.temperature": config.generation.temperature,
+        "train.iterations": config.train.iterations,
+        "base.tiny_steps": config.base.tiny_steps,
+        "train.checkpoint_every": config.train.checkpoint_every,
+        "train.keep_checkpoints": config.train.keep_checkpoints,
+        "train.log_every": config.train.log_every,
+        "eval.num_prompts": config.eval.num_prompts,
+        "eval.samples_per_prompt": config.eval.samples_per_prompt,
+        "kl.target": config.kl.target,
+        "kl.horizon": config.kl.horizon,
+    }.items():
+        _positive(key, value)
+    for key, value in {
+        "ppo.vf_coef": ppo.vf_coef,
+        "ppo.entropy_coef": ppo.entropy_coef,
+        "kl.coef": config.kl.coef,
+        "optim.weight_decay": config.optim.weight_decay,
+        "optim.warmup_iterations": config.optim.warmup_iterations,
+        "generation.top_k": config.generation.top_k,
+        "threads": config.threads,
+        "eval.num_examples": config.eval.num_examples,
+    }.items():
+        _positive(key, value, allow_zero=True)
+    for key, value in {"ppo.clip_eps_high": ppo.clip_eps_high,
+                       "ppo.clip_eps_value": ppo.clip_eps_value,
+                       "ppo.target_kl": ppo.target_kl,
+                       "ppo.max_grad_norm": ppo.max_grad_norm}.items():
+        if value is not None:
+            _positive(key, value)
+    if ppo.dual_clip is not None and ppo.dual_clip <= 1.0:
+        raise ConfigError(f"ppo.dual_clip must be > 1 (or null), got {ppo.dual_clip}")
+    if not 0.0 <= ppo.gamma <= 1.0:
+        raise ConfigError(f"ppo.gamma must be in [0, 1], got {ppo.gamma}")
+    if not 0.0 <= ppo.lam <= 1.0:
+        raise ConfigError(f"ppo.lam must be in [0, 1], got {ppo.lam}")
+    if not 0.0 < config.generation.top_p <= 1.0:
+        raise ConfigError(f"generation.top_p must be in (0, 1], got {config.generation.top_p}")
+    if len(config.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.optim.betas):
+        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {config.optim.betas}")
+
+
+def to_yaml(config: Config) -> str:
+    """The resolved config as YAML (saved beside every run's outputs)."""
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def save_config(config: Config, path: str | Path) -> None:
+    """Write the resolved config to ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(to_yaml(config))
+    tmp.replace(path)

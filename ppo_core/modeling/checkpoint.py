@@ -1,0 +1,161 @@
+"""Atomic, resumable checkpoints (layer 2).
+
+A checkpoint is a folder ``step-000040/`` holding the model (``model/``: ``save_pretrained``
+safetensors, tokenizer, value head), the optimizer and scheduler states, ``trainer_state.json``
+(iteration, KL coefficient, lineage) and ``checksums.json`` (SHA-256 of every file). It is written
+into a hidden temporary folder and renamed into place, so a crash never leaves a half checkpoint,
+and loaded with ``torch.load(weights_only=True)``: nothing is unpickled.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = [
+    "CheckpointError",
+    "atomic_folder",
+    "file_sha256",
+    "latest_checkpoint",
+    "list_checkpoints",
+    "load_checkpoint_state",
+    "save_checkpoint",
+    "verify_checksums",
+]
+
+STEP_PREFIX = "step-"
+STATE_FILE = "trainer_state.json"
+CHECKSUM_FILE = "checksums.json"
+MODEL_DIR = "model"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint is missing, incomplete or damaged."""
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def atomic_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
+    """Run ``write(tmp)`` on a fresh temporary sibling of ``target``, then swap it into place.
+
+    The previous ``target`` (if any) is replaced only after ``write`` has succeeded; on any error
+    the temporary folder is removed and ``target`` is untouched.
+    """
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        write(tmp)
+        _fsync_tree(tmp)
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return target
+
+
+def _fsync_tree(folder: Path) -> None:
+    for path in folder.rglob("*"):
+        if path.is_file():
+            with path.open("rb") as handle:
+                os.fsync(handle.fileno())
+
+
+def _write_checksums(folder: Path) -> None:
+    sums = {
+        str(p.relative_to(folder)): file_sha256(p)
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != CHECKSUM_FILE
+    }
+    (folder / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1))
+
+
+def verify_checksums(folder: str | Path) -> None:
+    """Raise :class:`CheckpointError` naming the first missing or changed file."""
+    folder = Path(folder)
+    listing = folder / CHECKSUM_FILE
+    if not listing.is_file():
+        raise CheckpointError(f"checkpoint {folder} has no {CHECKSUM_FILE}; it is incomplete")
+    for name, expected in json.loads(listing.read_text()).items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"checkpoint {folder} is missing {name}")
+        if file_sha256(path) != expected:
+            raise CheckpointError(f"checkpoint {folder}: {name} is damaged (checksum mismatch)")
+
+
+def save_checkpoint(
+    checkpoint_dir: str | Path,
+    iteration: int,
+    save_model: Callable[[Path], None],
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path:
+    """Write checkpoint ``step-{iteration:06d}`` atomically and keep the newest ``keep``."""
+    checkpoint_dir = Path(checkpoint_dir)
+
+    def write(tmp: Path) -> None:
+        save_model(tmp / MODEL_DIR)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        if scheduler is not None:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=1))
+        _write_checksums(tmp)
+
+    path = atomic_folder(checkpoint_dir / f"{STEP_PREFIX}{iteration:06d}", write)
+    for old in list_checkpoints(checkpoint_dir)[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary folders are hidden and skipped)."""
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        return []
+    found = [p for p in folder.iterdir() if p.is_dir() and p.name.startswith(STEP_PREFIX)]
+    return sorted(found, key=lambda p: p.name)
+
+
+def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
+    """The newest checkpoint in ``checkpoint_dir``, or ``None``."""
+    found = list_checkpoints(checkpoint_dir)
+    return found[-1] if found else None
+
+
+def load_checkpoint_state(folder: str | Path) -> dict[str, Any]:
+    """Verify and read a checkpoint: ``state``, ``optimizer``, ``scheduler`` and the model path."""
+    folder = Path(folder)
+    verify_checksums(folder)
+    state = json.loads((folder / STATE_FILE).read_text())
+    optimizer = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+    scheduler_file = folder / "scheduler.pt"
+    scheduler = (
+        torch.load(scheduler_file, weights_only=True, map_location="cpu")
+        if scheduler_file.is_file()
+        else None
+    )
+    return {"state": state, "optimizer": optimizer, "scheduler": scheduler,
+            "model_dir": folder / MODEL_DIR}

@@ -1,0 +1,77 @@
+"""Reading prompt files (layer 2): JSONL with one object a line, or Parquet."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+__all__ = ["PromptFileError", "load_prompts", "read_manifest_hash"]
+
+
+class PromptFileError(ValueError):
+    """A prompt file is missing, malformed or empty; the message names the file and line."""
+
+
+def load_prompts(path: str | Path, field: str = "prompt") -> list[str]:
+    """The prompts of a ``.jsonl`` or ``.parquet`` file, in file order.
+
+    Raises:
+        PromptFileError: missing file, unknown extension, a line that is not a JSON object with a
+            non-empty string ``field`` (named by line number), or no prompt at all.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise PromptFileError(f"prompt file {str(path)!r} does not exist")
+    if path.suffix == ".parquet":
+        import pandas as pd
+
+        frame = pd.read_parquet(path)
+        if field not in frame.columns:
+            raise PromptFileError(
+                f"{path}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
+            )
+        prompts = []
+        for row, value in enumerate(frame[field].tolist()):
+            if not isinstance(value, str) or not value.strip():
+                raise PromptFileError(f"{path}: row {row}: {field!r} is not a non-empty string")
+            prompts.append(value)
+    elif path.suffix in (".jsonl", ".json"):
+        prompts = []
+        with path.open("rb") as handle:
+            for number, raw in enumerate(handle, start=1):
+                prompts.extend(_parse_line(path, number, raw, field))
+    else:
+        raise PromptFileError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
+    if not prompts:
+        raise PromptFileError(f"{path}: no prompts")
+    return prompts
+
+
+def _parse_line(path: Path, number: int, raw: bytes, field: str) -> list[str]:
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise PromptFileError(f"{path}:{number}: not valid UTF-8 ({exc.reason})") from None
+    if not text.strip():
+        return []
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise PromptFileError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    if not isinstance(record, dict):
+        raise PromptFileError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+    value = record.get(field)
+    if not isinstance(value, str) or not value.strip():
+        raise PromptFileError(f"{path}:{number}: field {field!r} is missing or not a non-empty string")
+    return [value]
+
+
+def read_manifest_hash(prompt_file: str | Path) -> str | None:
+    """The content hash of the data version, from ``manifest.json`` beside the prompt file."""
+    manifest = Path(prompt_file).with_name("manifest.json")
+    if not manifest.is_file():
+        return None
+    try:
+        return json.loads(manifest.read_text()).get("content_hash")
+    except (json.JSONDecodeError, AttributeError):
+        return None

@@ -1,0 +1,105 @@
+"""Batched sampling of responses with left-padded prompts and the KV cache (layer 2).
+
+Sampling settings are always passed explicitly (temperature, top-k, top-p), so a model's own
+generation config cannot add a hidden top-k and the logprobs computed later describe the
+distribution that was actually sampled (DESIGN.md section 8).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "GeneratedBatch",
+    "decode_responses",
+    "encode_prompts",
+    "generate_responses",
+    "response_mask_from_ids",
+]
+
+
+@dataclass
+class GeneratedBatch:
+    """Prompts and sampled responses, all on one device."""
+
+    prompt_ids: Tensor  # [B, P] left-padded
+    prompt_mask: Tensor  # [B, P] 1 on real prompt tokens
+    response_ids: Tensor  # [B, T] padded after EOS
+    response_mask: Tensor  # [B, T] True on real response tokens, the first EOS included
+    has_eos: Tensor  # [B] whether the response ended with EOS before max_new_tokens
+
+
+def encode_prompts(tokenizer, prompts: list[str], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+    """Tokenise prompts, left-padded: ``(ids [B, P], mask [B, P])``."""
+    tokenizer.padding_side = "left"
+    encoded = tokenizer(prompts, padding=True, return_tensors="pt")
+    return encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+
+
+def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
+    """Mask of real response tokens, from positions: everything up to and including the first EOS.
+
+    Works when the pad token equals EOS, since only the first EOS counts. ``[B, T] -> ([B, T],
+    [B])``.
+    """
+    is_eos = response_ids == eos_token_id
+    has_eos = is_eos.any(dim=1)
+    length = response_ids.shape[1]
+    positions = torch.arange(length, device=response_ids.device).expand_as(response_ids)
+    first_eos = torch.where(is_eos, positions, length).amin(dim=1)
+    mask = positions <= first_eos.unsqueeze(1)
+    return mask, has_eos
+
+
+@torch.no_grad()
+def generate_responses(
+    model,
+    tokenizer,
+    prompts: list[str],
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    device: torch.device | str = "cpu",
+) -> GeneratedBatch:
+    """Sample one response per prompt with the causal LM ``model`` (eval mode, KV cache)."""
+    from transformers import GenerationConfig
+
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=temperature,
+        top_k=top_k if top_k > 0 else None,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        bos_token_id=tokenizer.bos_token_id,
+        use_cache=True,
+        repetition_penalty=1.0,
+        num_beams=1,
+    )
+    output = model.generate(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        generation_config=config,
+    )
+    response_ids = output[:, prompt_ids.shape[1] :]
+    response_mask, has_eos = response_mask_from_ids(response_ids, eos_id)
+    response_ids = torch.where(response_mask, response_ids, pad_id)
+    return GeneratedBatch(prompt_ids, prompt_mask, response_ids, response_mask, has_eos)
+
+
+def decode_responses(tokenizer, response_ids: Tensor, response_mask: Tensor) -> list[str]:
+    """Text of each response up to (not including) EOS, special tokens removed."""
+    texts = []
+    for ids, mask in zip(response_ids.tolist(), response_mask.tolist(), strict=True):
+        kept = [t for t, keep in zip(ids, mask, strict=True) if keep and t != tokenizer.eos_token_id]
+        texts.append(tokenizer.decode(kept, skip_special_tokens=True))
+    return texts

@@ -1,0 +1,247 @@
+"""Loading the policy, critic and reference models, and the forward pass that scores responses.
+
+Layer 2 (model I/O). Models come from local ``save_pretrained`` folders only; weights load from
+safetensors, and a folder's own Python code runs only with ``trust_remote_code=True``.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+
+from ppo_core.math.losses import logprobs_from_logits
+
+__all__ = [
+    "ActorCritic",
+    "ModelFolderError",
+    "ScoredBatch",
+    "check_model_folder",
+    "load_actor_critic",
+    "load_causal_lm",
+    "load_tokenizer",
+    "position_ids_from_mask",
+    "score_sequences",
+]
+
+VALUE_HEAD_FILE = "value_head.safetensors"
+CRITIC_DIR = "critic"
+
+
+class ModelFolderError(FileNotFoundError):
+    """A model folder is missing or is not a Hugging Face ``save_pretrained`` folder."""
+
+
+def check_model_folder(path: str | Path, role: str = "model") -> Path:
+    """Return ``path`` as a Path if it is a local model folder, else raise a clear error."""
+    folder = Path(path)
+    if not folder.exists():
+        raise ModelFolderError(
+            f"{role} folder {str(folder)!r} does not exist; give a local folder written by "
+            "save_pretrained (models are never downloaded), or run `ppo base` to build the "
+            "tiny default"
+        )
+    if not (folder / "config.json").is_file():
+        raise ModelFolderError(
+            f"{role} folder {str(folder)!r} has no config.json; it is not a Hugging Face "
+            "save_pretrained folder"
+        )
+    return folder
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
+    """The tokenizer of a model folder, set up for left-padded prompts with a pad token."""
+    from transformers import AutoTokenizer
+
+    folder = check_model_folder(path, "tokenizer")
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token_id is None:
+        raise ModelFolderError(
+            f"the tokenizer in {str(folder)!r} has no pad token; add one distinct from EOS "
+            "(a pad equal to EOS is handled, but a missing one cannot be guessed)"
+        )
+    if tokenizer.eos_token_id is None:
+        raise ModelFolderError(f"the tokenizer in {str(folder)!r} has no EOS token")
+    return tokenizer
+
+
+def load_causal_lm(path: str | Path, role: str = "policy", trust_remote_code: bool = False,
+                   dtype: torch.dtype = torch.float32):
+    """An ``AutoModelForCausalLM`` from a local folder, in eval mode (dropout off)."""
+    from transformers import AutoModelForCausalLM
+
+    folder = check_model_folder(path, role)
+    model = AutoModelForCausalLM.from_pretrained(
+        folder, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None
+    )
+    return model.eval()
+
+
+def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
+    """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0. ``[B, L] -> [B, L]``.
+
+    Generation and scoring must use the same positions, or sampled and recomputed logprobs
+    disagree (DESIGN.md section 8).
+    """
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+class ActorCritic(nn.Module):
+    """A causal LM policy with a scalar value head on its trunk, or on a critic trunk of its own.
+
+    ``forward`` returns ``(logits [B, L, V], values [B, L])``; ``values[:, t]`` estimates the return
+    from the state that ends at token ``t``.
+    """
+
+    def __init__(self, policy: nn.Module, value_head: nn.Linear, critic: nn.Module | None = None):
+        super().__init__()
+        self.policy = policy
+        self.value_head = value_head
+        self.critic = critic
+
+    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+        position_ids = position_ids_from_mask(attention_mask)
+        out = self.policy(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=self.critic is None,
+            use_cache=False,
+        )
+        if self.critic is None:
+            hidden = out.hidden_states[-1]
+        else:
+            hidden = self.critic(
+                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                use_cache=False,
+            ).last_hidden_state
+        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        return out.logits, values
+
+    def save(self, folder: str | Path, tokenizer=None) -> None:
+        """Write ``save_pretrained`` folders (safetensors) plus the value head, into ``folder``."""
+        from safetensors.torch import save_file
+
+        folder = Path(folder)
+        self.policy.save_pretrained(folder, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
+        save_file({k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
+                  str(folder / VALUE_HEAD_FILE))
+        if self.critic is not None:
+            self.critic.save_pretrained(folder / CRITIC_DIR, safe_serialization=True)
+
+
+def load_actor_critic(
+    path: str | Path,
+    critic: str = "shared",
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> ActorCritic:
+    """Policy (and critic) from a folder; the value head is loaded when the folder has one and
+    initialised to zero otherwise (so the first values are 0, not noise)."""
+    from safetensors.torch import load_file
+    from transformers import AutoModel
+
+    folder = check_model_folder(path, "policy")
+    policy = load_causal_lm(folder, "policy", trust_remote_code, dtype)
+    hidden = _hidden_size(policy.config)
+    critic_trunk = None
+    if critic == "separate":
+        critic_folder = folder / CRITIC_DIR if (folder / CRITIC_DIR).is_dir() else folder
+        critic_trunk = AutoModel.from_pretrained(
+            critic_folder, dtype=dtype, trust_remote_code=trust_remote_code
+        ).eval()
+        hidden = _hidden_size(critic_trunk.config)
+    value_head = nn.Linear(hidden, 1, dtype=torch.float32)
+    head_file = folder / VALUE_HEAD_FILE
+    if head_file.is_file():
+        state = load_file(str(head_file))
+        if state["weight"].shape != value_head.weight.shape:
+            raise ModelFolderError(
+                f"{head_file} holds a value head of shape {tuple(state['weight'].shape)}, the "
+                f"model needs {tuple(value_head.weight.shape)}"
+            )
+        value_head.load_state_dict(state)
+    else:
+        nn.init.zeros_(value_head.weight)
+        nn.init.zeros_(value_head.bias)
+    return ActorCritic(policy, value_head, critic_trunk).eval()
+
+
+def _hidden_size(config) -> int:
+    for name in ("hidden_size", "n_embd", "d_model"):
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    raise ModelFolderError(f"cannot tell the hidden size of a {type(config).__name__}")
+
+
+@dataclass
+class ScoredBatch:
+    """Logprobs (and values) of response tokens: each ``[B, T]``."""
+
+    logprobs: Tensor
+    values: Tensor | None
+    entropy: Tensor | None
+
+
+def score_sequences(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    temperature: float = 1.0,
+    with_values: bool = True,
+    with_entropy: bool = False,
+) -> ScoredBatch:
+    """One forward pass over ``[prompt; response]`` giving the response tokens' logprobs.
+
+    Args:
+        model: an :class:`ActorCritic` (values too) or a plain causal LM (logprobs only).
+        prompt_ids, prompt_mask: ``[B, P]``, left-padded.
+        response_ids, response_mask: ``[B, T]``; positions after EOS are masked.
+        temperature: the sampling temperature, so the logprobs describe the sampled distribution.
+
+    Returns:
+        :class:`ScoredBatch` with ``[B, T]`` tensors aligned with ``response_ids``.
+    """
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    prompt_len = prompt_ids.shape[1]
+    length = response_ids.shape[1]
+    if isinstance(model, ActorCritic) or _unwrap(model).__class__ is ActorCritic:
+        logits, values = model(input_ids, attention_mask)
+    else:
+        logits = model(
+            input_ids=input_ids, attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+        ).logits
+        values = None
+    # logits at position t predict token t + 1
+    response_logits = logits[:, prompt_len - 1 : prompt_len - 1 + length]
+    logprobs = logprobs_from_logits(response_logits, response_ids, temperature)
+    entropy = None
+    if with_entropy:
+        from ppo_core.math.losses import entropy_from_logits
+
+        entropy = entropy_from_logits(response_logits, temperature)
+    if values is not None and with_values:
+        values = values[:, prompt_len - 1 : prompt_len - 1 + length].float()
+    else:
+        values = None
+    return ScoredBatch(logprobs=logprobs, values=values, entropy=entropy)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    return getattr(model, "module", model)
+
+
+def read_json(path: Path) -> dict:
+    return json.loads(path.read_text())

@@ -1,0 +1,113 @@
+"""Turning ``model.reward`` into a reward function (layer 2).
+
+A reward function maps ``(prompts, responses)`` (lists of strings of equal length) to a float32
+tensor ``[B]``. Three sources:
+
+- ``builtin:sentiment``: the VADER scorer of :mod:`ppo_core.modeling.rewards`.
+- ``module:function``: a Python callable you name. **This imports and runs your code**; it is the
+  only option that imports code named by configuration. The module must be importable (on
+  ``PYTHONPATH`` or installed).
+- a local folder of a Hugging Face sequence-classification model: the score is the logit of a
+  one-label model, or the log-odds of the last label against the first for a two-label one.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = ["RewardError", "build_reward_fn"]
+
+RewardFn = Callable[[list[str], list[str]], Tensor]
+
+
+class RewardError(ValueError):
+    """The reward source is unknown, cannot be loaded, or returned something unusable."""
+
+
+def build_reward_fn(spec: str, device: torch.device | str = "cpu",
+                    trust_remote_code: bool = False) -> RewardFn:
+    """The reward function described by ``spec`` (see the module docstring)."""
+    if spec == "builtin:sentiment":
+        from ppo_core.modeling.rewards import SentimentScorer
+
+        return _checked(SentimentScorer(), spec)
+    if spec.startswith("builtin:"):
+        raise RewardError(f"unknown built-in reward {spec!r}; the built-in one is builtin:sentiment")
+    if Path(spec).is_dir():
+        return _checked(_RewardModel(spec, device, trust_remote_code), spec)
+    if ":" in spec:
+        module_name, _, function_name = spec.partition(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise RewardError(f"model.reward={spec!r}: cannot import module {module_name!r} ({exc})") from None
+        function = getattr(module, function_name, None)
+        if not callable(function):
+            raise RewardError(f"model.reward={spec!r}: {module_name} has no callable {function_name!r}")
+        return _checked(function, spec)
+    raise RewardError(
+        f"model.reward={spec!r} is neither builtin:sentiment, a module:function, nor an existing "
+        "folder of a sequence-classification model"
+    )
+
+
+def _checked(function: RewardFn, name: str) -> RewardFn:
+    """Wrap a reward function so that errors and bad outputs name it."""
+
+    def reward(prompts: list[str], responses: list[str]) -> Tensor:
+        try:
+            raw = function(prompts, responses)
+        except Exception as exc:
+            raise RewardError(f"the reward {name!r} raised {type(exc).__name__}: {exc}") from exc
+        try:
+            scores = torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
+        except (TypeError, ValueError, RuntimeError) as exc:
+            raise RewardError(
+                f"the reward {name!r} returned {type(raw).__name__}, not a sequence of numbers ({exc})"
+            ) from None
+        if scores.shape != (len(prompts),):
+            raise RewardError(
+                f"the reward {name!r} returned shape {tuple(scores.shape)} for {len(prompts)} "
+                "responses; it must return one number per response"
+            )
+        if not torch.isfinite(scores).all():
+            bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+            raise RewardError(f"the reward {name!r} returned NaN or inf for responses {bad[:5]}")
+        return scores
+
+    return reward
+
+
+class _RewardModel:
+    """A sequence-classification reward model from a local folder."""
+
+    def __init__(self, folder: str, device: torch.device | str, trust_remote_code: bool):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        from ppo_core.modeling.policy import check_model_folder
+
+        path = check_model_folder(folder, "reward model")
+        self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        self.tokenizer.padding_side = "right"
+        if self.tokenizer.pad_token is None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.model = AutoModelForSequenceClassification.from_pretrained(
+            path, trust_remote_code=trust_remote_code
+        ).to(device).eval()
+        if self.model.config.pad_token_id is None:
+            self.model.config.pad_token_id = self.tokenizer.pad_token_id
+        self.device = device
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
+        texts = [p + r for p, r in zip(prompts, responses, strict=True)]
+        encoded = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
+        logits = self.model(**{k: v.to(self.device) for k, v in encoded.items()}).logits.float()
+        if logits.shape[-1] == 1:
+            return logits[:, 0].cpu()
+        return (logits[:, -1] - logits[:, 0]).cpu()

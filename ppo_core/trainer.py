@@ -1,0 +1,462 @@
+"""The PPO loop (layer 3): rollout -> scores -> rewards with KL -> GAE -> epochs of exact updates.
+
+Each iteration follows Ziegler et al. (2019) and Stiennon et al. (2020) as in the classic TRL
+sentiment example, with the exact micro-batch accumulation of DESIGN.md section 4. Randomness is
+seeded per iteration from ``(seed, iteration)``, so a run resumed from a checkpoint draws the same
+prompts, samples and shuffles as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from ppo_core.config import Config, save_config, to_yaml
+from ppo_core.math.accumulation import accumulate_gradients
+from ppo_core.math.batching import micro_batch_slices, minibatch_indices
+from ppo_core.math.gae import compute_gae, whiten_advantages
+from ppo_core.math.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_rewards
+from ppo_core.math.losses import aggregate_loss, count_units, policy_loss, value_loss
+from ppo_core.math.masked import masked_mean, masked_sum
+from ppo_core.math.running_mean import RunningMean
+from ppo_core.modeling.checkpoint import (
+    atomic_folder,
+    latest_checkpoint,
+    load_checkpoint_state,
+    save_checkpoint,
+)
+from ppo_core.modeling.data import load_prompts, read_manifest_hash
+from ppo_core.modeling.generation import decode_responses, generate_responses
+from ppo_core.modeling.policy import (
+    ActorCritic,
+    load_actor_critic,
+    load_causal_lm,
+    load_tokenizer,
+    score_sequences,
+)
+
+__all__ = [
+    "MetricsLogger",
+    "RolloutBatch",
+    "TrainSummary",
+    "collect_rollout",
+    "ppo_update",
+    "resolve_device",
+    "train",
+]
+
+
+class MetricsLogger(Protocol):
+    """Receives the metrics of every iteration (DVCLive, console, a list in a test)."""
+
+    def log(self, iteration: int, metrics: dict[str, float]) -> None: ...
+
+
+class NonFiniteError(FloatingPointError):
+    """A NaN or inf reached a reward, a loss or a gradient; the update was not applied."""
+
+
+@dataclass
+class RolloutBatch:
+    """One iteration's experience. Token fields are ``[B, T]``, ``scores`` is ``[B]``."""
+
+    prompt_ids: Tensor  # [B, P] left-padded
+    prompt_mask: Tensor  # [B, P]
+    response_ids: Tensor  # [B, T]
+    response_mask: Tensor  # [B, T] real response tokens, first EOS included
+    old_logprobs: Tensor  # [B, T] sampling policy
+    ref_logprobs: Tensor  # [B, T] frozen reference
+    old_values: Tensor  # [B, T] critic at rollout time
+    scores: Tensor  # [B] sequence scores (after the missing-EOS penalty)
+    rewards: Tensor  # [B, T] -beta * kl + score on the last token
+    advantages: Tensor  # [B, T] whitened once per rollout batch
+    returns: Tensor  # [B, T]
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    def rows(self, index: Tensor | slice) -> RolloutBatch:
+        return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+
+@dataclass
+class TrainSummary:
+    """What a finished run produced."""
+
+    output_dir: Path
+    iterations: int
+    resumed_from: int
+    final_metrics: dict[str, float]
+    history: list[dict[str, float]]
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` -> CUDA when available, else CPU; ``cuda`` without a GPU is an error."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but torch sees no CUDA device; use device=auto or cpu")
+    return torch.device(name)
+
+
+def autocast_context(device: torch.device, precision: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """Factory of the autocast context for forward passes (bf16 when asked, else nothing)."""
+    if precision == "bf16":
+        return lambda: torch.autocast(device.type, dtype=torch.bfloat16)
+    return contextlib.nullcontext
+
+
+def iteration_seed(seed: int, iteration: int, stream: int) -> int:
+    """A distinct, reproducible seed for each (run seed, iteration, random stream)."""
+    return (seed * 1_000_003 + iteration * 7_919 + stream * 104_729) % (2**63 - 1)
+
+
+@torch.no_grad()
+def collect_rollout(
+    actor_critic: ActorCritic,
+    reference: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    reward_fn: Callable[[list[str], list[str]], Tensor],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    kl_estimator: str,
+    kl_coef: float,
+    gamma: float,
+    lam: float,
+    whiten: bool,
+    missing_eos_penalty: float | None,
+    forward_batch_size: int,
+    device: torch.device,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> tuple[RolloutBatch, dict[str, float], list[str]]:
+    """Generate, score and turn one batch of prompts into advantages and returns."""
+    with autocast():
+        generated = generate_responses(
+            actor_critic.policy, tokenizer, prompts, max_new_tokens=max_new_tokens,
+            temperature=temperature, top_k=top_k, top_p=top_p, device=device,
+        )
+    old_logprobs, ref_logprobs, old_values = [], [], []
+    for chunk in micro_batch_slices(len(prompts), forward_batch_size):
+        args = (generated.prompt_ids[chunk], generated.prompt_mask[chunk],
+                generated.response_ids[chunk], generated.response_mask[chunk])
+        with autocast():
+            policy_out = score_sequences(actor_critic, *args, temperature=temperature)
+            ref_out = score_sequences(reference, *args, temperature=temperature, with_values=False)
+        old_logprobs.append(policy_out.logprobs)
+        old_values.append(policy_out.values)
+        ref_logprobs.append(ref_out.logprobs)
+    old_logprobs_t = torch.cat(old_logprobs)
+    ref_logprobs_t = torch.cat(ref_logprobs)
+    old_values_t = torch.cat(old_values)
+    mask = generated.response_mask
+
+    responses = decode_responses(tokenizer, generated.response_ids, mask)
+    scores = torch.as_tensor(reward_fn(prompts, responses), dtype=torch.float32).to(device)
+    if scores.shape != (len(prompts),):
+        raise ValueError(
+            f"the reward returned shape {tuple(scores.shape)} for {len(prompts)} responses; it must "
+            "return one number per response"
+        )
+    if not torch.isfinite(scores).all():
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        raise NonFiniteError(f"the reward returned non-finite scores for responses {bad[:5]}")
+    raw_scores = scores
+    if missing_eos_penalty is not None:
+        scores = torch.where(generated.has_eos, scores, scores - missing_eos_penalty)
+
+    kl = kl_penalty(old_logprobs_t, ref_logprobs_t, kl_estimator, mask)
+    rewards = token_rewards(scores, kl, mask, kl_coef)
+    advantages, returns = compute_gae(rewards, old_values_t, mask, gamma, lam)
+    if whiten:
+        advantages = whiten_advantages(advantages, mask)
+
+    batch = RolloutBatch(
+        prompt_ids=generated.prompt_ids, prompt_mask=generated.prompt_mask,
+        response_ids=generated.response_ids, response_mask=mask,
+        old_logprobs=old_logprobs_t, ref_logprobs=ref_logprobs_t, old_values=old_values_t,
+        scores=scores, rewards=rewards, advantages=advantages, returns=returns,
+    )
+    sequence_kl = masked_sum(kl, mask, dim=1)
+    metrics = {
+        "rollout/score": raw_scores.mean().item(),
+        "rollout/score_std": raw_scores.std().item() if len(prompts) > 1 else 0.0,
+        "rollout/positive_rate": (raw_scores > 0.05).float().mean().item(),
+        "rollout/kl": sequence_kl.mean().item(),
+        "rollout/reward": masked_sum(rewards, mask, dim=1).mean().item(),
+        "rollout/response_length": mask.sum(dim=1).float().mean().item(),
+        "rollout/eos_rate": generated.has_eos.float().mean().item(),
+        "rollout/value_mean": masked_mean(old_values_t, mask).item(),
+        "rollout/kl_coef": float(kl_coef),
+    }
+    return batch, metrics, responses
+
+
+def ppo_update(
+    actor_critic: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    batch: RolloutBatch,
+    *,
+    epochs: int,
+    mini_batch_size: int,
+    micro_batch_size: int,
+    clip_eps: float,
+    clip_eps_high: float | None,
+    dual_clip: float | None,
+    clip_eps_value: float | None,
+    vf_coef: float,
+    entropy_coef: float,
+    loss_agg_mode: str,
+    max_grad_norm: float | None,
+    target_kl: float | None,
+    temperature: float,
+    generator: torch.Generator,
+    drop_last: bool = False,
+    group: object | None = None,
+    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+) -> dict[str, float]:
+    """``epochs`` passes over shuffled mini-batches; one optimizer step per mini-batch, each the
+    exact gradient of the mini-batch objective accumulated over micro-batches."""
+    parameters = [p for p in actor_critic.parameters() if p.requires_grad]
+    no_sync = getattr(actor_critic, "no_sync", None)
+    totals: dict[str, RunningMean] = {}
+    steps = 0
+    early_stopped = 0.0
+
+    def loss_fn(mb: RolloutBatch):
+        with autocast():
+            out = score_sequences(
+                actor_critic, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                temperature=temperature, with_entropy=True,
+            )
+        mask = mb.response_mask
+        pg = policy_loss(out.logprobs, mb.old_logprobs, mb.advantages, mask, clip_eps,
+                         clip_eps_high, dual_clip)
+        vf = value_loss(out.values, mb.old_values, mb.returns, mask, clip_eps_value)
+        token_losses = pg.token_losses + vf_coef * vf.token_losses
+        entropy = out.entropy if entropy_coef > 0 else out.entropy.detach()
+        if entropy_coef > 0:
+            token_losses = token_losses - entropy_coef * entropy
+        parts = aggregate_loss(token_losses, mask, loss_agg_mode)
+        stats = {
+            "ppo/policy_loss": RunningMean.from_masked(pg.token_losses.detach(), mask),
+            "ppo/value_loss": RunningMean.from_masked(vf.token_losses.detach(), mask),
+            "ppo/approx_kl": pg.approx_kl,
+            "ppo/clipfrac": pg.clipfrac,
+            "ppo/ratio": pg.ratio,
+            "ppo/vf_clipfrac": vf.clipfrac,
+            "ppo/entropy": RunningMean.from_masked(entropy.detach(), mask),
+        }
+        if dual_clip is not None:
+            stats["ppo/dual_clipfrac"] = pg.dual_clipfrac
+        return parts, stats
+
+    for _epoch in range(epochs):
+        for indices in minibatch_indices(len(batch), mini_batch_size, generator, drop_last=drop_last):
+            mini = batch.rows(indices.to(batch.response_ids.device))
+            micro_batches = [mini.rows(s) for s in micro_batch_slices(len(mini), micro_batch_size)]
+            optimizer.zero_grad(set_to_none=True)
+            result = accumulate_gradients(
+                micro_batches, loss_fn,
+                count_fn=lambda mb: count_units(mb.response_mask, loss_agg_mode),
+                group=group, no_sync=no_sync,
+            )
+            grad_norm = _clip_and_check(parameters, max_grad_norm)
+            optimizer.step()
+            steps += 1
+            stats = {name: value.all_reduce(group) for name, value in result.stats.items()}
+            stats["ppo/loss"] = result.loss.all_reduce(group)
+            stats["ppo/grad_norm"] = RunningMean.of(grad_norm, 1)
+            for name, value in stats.items():
+                totals[name] = totals[name].merge(value) if name in totals else value
+            if target_kl is not None and stats["ppo/approx_kl"].item() > target_kl:
+                early_stopped = 1.0
+                break
+        if early_stopped:
+            break
+    optimizer.zero_grad(set_to_none=True)
+    metrics = {name: value.item() for name, value in totals.items()}
+    metrics["ppo/optimizer_steps"] = float(steps)
+    metrics["ppo/early_stopped"] = early_stopped
+    return metrics
+
+
+def _clip_and_check(parameters: Sequence[torch.nn.Parameter], max_grad_norm: float | None) -> float:
+    """Clip the global gradient norm; refuse to step on a non-finite gradient."""
+    limit = max_grad_norm if max_grad_norm is not None else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(parameters, limit)
+    if not torch.isfinite(norm):
+        raise NonFiniteError(
+            f"the gradient norm is {norm.item()}: a NaN or inf reached the loss or the gradient; "
+            "the optimizer step was not taken"
+        )
+    return float(norm)
+
+
+def build_optimizer(parameters: Iterable[torch.nn.Parameter], *, name: str, lr: float,
+                    weight_decay: float, betas: Sequence[float], eps: float,
+                    momentum: float) -> torch.optim.Optimizer:
+    params = [p for p in parameters if p.requires_grad]
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, weight_decay=weight_decay,
+                                 betas=(betas[0], betas[1]), eps=eps)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    raise ValueError(f"unknown optimizer {name!r}; choose adamw or sgd")
+
+
+def build_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup: int, total: int):
+    def factor(iteration: int) -> float:
+        warm = min(1.0, (iteration + 1) / warmup) if warmup > 0 else 1.0
+        if kind == "linear":
+            return warm * max(0.0, 1.0 - iteration / max(total, 1))
+        return warm
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def build_reward(config: Config, device: torch.device) -> Callable[[list[str], list[str]], Tensor]:
+    from ppo_core.modeling.reward_loading import build_reward_fn
+
+    return build_reward_fn(config.model.reward, device=device,
+                           trust_remote_code=config.model.trust_remote_code)
+
+
+def train(config: Config, loggers: Sequence[MetricsLogger] = (),
+          on_samples: Callable[[int, list[str], list[str]], None] | None = None) -> TrainSummary:
+    """Run ``config.train.iterations`` PPO iterations, resuming from the newest checkpoint.
+
+    Writes checkpoints to ``train.checkpoint_dir`` and the final policy, with its config and
+    lineage, to ``train.output_dir`` (atomically; a failed run leaves the previous one in place).
+    """
+    # 0. Setup: numerics, data, models, optimizer.
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    device = resolve_device(config.device)
+    autocast = autocast_context(device, config.precision)
+    trust = config.model.trust_remote_code
+    train_prompts = load_prompts(config.data.train_file, config.data.prompt_field)
+    tokenizer = load_tokenizer(config.model.policy, trust)
+    checkpoint = latest_checkpoint(config.train.checkpoint_dir) if config.train.resume else None
+    loaded = load_checkpoint_state(checkpoint) if checkpoint is not None else None
+    start_folder = loaded["model_dir"] if loaded else config.model.policy
+    torch.manual_seed(config.seed)
+    actor_critic = load_actor_critic(start_folder, config.model.critic, trust).to(device)
+    reference = load_causal_lm(config.model.reference or config.model.policy, "reference", trust)
+    reference.requires_grad_(False)
+    reference.to(device)
+    reward_fn = build_reward(config, device)
+    optim = config.optim
+    optimizer = build_optimizer(actor_critic.parameters(), name=optim.name, lr=optim.lr,
+                                weight_decay=optim.weight_decay, betas=optim.betas,
+                                eps=optim.eps, momentum=optim.momentum)
+    scheduler = build_scheduler(optimizer, kind=optim.scheduler, warmup=optim.warmup_iterations,
+                                total=config.train.iterations)
+    kl_cfg = config.kl
+    controller: FixedKLController | AdaptiveKLController = (
+        AdaptiveKLController(kl_cfg.coef, kl_cfg.target, kl_cfg.horizon)
+        if kl_cfg.adaptive else FixedKLController(kl_cfg.coef)
+    )
+    start_iteration = 0
+    history: list[dict[str, float]] = []
+    if loaded:
+        optimizer.load_state_dict(loaded["optimizer"])
+        if loaded["scheduler"] is not None:
+            scheduler.load_state_dict(loaded["scheduler"])
+        start_iteration = int(loaded["state"]["iteration"])
+        controller.value = float(loaded["state"]["kl_coef"])
+        history = list(loaded["state"].get("history", []))
+        for past in history:  # loggers see the whole run, not only its resumed part
+            for logger in loggers:
+                logger.log(int(past["iteration"]), {k: v for k, v in past.items() if k != "iteration"})
+    data_hash = read_manifest_hash(config.data.train_file)
+    ppo, gen = config.ppo, config.generation
+
+    def lineage() -> dict[str, Any]:
+        return {"data_hash": data_hash, "train_file": config.data.train_file,
+                "base_model": str(config.model.policy), "config": to_yaml(config)}
+
+    def write_checkpoint(iteration: int) -> None:
+        save_checkpoint(
+            config.train.checkpoint_dir, iteration,
+            lambda folder: actor_critic.save(folder, tokenizer), optimizer, scheduler,
+            {"kl_coef": controller.value, "history": history, **lineage()},
+            keep=config.train.keep_checkpoints,
+        )
+
+    metrics: dict[str, float] = history[-1] if history else {}
+    for iteration in range(start_iteration, config.train.iterations):
+        started = time.perf_counter()
+        # 1. Draw this iteration's prompts.
+        draw = torch.Generator().manual_seed(iteration_seed(config.seed, iteration, 0))
+        picks = torch.randint(len(train_prompts), (ppo.rollout_batch_size,), generator=draw)
+        prompts = [train_prompts[i] for i in picks.tolist()]
+        # 2. Rollout: sample responses, score them, per-token rewards with KL, GAE.
+        torch.manual_seed(iteration_seed(config.seed, iteration, 1))
+        batch, metrics, responses = collect_rollout(
+            actor_critic, reference, tokenizer, prompts, reward_fn,
+            max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
+            top_p=gen.top_p, kl_estimator=kl_cfg.estimator, kl_coef=controller.value,
+            gamma=ppo.gamma, lam=ppo.lam, whiten=ppo.whiten_advantages,
+            missing_eos_penalty=ppo.missing_eos_penalty, forward_batch_size=ppo.micro_batch_size,
+            device=device, autocast=autocast,
+        )
+        rollout_done = time.perf_counter()
+        # 3. PPO epochs over shuffled mini-batches with exact micro-batch accumulation.
+        shuffle = torch.Generator().manual_seed(iteration_seed(config.seed, iteration, 2))
+        metrics.update(ppo_update(
+            actor_critic, optimizer, batch, epochs=ppo.epochs, mini_batch_size=ppo.mini_batch_size,
+            micro_batch_size=ppo.micro_batch_size, clip_eps=ppo.clip_eps,
+            clip_eps_high=ppo.clip_eps_high, dual_clip=ppo.dual_clip,
+            clip_eps_value=ppo.clip_eps_value, vf_coef=ppo.vf_coef,
+            entropy_coef=ppo.entropy_coef, loss_agg_mode=ppo.loss_agg_mode,
+            max_grad_norm=ppo.max_grad_norm, target_kl=ppo.target_kl,
+            temperature=gen.temperature, generator=shuffle, drop_last=ppo.drop_last,
+            autocast=autocast,
+        ))
+        # 4. Adapt the KL coefficient and the learning rate.
+        controller.update(metrics["rollout/kl"], len(batch))
+        metrics["optim/lr"] = scheduler.get_last_lr()[0]
+        scheduler.step()
+        finished = time.perf_counter()
+        tokens = float(batch.response_mask.sum())
+        metrics.update({
+            "perf/rollout_s": rollout_done - started,
+            "perf/update_s": finished - rollout_done,
+            "perf/iteration_s": finished - started,
+            "perf/tokens_per_s": tokens / max(finished - started, 1e-9),
+        })
+        history.append({"iteration": float(iteration + 1), **metrics})
+        for logger in loggers:
+            logger.log(iteration + 1, metrics)
+        if on_samples is not None:
+            on_samples(iteration + 1, prompts[:4], responses[:4])
+        # 5. Checkpoint every N iterations and at the end.
+        last = iteration + 1 == config.train.iterations
+        if (iteration + 1) % config.train.checkpoint_every == 0 or last:
+            write_checkpoint(iteration + 1)
+
+    def write_output(folder: Path) -> None:
+        actor_critic.save(folder, tokenizer)
+        save_config(config, folder / "ppo_config.yaml")
+        (folder / "training_summary.json").write_text(json.dumps({
+            "iterations": config.train.iterations, "final_metrics": metrics,
+            "data_hash": data_hash, "train_file": config.data.train_file,
+            "base_model": str(config.model.policy), "seed": config.seed,
+        }, indent=1))
+
+    output_dir = atomic_folder(config.train.output_dir, write_output)
+    return TrainSummary(output_dir=output_dir, iterations=config.train.iterations,
+                        resumed_from=start_iteration, final_metrics=metrics, history=history)
+
