@@ -22,7 +22,11 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/python bench/exactness.py
+	$(BIN)/ppo prepare
+	$(BIN)/ppo base
+	$(BIN)/ppo train
+	$(BIN)/ppo evaluate
+	@echo "report: reports/eval/report.md  metrics: reports/eval/metrics.json, reports/train/  model: models/candidate/"
 
 lint: $(STAMP)
 	$(BIN)/ruff check .

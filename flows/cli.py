@@ -18,7 +18,8 @@ app = typer.Typer(
     name="ppo",
     help=(
         "PPO retraining pipeline for causal language models.\n\n"
-        "Stages: base (import or build the starting model), train (PPO), evaluate "
+        "Stages: prepare (version the prompt data), base (import or build the starting model), "
+        "train (PPO), evaluate "
         "(candidate vs baseline). Every command takes --config FILE and key=value overrides; "
         "`ppo config` lists all keys."
     ),
@@ -68,6 +69,26 @@ def show_config(config: ConfigOption = None, overrides: Overrides = None) -> Non
 
     cfg = _run(lambda: _load(config, overrides))
     sys.stdout.write(to_yaml(cfg))
+
+
+@app.command()
+def prepare(config: ConfigOption = None, overrides: Overrides = None) -> None:
+    """Clean, deduplicate and split data.raw_dir into data.prepared_dir (train/eval parquet and a
+    manifest with the content hash). Malformed lines fail the stage with file and line."""
+    from flows import stages
+
+    cfg = _run(lambda: _load(config, overrides))
+    path = _run(lambda: stages.prepare(cfg))
+    manifest = (path / "manifest.json").read_text()
+    import json
+
+    info = json.loads(manifest)
+    c = info["counts"]
+    console.print(
+        f"prepared {c['train']} train / {c['eval']} eval prompts from {c['raw']} raw rows "
+        f"({c['duplicates']} duplicates, {c['empty']} empty dropped) in [bold]{path}[/]; "
+        f"data version {info['content_hash'][:12]}"
+    )
 
 
 @app.command()

@@ -6,12 +6,85 @@ and writes files only, and writes its outputs atomically.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 import time
 from pathlib import Path
 
 from ppo_core.config import Config
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def _in_eval_split(prompt: str, seed: int, fraction: float) -> bool:
+    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def prepare(config: Config) -> Path:
+    """Clean, deduplicate and split the raw prompts into a versioned train/eval set.
+
+    Reads every ``*.jsonl`` / ``*.parquet`` in ``data.raw_dir`` (sorted by name), strips and
+    normalises whitespace, drops empty prompts and duplicates (first occurrence wins), splits by a
+    hash of each prompt, and writes ``train.parquet``, ``eval.parquet`` and ``manifest.json``
+    (content hash, counts, source files with their hashes) into ``data.prepared_dir``, atomically.
+    A malformed line fails the stage naming its file and line; nothing is written then.
+    """
+    import pandas as pd
+
+    from ppo_core.modeling.checkpoint import atomic_folder, file_sha256
+    from ppo_core.modeling.data import PromptFileError, load_prompts
+
+    data = config.data
+    raw_dir = Path(data.raw_dir)
+    sources = sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
+    if not sources:
+        raise PromptFileError(f"no .jsonl or .parquet prompt files in {str(raw_dir)!r}")
+    seen: set[str] = set()
+    prompts: list[str] = []
+    counts = {"raw": 0, "empty": 0, "duplicates": 0}
+    source_info = []
+    for source in sources:
+        rows = load_prompts(source, data.prompt_field, allow_empty=True)
+        source_info.append({"file": str(source), "sha256": file_sha256(source), "rows": len(rows)})
+        for raw in rows:
+            counts["raw"] += 1
+            prompt = _normalise(raw)
+            if not prompt:
+                counts["empty"] += 1
+            elif prompt in seen:
+                counts["duplicates"] += 1
+            else:
+                seen.add(prompt)
+                prompts.append(prompt)
+    evals = [p for p in prompts if _in_eval_split(p, data.split_seed, data.eval_fraction)]
+    trains = [p for p in prompts if not _in_eval_split(p, data.split_seed, data.eval_fraction)]
+    if not trains or not evals:
+        raise PromptFileError(
+            f"{len(prompts)} distinct prompts give {len(trains)} train and {len(evals)} eval "
+            f"prompts with data.eval_fraction={data.eval_fraction}; both splits need prompts"
+        )
+    content = hashlib.sha256()
+    for split, items in (("train", trains), ("eval", evals)):
+        for prompt in items:
+            content.update(f"{split}\x00{prompt}\n".encode())
+    manifest = {
+        "content_hash": content.hexdigest(),
+        "counts": {**counts, "train": len(trains), "eval": len(evals)},
+        "eval_fraction": data.eval_fraction,
+        "split_seed": data.split_seed,
+        "sources": source_info,
+    }
+
+    def write(tmp: Path) -> None:
+        pd.DataFrame({data.prompt_field: trains}).to_parquet(tmp / "train.parquet", index=False)
+        pd.DataFrame({data.prompt_field: evals}).to_parquet(tmp / "eval.parquet", index=False)
+        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+
+    return atomic_folder(data.prepared_dir, write)
 
 
 def base(config: Config) -> Path:

@@ -61,10 +61,23 @@ class BaseConfig:
 
 @dataclass
 class DataConfig:
-    """Prompt files: JSONL (one object with a ``prompt`` field a line) or Parquet."""
+    """Prompt data: raw files in, a versioned train/eval split out.
 
+    Files are JSONL (one JSON object with a ``prompt`` field a line) or Parquet."""
+
+    raw_dir: str = "data/raw"
+    """Folder of raw prompt files (``*.jsonl``, ``*.parquet``) read by ``ppo prepare``."""
+    prepared_dir: str = "data/prepared"
+    """Where ``ppo prepare`` writes ``train.parquet``, ``eval.parquet`` and ``manifest.json``."""
+    eval_fraction: float = 0.15
+    """Share of prompts held out for evaluation. The split hashes each prompt, so a prompt keeps
+    its side when new raw data arrives."""
+    split_seed: int = 0
+    """Salt of the split hash."""
     train_file: str = "data/prepared/train.parquet"
+    """Prompts the PPO loop samples from."""
     eval_file: str = "data/prepared/eval.parquet"
+    """Held-out prompts for ``ppo evaluate``."""
     prompt_field: str = "prompt"
 
 
@@ -314,6 +327,8 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"ppo.gamma must be in [0, 1], got {ppo.gamma}")
     if not 0.0 <= ppo.lam <= 1.0:
         raise ConfigError(f"ppo.lam must be in [0, 1], got {ppo.lam}")
+    if not 0.0 < config.data.eval_fraction < 1.0:
+        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {config.data.eval_fraction}")
     if not 0.0 < config.generation.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {config.generation.top_p}")
     if len(config.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.optim.betas):

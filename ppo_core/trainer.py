@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import json
 import time
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, fields
 from pathlib import Path
@@ -30,6 +31,7 @@ from ppo_core.math.running_mean import RunningMean
 from ppo_core.modeling.checkpoint import (
     atomic_folder,
     latest_checkpoint,
+    list_checkpoints,
     load_checkpoint_state,
     save_checkpoint,
 )
@@ -37,6 +39,7 @@ from ppo_core.modeling.data import load_prompts, read_manifest_hash
 from ppo_core.modeling.generation import decode_responses, generate_responses
 from ppo_core.modeling.policy import (
     ActorCritic,
+    check_model_folder,
     load_actor_critic,
     load_causal_lm,
     load_tokenizer,
@@ -304,6 +307,46 @@ def _clip_and_check(parameters: Sequence[torch.nn.Parameter], max_grad_norm: flo
     return float(norm)
 
 
+# Keys that may change between a run and its resumption without changing what it computes.
+RESUME_FREE_KEYS = ("train.iterations", "train.checkpoint_every", "train.keep_checkpoints",
+                    "train.log_every", "train.resume", "threads", "eval.")
+
+
+def resume_mismatch(config: Config, state: dict[str, Any], data_hash: str | None) -> str | None:
+    """Why a checkpoint cannot continue this run (another config or data version), or None."""
+    if state.get("data_hash") != data_hash:
+        return f"it was trained on data version {state.get('data_hash')}, this run has {data_hash}"
+    from omegaconf import OmegaConf
+
+    def flat(container: Any, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for key, value in container.items():
+            name = f"{prefix}{key}"
+            out.update(flat(value, f"{name}.") if isinstance(value, dict) else {name: value})
+        return out
+
+    before = flat(OmegaConf.to_container(OmegaConf.create(state.get("config", "{}"))))
+    now = flat(OmegaConf.to_container(OmegaConf.structured(config)))
+    changed = sorted(k for k in before.keys() | now.keys()
+                     if before.get(k) != now.get(k) and not k.startswith(RESUME_FREE_KEYS))
+    if changed:
+        return "its config differs in " + ", ".join(
+            f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:5])
+    if int(state["iteration"]) > config.train.iterations:
+        return f"it is at iteration {state['iteration']}, past train.iterations={config.train.iterations}"
+    return None
+
+
+def set_aside_checkpoints(checkpoint_dir: str | Path) -> Path:
+    """Move the checkpoints of another run out of the way (kept, not deleted)."""
+    folder = Path(checkpoint_dir)
+    stale = folder / f"stale-{time.strftime('%Y%m%d-%H%M%S')}"
+    stale.mkdir(parents=True, exist_ok=True)
+    for path in list_checkpoints(folder):
+        path.rename(stale / path.name)
+    return stale
+
+
 def build_optimizer(parameters: Iterable[torch.nn.Parameter], *, name: str, lr: float,
                     weight_decay: float, betas: Sequence[float], eps: float,
                     momentum: float) -> torch.optim.Optimizer:
@@ -346,10 +389,22 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
     device = resolve_device(config.device)
     autocast = autocast_context(device, config.precision)
     trust = config.model.trust_remote_code
+    # Check every input before writing anything.
+    check_model_folder(config.model.policy, "model.policy")
+    if config.model.reference is not None:
+        check_model_folder(config.model.reference, "model.reference")
     train_prompts = load_prompts(config.data.train_file, config.data.prompt_field)
     tokenizer = load_tokenizer(config.model.policy, trust)
+    data_hash = read_manifest_hash(config.data.train_file)
     checkpoint = latest_checkpoint(config.train.checkpoint_dir) if config.train.resume else None
     loaded = load_checkpoint_state(checkpoint) if checkpoint is not None else None
+    if loaded is not None:
+        reason = resume_mismatch(config, loaded["state"], data_hash)
+        if reason is not None:
+            stale = set_aside_checkpoints(config.train.checkpoint_dir)
+            warnings.warn(f"not resuming from {checkpoint}: {reason}; starting over (the old "
+                          f"checkpoints were moved to {stale})", stacklevel=2)
+            loaded = None
     start_folder = loaded["model_dir"] if loaded else config.model.policy
     torch.manual_seed(config.seed)
     actor_critic = load_actor_critic(start_folder, config.model.critic, trust).to(device)
@@ -380,7 +435,6 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
         for past in history:  # loggers see the whole run, not only its resumed part
             for logger in loggers:
                 logger.log(int(past["iteration"]), {k: v for k, v in past.items() if k != "iteration"})
-    data_hash = read_manifest_hash(config.data.train_file)
     ppo, gen = config.ppo, config.generation
 
     def lineage() -> dict[str, Any]:

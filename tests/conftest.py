@@ -11,3 +11,33 @@ torch.set_num_threads(int(os.environ.get("PPO_TEST_THREADS", "1")))
 
 settings.register_profile("ci", deadline=None, print_blob=True)
 settings.load_profile("ci")
+
+
+import json  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A briefly warm-started tiny default: real GPT-2 and tokenizer, built locally in seconds."""
+    from ppo_core.modeling.tiny_default import build_tiny_default
+
+    folder = tmp_path_factory.mktemp("models") / "base"
+    return build_tiny_default(folder, seed=0, n_sentences=2000, steps=40, num_threads=1)
+
+
+@pytest.fixture(scope="session")
+def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
+    """Train and eval prompt files (JSONL) from the default prompt pool."""
+    from ppo_core.modeling.tiny_default import default_prompts
+
+    folder = tmp_path_factory.mktemp("prompts")
+    prompts = default_prompts(160, seed=0)
+    paths = []
+    for name, chunk in (("train", prompts[:128]), ("eval", prompts[128:])):
+        path = folder / f"{name}.jsonl"
+        path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in chunk))
+        paths.append(path)
+    return paths[0], paths[1]

@@ -12,12 +12,13 @@ class PromptFileError(ValueError):
     """A prompt file is missing, malformed or empty; the message names the file and line."""
 
 
-def load_prompts(path: str | Path, field: str = "prompt") -> list[str]:
+def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = False) -> list[str]:
     """The prompts of a ``.jsonl`` or ``.parquet`` file, in file order.
 
     Raises:
         PromptFileError: missing file, unknown extension, a line that is not a JSON object with a
-            non-empty string ``field`` (named by line number), or no prompt at all.
+            string ``field`` (named by line number), or no prompt at all. Blank prompts are an
+            error too, unless ``allow_empty`` (the prepare stage drops and counts them).
     """
     path = Path(path)
     if not path.is_file():
@@ -32,22 +33,22 @@ def load_prompts(path: str | Path, field: str = "prompt") -> list[str]:
             )
         prompts = []
         for row, value in enumerate(frame[field].tolist()):
-            if not isinstance(value, str) or not value.strip():
+            if not isinstance(value, str) or not (value.strip() or allow_empty):
                 raise PromptFileError(f"{path}: row {row}: {field!r} is not a non-empty string")
             prompts.append(value)
     elif path.suffix in (".jsonl", ".json"):
         prompts = []
         with path.open("rb") as handle:
             for number, raw in enumerate(handle, start=1):
-                prompts.extend(_parse_line(path, number, raw, field))
+                prompts.extend(_parse_line(path, number, raw, field, allow_empty))
     else:
         raise PromptFileError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
-    if not prompts:
+    if not prompts and not allow_empty:
         raise PromptFileError(f"{path}: no prompts")
     return prompts
 
 
-def _parse_line(path: Path, number: int, raw: bytes, field: str) -> list[str]:
+def _parse_line(path: Path, number: int, raw: bytes, field: str, allow_empty: bool) -> list[str]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -61,7 +62,7 @@ def _parse_line(path: Path, number: int, raw: bytes, field: str) -> list[str]:
     if not isinstance(record, dict):
         raise PromptFileError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
     value = record.get(field)
-    if not isinstance(value, str) or not value.strip():
+    if not isinstance(value, str) or not (value.strip() or allow_empty):
         raise PromptFileError(f"{path}:{number}: field {field!r} is missing or not a non-empty string")
     return [value]
 
