@@ -18,10 +18,11 @@ app = typer.Typer(
     name="ppo",
     help=(
         "PPO retraining pipeline for causal language models.\n\n"
-        "Stages: prepare (version the prompt data), base (import or build the starting model), "
-        "train (PPO), evaluate "
-        "(candidate vs baseline). Every command takes --config FILE and key=value overrides; "
-        "`ppo config` lists all keys."
+        "Stages, in order: prepare (clean and split the raw prompts), base (import or build the "
+        "starting model), validate (Great Expectations; publishes the data version), train "
+        "(PPO), evaluate (candidate vs baseline), promote (gate to production). `dvc repro` "
+        "runs them all; so does the Prefect flow (`python -m flows.pipeline`).\n\n"
+        "Every command takes --config FILE and key=value overrides; `ppo config` lists all keys."
     ),
     no_args_is_help=True,
     add_completion=False,
@@ -57,8 +58,8 @@ def _run(action):
     try:
         return action()
     except (ConfigError, PromptFileError, ModelFolderError, RewardError, CheckpointError,
-            FileExistsError) as exc:
-        console.print(f"[bold red]error:[/] {exc}")
+            FileExistsError, FileNotFoundError) as exc:
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(code=2) from None
 
 
@@ -89,6 +90,22 @@ def prepare(config: ConfigOption = None, overrides: Overrides = None) -> None:
         f"({c['duplicates']} duplicates, {c['empty']} empty dropped) in [bold]{path}[/]; "
         f"data version {info['content_hash'][:12]}"
     )
+
+
+@app.command()
+def validate(config: ConfigOption = None, overrides: Overrides = None) -> None:
+    """Check data.interim_dir with Great Expectations; publish it to data.prepared_dir if it
+    passes. Data Docs and summary.json go to validation.report_dir, on failure too."""
+    from flows import stages
+    from flows.validation import DataValidationError
+
+    cfg = _run(lambda: _load(config, overrides))
+    try:
+        path = _run(lambda: stages.validate(cfg))
+    except DataValidationError as exc:
+        console.print(f"[bold red]validation failed:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(code=1) from None
+    console.print(f"data valid; published to [bold]{path}[/] (report in {cfg.validation.report_dir})")
 
 
 @app.command()
@@ -147,6 +164,26 @@ def evaluate(
     for key in next(iter(reports.values())).metrics:
         table.add_row(key, *(f"{r.metrics[key]:.4g}" for r in reports.values()))
     Console().print(table)
+
+
+@app.command()
+def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
+    """Promote the evaluated candidate to production if it passes the gate (promote.*).
+
+    The candidate must beat the baseline's held-out score by promote.min_improvement, stay
+    within promote.max_kl and end responses with EOS often enough. A pass copies it to a new
+    version under promote.production_dir; either way the decision and its lineage go to
+    promote.registry and reports/promotion.json. A rejection exits with code 0.
+    """
+    from flows import stages
+
+    cfg = _run(lambda: _load(config, overrides))
+    entry = _run(lambda: stages.promote(cfg))
+    verdict = (f"[bold green]promoted[/] as {entry['version']}" if entry["decision"] == "promoted"
+               else "[bold yellow]rejected[/]")
+    console.print(f"candidate {verdict}", soft_wrap=True)
+    for reason in entry["reasons"]:
+        console.print(f"  {reason}", soft_wrap=True)
 
 
 def main() -> None:  # pragma: no cover - console script entry

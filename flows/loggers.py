@@ -24,19 +24,23 @@ class DVCLiveLogger:
     describes the whole run."""
 
     def __init__(self, folder: str | Path):
-        from dvclive import Live
-
-        self.live = Live(dir=str(folder), resume=False, save_dvc_exp=False, dvcyaml=None,
-                         report=None)
+        self.folder = Path(folder)
+        self.live = None  # opened at the first metrics, so a run that fails to start keeps the old files
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
+        if self.live is None:
+            from dvclive import Live
+
+            self.live = Live(dir=str(self.folder), resume=False, save_dvc_exp=False, dvcyaml=None,
+                             report=None)
         self.live.step = iteration
         for name, value in metrics.items():
             self.live.log_metric(name, value, plot=True)
         self.live.make_summary()
 
     def close(self) -> None:
-        self.live.end()
+        if self.live is not None:
+            self.live.end()
 
 
 class ConsoleProgress:
@@ -49,13 +53,17 @@ class ConsoleProgress:
             TextColumn("{task.fields[line]}"), console=self.console, transient=False,
         )
         self.task = self.progress.add_task("train", total=total, line="")
-        self.progress.start()
+        self.started = False
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
+        if not self.started:
+            self.progress.start()
+            self.started = True
         line = "  ".join(
             f"{short} {metrics[key]:.3g}" for key, short in HEADLINE.items() if key in metrics
         )
         self.progress.update(self.task, completed=iteration, line=line)
 
     def close(self) -> None:
-        self.progress.stop()
+        if self.started:
+            self.progress.stop()

@@ -30,7 +30,8 @@ def prepare(config: Config) -> Path:
     Reads every ``*.jsonl`` / ``*.parquet`` in ``data.raw_dir`` (sorted by name), strips and
     normalises whitespace, drops empty prompts and duplicates (first occurrence wins), splits by a
     hash of each prompt, and writes ``train.parquet``, ``eval.parquet`` and ``manifest.json``
-    (content hash, counts, source files with their hashes) into ``data.prepared_dir``, atomically.
+    (content hash, counts, source files with their hashes) into ``data.interim_dir``, atomically;
+    ``validate`` publishes it to ``data.prepared_dir``.
     A malformed line fails the stage naming its file and line; nothing is written then.
     """
     import pandas as pd
@@ -84,7 +85,7 @@ def prepare(config: Config) -> Path:
         pd.DataFrame({data.prompt_field: evals}).to_parquet(tmp / "eval.parquet", index=False)
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
-    return atomic_folder(data.prepared_dir, write)
+    return atomic_folder(data.interim_dir, write)
 
 
 def base(config: Config) -> Path:
@@ -128,8 +129,98 @@ def train(config: Config, show_progress: bool = True):
 
 def evaluate(config: Config, candidate: str | None = None, baseline: str | None = None):
     """Evaluate the candidate (default ``train.output_dir``) against a baseline (default
-    ``model.policy``)."""
+    ``eval.baseline``, else the current production version, else ``model.policy``)."""
     from ppo_core.evaluation import evaluate as run_evaluation
 
     return run_evaluation(config, candidate or config.train.output_dir,
-                          baseline if baseline is not None else config.model.policy)
+                          baseline if baseline is not None else _evaluation_baseline(config))
+
+
+def validate(config: Config) -> Path:
+    """Check the candidate data version with Great Expectations and publish it when it passes.
+
+    Reads ``data.interim_dir`` (written by ``prepare``), counts prompt tokens with the policy's
+    tokenizer, runs the suite of :mod:`flows.validation`, writes Data Docs and ``summary.json`` to
+    ``validation.report_dir`` (also on failure), and only then copies the version to
+    ``data.prepared_dir``. A violation raises :class:`flows.validation.DataValidationError` and
+    leaves the previous prepared version as it was.
+    """
+    import pandas as pd
+
+    from flows.validation import DataValidationError, validate_prompt_splits
+    from ppo_core.modeling.checkpoint import atomic_folder
+    from ppo_core.modeling.data import PromptFileError
+    from ppo_core.modeling.policy import load_tokenizer
+
+    interim = Path(config.data.interim_dir)
+    files = {name: interim / f"{name}.parquet" for name in ("train", "eval")}
+    for path in (*files.values(), interim / "manifest.json"):
+        if not path.is_file():
+            raise PromptFileError(f"{path} is missing; run `ppo prepare` first")
+    frames = {name: pd.read_parquet(path) for name, path in files.items()}
+    tokenizer = load_tokenizer(config.model.policy, config.model.trust_remote_code)
+
+    def count_tokens(texts: list[str]) -> list[int]:
+        return [len(ids) for ids in tokenizer(texts)["input_ids"]]
+
+    rules = config.validation
+    result = validate_prompt_splits(
+        frames["train"], frames["eval"], prompt_field=config.data.prompt_field,
+        count_tokens=count_tokens, min_tokens=rules.min_tokens, max_tokens=rules.max_tokens,
+        min_train_rows=rules.min_train_rows, min_eval_rows=rules.min_eval_rows,
+        report_dir=rules.report_dir,
+    )
+    if not result.success:
+        raise DataValidationError(result)
+
+    def publish(tmp: Path) -> None:
+        for name in ("train.parquet", "eval.parquet", "manifest.json"):
+            shutil.copy2(interim / name, tmp / name)
+
+    return atomic_folder(config.data.prepared_dir, publish)
+
+
+def _evaluation_baseline(config: Config) -> str:
+    from ppo_core.registry import current_production
+
+    if config.eval.baseline is not None:
+        return config.eval.baseline
+    production = current_production(config.promote.registry, config.promote.production_dir)
+    return str(production) if production is not None else config.model.policy
+
+
+def promote(config: Config) -> dict:
+    """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
+    candidate as a new production version. Writes ``reports/promotion.json`` either way."""
+    from ppo_core.registry import gate, record_decision
+
+    metrics_file = Path(config.eval.output_dir) / "metrics.json"
+    if not metrics_file.is_file():
+        raise FileNotFoundError(f"{metrics_file} is missing; run `ppo evaluate` first")
+    flat = json.loads(metrics_file.read_text())
+    models_file = metrics_file.with_name("models.json")
+    models = json.loads(models_file.read_text()) if models_file.is_file() else {}
+
+    def side(name: str) -> dict[str, float] | None:
+        values = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(f"{name}/")}
+        return values or None
+
+    candidate = side("candidate")
+    if candidate is None:
+        raise ValueError(f"{metrics_file} has no candidate metrics")
+    rules = config.promote
+    decision = gate(candidate, side("baseline"), min_improvement=rules.min_improvement,
+                    max_kl=rules.max_kl, min_eos_rate=rules.min_eos_rate)
+    summary_file = Path(config.train.output_dir) / "training_summary.json"
+    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    entry = record_decision(
+        registry_path=rules.registry, production_dir=rules.production_dir,
+        candidate_dir=config.train.output_dir, decision=decision,
+        lineage={"data_hash": summary.get("data_hash"), "base_model": summary.get("base_model"),
+                 "seed": summary.get("seed"), "metrics": candidate,
+                 "baseline_metrics": side("baseline"), "baseline": models.get("baseline")},
+    )
+    report = Path("reports") / "promotion.json"
+    report.parent.mkdir(parents=True, exist_ok=True)
+    report.write_text(json.dumps(entry, indent=1))
+    return entry

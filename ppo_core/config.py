@@ -67,8 +67,12 @@ class DataConfig:
 
     raw_dir: str = "data/raw"
     """Folder of raw prompt files (``*.jsonl``, ``*.parquet``) read by ``ppo prepare``."""
+    interim_dir: str = "data/interim"
+    """Where ``ppo prepare`` writes the candidate version (``train.parquet``, ``eval.parquet``,
+    ``manifest.json``) for ``ppo validate`` to check."""
     prepared_dir: str = "data/prepared"
-    """Where ``ppo prepare`` writes ``train.parquet``, ``eval.parquet`` and ``manifest.json``."""
+    """The validated version, published by ``ppo validate`` only when every expectation holds, so
+    a failed validation leaves the previous version in place."""
     eval_fraction: float = 0.15
     """Share of prompts held out for evaluation. The split hashes each prompt, so a prompt keeps
     its side when new raw data arrives."""
@@ -79,6 +83,22 @@ class DataConfig:
     eval_file: str = "data/prepared/eval.parquet"
     """Held-out prompts for ``ppo evaluate``."""
     prompt_field: str = "prompt"
+
+
+@dataclass
+class ValidationConfig:
+    """Great Expectations checks run by ``ppo validate`` on the candidate data version."""
+
+    min_tokens: int = 1
+    """Shortest allowed prompt, in tokens of the policy's tokenizer (BOS included)."""
+    max_tokens: int = 32
+    """Longest allowed prompt; prompt plus ``generation.max_new_tokens`` must fit the model."""
+    min_train_rows: int = 64
+    """Smallest acceptable train split."""
+    min_eval_rows: int = 16
+    """Smallest acceptable eval split."""
+    report_dir: str = "reports/validation"
+    """Where the Data Docs HTML and ``summary.json`` go (written on failure too)."""
 
 
 @dataclass
@@ -130,8 +150,9 @@ class KLConfig:
 
     estimator: str = "k1"
     """``k1``, ``k2``, ``k3`` or ``abs`` (per-token estimate in the reward)."""
-    coef: float = 0.05
-    """Initial (or fixed) coefficient ``beta``."""
+    coef: float = 0.1
+    """Initial (or fixed) coefficient ``beta``. 0.1 holds the tiny default near 2.5 nats per
+    sequence; 0.05 lets it drift past 4 and 0.01 breaks grammar (docs/training.md)."""
     adaptive: bool = False
     """Adapt ``beta`` towards ``target`` (Ziegler et al. 2019)."""
     target: float = 6.0
@@ -146,7 +167,7 @@ class OptimConfig:
 
     name: str = "adamw"
     """``adamw`` or ``sgd``."""
-    lr: float = 3e-4
+    lr: float = 1.5e-4
     weight_decay: float = 0.0
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW betas."""
@@ -175,7 +196,7 @@ class GenerationConfig:
 class TrainConfig:
     """The training run."""
 
-    iterations: int = 60
+    iterations: int = 80
     """PPO iterations (rollout + update)."""
     output_dir: str = "models/candidate"
     """Where the final policy is saved (``save_pretrained`` layout plus the value head)."""
@@ -202,7 +223,36 @@ class EvalConfig:
     """Sampling seed; candidate and baseline use the same one."""
     output_dir: str = "reports/eval"
     num_examples: int = 8
+    baseline: str | None = None
+    """Model folder to compare against; ``None`` uses the current production version when the
+    registry has one, else ``model.policy``."""
     """Sample generations written beside the metrics."""
+
+
+@dataclass
+class PromoteConfig:
+    """The gate between a trained candidate and production (``ppo promote``)."""
+
+    min_improvement: float = 0.02
+    """The candidate's held-out score must beat the baseline's (production, or the base model
+    while there is no production yet) by at least this much."""
+    max_kl: float = 4.0
+    """Largest KL to the reference (nats per sequence) a promoted model may have."""
+    min_eos_rate: float = 0.85
+    """Smallest share of responses that end with EOS."""
+    production_dir: str = "models/production"
+    """Promoted versions live here as ``v0001/``, ``v0002/``, ... (never overwritten)."""
+    registry: str = "models/registry.json"
+    """The model registry: every promotion decision, with lineage; names the current version."""
+
+
+@dataclass
+class ScheduleConfig:
+    """Scheduled retraining (the ``scheduled`` Prefect deployment)."""
+
+    cron: str = "0 3 * * 1"
+    """When to retrain: new raw data is picked up, training starts from the production model."""
+    timezone: str = "UTC"
 
 
 @dataclass
@@ -215,16 +265,20 @@ class Config:
     precision: str = "fp32"
     """``fp32`` or ``bf16`` (autocast on CUDA)."""
     threads: int = 0
-    """CPU threads for torch; 0 keeps torch's default."""
+    """CPU threads for torch; 0 keeps torch's default. Tiny models run as fast on 1 thread, and a
+    process that shares its cores with another slows down many times over with more."""
     model: ModelConfig = field(default_factory=ModelConfig)
     base: BaseConfig = field(default_factory=BaseConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     kl: KLConfig = field(default_factory=KLConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    promote: PromoteConfig = field(default_factory=PromoteConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -295,6 +349,7 @@ def validate_config(config: Config) -> None:
         "generation.temperature": config.generation.temperature,
         "train.iterations": config.train.iterations,
         "base.tiny_steps": config.base.tiny_steps,
+        "validation.max_tokens": config.validation.max_tokens,
         "train.checkpoint_every": config.train.checkpoint_every,
         "train.keep_checkpoints": config.train.keep_checkpoints,
         "train.log_every": config.train.log_every,
@@ -313,6 +368,9 @@ def validate_config(config: Config) -> None:
         "generation.top_k": config.generation.top_k,
         "threads": config.threads,
         "eval.num_examples": config.eval.num_examples,
+        "validation.min_tokens": config.validation.min_tokens,
+        "validation.min_train_rows": config.validation.min_train_rows,
+        "validation.min_eval_rows": config.validation.min_eval_rows,
     }.items():
         _positive(key, value, allow_zero=True)
     for key, value in {"ppo.clip_eps_high": ppo.clip_eps_high,
@@ -327,6 +385,9 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"ppo.gamma must be in [0, 1], got {ppo.gamma}")
     if not 0.0 <= ppo.lam <= 1.0:
         raise ConfigError(f"ppo.lam must be in [0, 1], got {ppo.lam}")
+    if not 0.0 <= config.promote.min_eos_rate <= 1.0:
+        raise ConfigError(f"promote.min_eos_rate must be in [0, 1], got {config.promote.min_eos_rate}")
+    _positive("promote.max_kl", config.promote.max_kl)
     if not 0.0 < config.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {config.data.eval_fraction}")
     if not 0.0 < config.generation.top_p <= 1.0:

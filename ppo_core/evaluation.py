@@ -141,7 +141,8 @@ def evaluate(config: Config, candidate: str | Path, baseline: str | Path | None 
 
 def write_reports(reports: dict[str, ModelReport], folder: Path, config: Config,
                   num_prompts: int) -> None:
-    """``metrics.json`` (flat, for ``dvc metrics``), ``samples.json`` and a Markdown report."""
+    """``metrics.json`` (flat, for ``dvc metrics``), ``models.json`` (which folders were
+    compared), ``samples.json`` and a Markdown report."""
 
     def write(tmp: Path) -> None:
         flat = {f"{name}/{key}": value for name, r in reports.items() for key, value in r.metrics.items()}
@@ -149,6 +150,7 @@ def write_reports(reports: dict[str, ModelReport], folder: Path, config: Config,
             flat["delta/score"] = reports["candidate"].metrics["score"] - reports["baseline"].metrics["score"]
         flat["num_prompts"] = num_prompts
         (tmp / "metrics.json").write_text(json.dumps(flat, indent=1, sort_keys=True))
+        (tmp / "models.json").write_text(json.dumps({n: r.path for n, r in reports.items()}))
         (tmp / "samples.json").write_text(json.dumps(
             {name: r.samples for name, r in reports.items()}, indent=1))
         (tmp / "report.md").write_text(markdown_report(reports, num_prompts, config))
@@ -174,5 +176,6 @@ def markdown_report(reports: dict[str, ModelReport], num_prompts: int, config: C
         lines.append(f"| {key} | " + " | ".join(f"{reports[n].metrics[key]:.4g}" for n in names) + " |")
     for name in names:
         lines += ["", f"## Samples: {name} (`{reports[name].path}`)", ""]
-        lines += [f"- {s['prompt']}**{s['response']}** ({s['score']:+.3f})" for s in reports[name].samples]
+        lines += [f"- {s['prompt']} → **{str(s['response']).strip()}** ({s['score']:+.3f})"
+                  for s in reports[name].samples]
     return "\n".join(lines) + "\n"

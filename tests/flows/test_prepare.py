@@ -10,7 +10,7 @@ from ppo_core.modeling.data import PromptFileError
 
 def config_for(tmp_path, *extra):
     return load_config(overrides=[f"data.raw_dir={tmp_path / 'raw'}",
-                                  f"data.prepared_dir={tmp_path / 'prepared'}",
+                                  f"data.interim_dir={tmp_path / 'prepared'}",
                                   "data.eval_fraction=0.3", *extra])
 
 

@@ -1,0 +1,430 @@
+"""Great Expectations validation of the prepared prompt splits (the `validate` stage's logic).
+
+Each split (train, eval) is its own dataframe asset, expectation suite, validation definition and
+checkpoint in an in-memory (ephemeral) GE context; the only things written to disk are the Data Docs
+site (``report_dir/data_docs/index.html``) and ``report_dir/summary.json``. Nothing is written to
+the working directory, and GE is imported inside the function so ``import flows.validation`` stays
+cheap (DESIGN.md section 7).
+
+The frame GE sees for a split is ``{prompt_field: <the prompts as Python objects>, "n_tokens": int}``:
+``n_tokens`` is derived here with the caller's token counter (-1 where the prompt is null or not a
+string), so the schema expectation asks for exactly those two columns; any other column in the input
+is reported as unexpected. Should the input already hold a column called ``n_tokens``, the derived
+one gets a free name (``n_tokens_``...) so the input's column is still reported. The prompts are
+handed to GE with object dtype so that the string-type check looks at every value, whatever string
+dtype pandas chose.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import pandas as pd
+
+SPLITS = ("train", "eval")
+DOCS_SITE = "prompt_validation"
+EXAMPLE_CHARS = 80
+MAX_EXAMPLES = 3
+
+
+@dataclass
+class FailedExpectation:
+    """One expectation that did not hold on one split."""
+
+    expectation: str  # GE expectation type, e.g. "expect_column_values_to_not_be_null"
+    split: str  # "train" or "eval"
+    column: str | None  # the column checked; None for table-level expectations
+    unexpected_count: int  # rows violating it (0 for table-level expectations)
+    examples: list[str]  # up to 3 offending values, "row <i>: <repr>" for column checks
+    details: str  # one line: what was observed against what was expected
+
+
+@dataclass
+class ValidationResult:
+    """The outcome of `validate_prompt_splits`, with where its reports were written."""
+
+    success: bool
+    failures: list[FailedExpectation]
+    evaluated: int  # number of expectations evaluated, both splits together
+    docs_index: Path  # the Data Docs index.html under report_dir
+    summary_path: Path  # report_dir / "summary.json"
+    splits: dict[str, int] = field(default_factory=dict)  # rows per split, for the summary line
+
+    def describe(self) -> str:
+        """A multi-line summary for people: one line per failed expectation."""
+        rows = ", ".join(f"{name} {count} rows" for name, count in self.splits.items())
+        rows = f" ({rows})" if rows else ""
+        if self.success:
+            return f"Prompt data validation passed: {self.evaluated} expectations{rows}."
+        lines = [
+            f"Prompt data validation failed: {len(self.failures)} of {self.evaluated} "
+            f"expectations{rows}."
+        ]
+        for failure in self.failures:
+            column = f" on '{failure.column}'" if failure.column is not None else ""
+            count = (
+                f", {failure.unexpected_count} row(s)" if failure.unexpected_count else ""
+            )
+            line = f"  - [{failure.split}] {failure.expectation}{column}{count}: {failure.details}"
+            if failure.examples:
+                line += "; e.g. " + " | ".join(failure.examples)
+            lines.append(line)
+        lines.append(f"Full results: {self.summary_path}")
+        return "\n".join(lines)
+
+
+class DataValidationError(ValueError):
+    """The prepared prompt data broke at least one expectation."""
+
+    def __init__(self, result: ValidationResult):
+        self.result = result
+        super().__init__(
+            f"{result.describe()}\n"
+            f"Data Docs: {result.docs_index}\n"
+            "Fix the prompt data (or the validation bounds in the config) and rerun."
+        )
+
+
+def validate_prompt_splits(
+    train: pd.DataFrame,
+    eval: pd.DataFrame,
+    *,
+    prompt_field: str = "prompt",
+    count_tokens: Callable[[list[str]], list[int]],
+    min_tokens: int,
+    max_tokens: int,
+    min_train_rows: int,
+    min_eval_rows: int,
+    report_dir: str | Path,
+) -> ValidationResult:
+    """Validate the train and eval prompt splits with Great Expectations; write Data Docs and a summary.
+
+    Per split: columns are exactly ``[prompt_field, "n_tokens"]``, prompts are non-null unique
+    strings of ``min_tokens..max_tokens`` tokens (``count_tokens``, the policy tokenizer's counter),
+    at least ``min_train_rows`` / ``min_eval_rows`` rows; on eval, no prompt also in train.
+    Never raises on bad data: the result says what failed (raise `DataValidationError` with it).
+    """
+    if min_tokens > max_tokens:
+        raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
+    report_dir = Path(report_dir).resolve()
+    report_dir.mkdir(parents=True, exist_ok=True)
+    docs_dir = report_dir / "data_docs"
+    # A rebuilt site would otherwise keep the pages of earlier runs beside this one's.
+    shutil.rmtree(docs_dir, ignore_errors=True)
+
+    gx = _import_gx()
+    from great_expectations.core.run_identifier import RunIdentifier
+
+    context = _ephemeral_context(gx, docs_dir)
+    source = context.data_sources.add_pandas("prompts")
+    run_id = RunIdentifier(run_name="prompt_validation")  # one run: both splits, one time stamp
+
+    frames = {"train": train, "eval": eval}
+    min_rows = {"train": min_train_rows, "eval": min_eval_rows}
+    train_prompts = _string_values(train[prompt_field]) if prompt_field in train.columns else []
+    split_reports: dict[str, dict[str, Any]] = {}
+    failures: list[FailedExpectation] = []
+    evaluated = 0
+    for split in SPLITS:
+        frame, tokens_column = _frame_for_ge(frames[split], prompt_field, count_tokens, split)
+        expectations = _expectations(
+            gx, prompt_field, tokens_column, min_tokens, max_tokens, min_rows[split],
+            leak_set=train_prompts if split == "eval" else None,
+        )
+        suite = context.suites.add(gx.ExpectationSuite(name=f"prompts_{split}"))
+        for expectation in expectations:
+            suite.add_expectation(expectation)
+        batch = source.add_dataframe_asset(split).add_batch_definition_whole_dataframe(split)
+        definition = context.validation_definitions.add(
+            gx.ValidationDefinition(name=f"prompts_{split}", data=batch, suite=suite)
+        )
+        checkpoint = context.checkpoints.add(
+            gx.Checkpoint(
+                name=f"prompts_{split}",
+                validation_definitions=[definition],
+                actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=[DOCS_SITE])],
+                result_format={"result_format": "SUMMARY"},
+            )
+        )
+        run = checkpoint.run(batch_parameters={"dataframe": frame}, run_id=run_id)
+        (suite_result,) = run.run_results.values()
+        checks = []
+        for outcome in suite_result.results:
+            check = _read_result(outcome.to_json_dict(), split, frame, prompt_field, tokens_column)
+            checks.append(check)
+            if not check["success"]:
+                failures.append(FailedExpectation(**{k: check[k] for k in _FAILURE_FIELDS}))
+        evaluated += len(checks)
+        split_reports[split] = {
+            "rows": len(frame),
+            "columns": [str(c) for c in frames[split].columns],
+            "success": all(check["success"] for check in checks),
+            "n_tokens": _token_stats(frame[tokens_column]),
+            "expectations": checks,
+        }
+
+    docs_index = docs_dir / "index.html"
+    if not docs_index.is_file():
+        raise RuntimeError(f"Great Expectations did not write its Data Docs index at {docs_index}")
+    result = ValidationResult(
+        success=not failures,
+        failures=failures,
+        evaluated=evaluated,
+        docs_index=docs_index,
+        summary_path=report_dir / "summary.json",
+        splits={split: report["rows"] for split, report in split_reports.items()},
+    )
+    summary = {
+        "success": result.success,
+        "evaluated": evaluated,
+        "failed": len(failures),
+        "settings": {
+            "prompt_field": prompt_field,
+            "min_tokens": min_tokens,
+            "max_tokens": max_tokens,
+            "min_train_rows": min_train_rows,
+            "min_eval_rows": min_eval_rows,
+        },
+        "splits": split_reports,
+        "failures": [asdict(failure) for failure in failures],
+        "docs_index": str(docs_index),
+        "great_expectations_version": gx.__version__,
+    }
+    result.summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    return result
+
+
+_FAILURE_FIELDS = ("expectation", "split", "column", "unexpected_count", "examples", "details")
+
+
+def _import_gx():
+    """Import Great Expectations offline and quietly."""
+    # GE would read this when a context starts; the pipeline must never phone home.
+    os.environ["GX_ANALYTICS_ENABLED"] = "false"
+    import great_expectations as gx
+
+    # Its INFO/WARNING chatter (store set-up, docs building) belongs in the reports, not the log.
+    logging.getLogger("great_expectations").setLevel(logging.ERROR)
+    return gx
+
+
+def _ephemeral_context(gx, docs_dir: Path):
+    """An in-memory context whose only Data Docs site writes HTML into ``docs_dir``."""
+    from great_expectations.data_context.types.base import (
+        DataContextConfig,
+        InMemoryStoreBackendDefaults,
+        ProgressBarsConfig,
+    )
+
+    config = DataContextConfig(
+        # init_temp_docs_sites=False: no default site in a temporary folder beside ours.
+        store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False),
+        data_docs_sites={
+            DOCS_SITE: {
+                "class_name": "SiteBuilder",
+                "show_how_to_buttons": False,
+                "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
+                "store_backend": {
+                    "class_name": "TupleFilesystemStoreBackend",
+                    "base_directory": str(docs_dir),
+                },
+            }
+        },
+        analytics_enabled=False,
+        progress_bars=ProgressBarsConfig(globally=False),
+    )
+    return gx.get_context(mode="ephemeral", project_config=config)
+
+
+def _string_values(column: pd.Series) -> list[str]:
+    """The distinct string values of a column, in first-seen order."""
+    return list(dict.fromkeys(value for value in column if isinstance(value, str)))
+
+
+def _frame_for_ge(
+    frame: pd.DataFrame, prompt_field: str, count_tokens: Callable[[list[str]], list[int]],
+    split: str,
+) -> tuple[pd.DataFrame, str]:
+    """A copy of ``frame`` with prompts as objects and a derived token-count column; its name."""
+    tokens_column = "n_tokens"
+    while tokens_column in frame.columns:
+        tokens_column += "_"
+    out = frame.reset_index(drop=True)
+    if prompt_field in out.columns:
+        # object dtype: GE then checks the type of each value instead of the column's dtype.
+        out[prompt_field] = out[prompt_field].astype(object)
+        values = out[prompt_field].tolist()
+    else:
+        values = [None] * len(out)
+    texts = [value for value in values if isinstance(value, str)]
+    counts = list(count_tokens(texts)) if texts else []
+    if len(counts) != len(texts):
+        raise ValueError(
+            f"count_tokens returned {len(counts)} counts for {len(texts)} {split} prompts; "
+            "it must return one count per text"
+        )
+    counts_iter = iter(counts)
+    out[tokens_column] = [int(next(counts_iter)) if isinstance(v, str) else -1 for v in values]
+    return out, tokens_column
+
+
+def _expectations(
+    gx, prompt_field: str, tokens_column: str, min_tokens: int, max_tokens: int, min_rows: int,
+    leak_set: list[str] | None,
+) -> list:
+    """The suite of one split (``leak_set``: the train prompts, checked on eval only)."""
+    e = gx.expectations
+    suite = [
+        e.ExpectTableColumnsToMatchSet(
+            column_set=[prompt_field, tokens_column], exact_match=True,
+            description=f"Columns are exactly `{prompt_field}` and the derived `{tokens_column}`",
+        ),
+        e.ExpectColumnValuesToBeOfType(column=prompt_field, type_="str"),
+        e.ExpectColumnValuesToNotBeNull(column=prompt_field),
+        e.ExpectColumnValuesToBeBetween(
+            column=tokens_column, min_value=min_tokens, max_value=max_tokens,
+            description=(
+                f"Prompt length in tokens (`{tokens_column}`, -1 for a null or non-string prompt) "
+                f"is between {min_tokens} and {max_tokens}"
+            ),
+        ),
+        e.ExpectColumnValuesToBeUnique(column=prompt_field),
+        e.ExpectTableRowCountToBeBetween(min_value=min_rows, max_value=None),
+    ]
+    if leak_set is not None:
+        # The description keeps the docs from listing every train prompt.
+        suite.append(
+            e.ExpectColumnValuesToNotBeInSet(
+                column=prompt_field, value_set=leak_set,
+                description=f"No eval prompt is one of the {len(leak_set)} train prompts",
+            )
+        )
+    return suite
+
+
+def _read_result(
+    result: dict[str, Any], split: str, frame: pd.DataFrame, prompt_field: str, tokens_column: str,
+) -> dict[str, Any]:
+    """One expectation's GE result (its JSON form) as a flat record for the summary."""
+    config = result["expectation_config"]
+    kind = config["type"]
+    kwargs = config["kwargs"]
+    column = kwargs.get("column")
+    details = result.get("result") or {}
+    unexpected = int(details.get("unexpected_count") or 0)
+    error = _exception_message(result.get("exception_info") or {})
+    if error is not None:
+        text, examples = f"could not be evaluated: {error}", []
+    elif kind == "expect_table_columns_to_match_set":
+        text, examples = _columns_details(details, kwargs["column_set"])
+    elif kind == "expect_table_row_count_to_be_between":
+        text = f"observed {details.get('observed_value')} rows, expected at least {kwargs['min_value']}"
+        examples = []
+    else:
+        text = _column_details(kind, details, kwargs, tokens_column)
+        examples = _examples(details, frame, prompt_field, tokens_column, column)
+    return {
+        "expectation": kind,
+        "split": split,
+        "column": column,
+        "success": bool(result["success"]),
+        "unexpected_count": unexpected,
+        "examples": [] if result["success"] else examples,
+        "details": text,
+    }
+
+
+def _exception_message(info: dict[str, Any]) -> str | None:
+    """The first line of the error GE caught while evaluating an expectation, if any."""
+    # Either {"raised_exception": ..., "exception_message": ...} or, when a metric failed,
+    # {<metric id>: {"exception_message": ...}}.
+    if "raised_exception" in info:
+        entries = [info] if info["raised_exception"] else []
+    else:
+        entries = [entry for entry in info.values() if isinstance(entry, dict)]
+    for entry in entries:
+        message = str(entry.get("exception_message") or "").strip()
+        return message.splitlines()[0] if message else "unknown error"
+    return None
+
+
+def _columns_details(details: dict[str, Any], expected: list[str]) -> tuple[str, list[str]]:
+    observed = details.get("observed_value")
+    mismatch = (details.get("details") or {}).get("mismatched") or {}
+    examples = [f"unexpected column {name!r}" for name in mismatch.get("unexpected", [])]
+    examples += [f"missing column {name!r}" for name in mismatch.get("missing", [])]
+    return f"observed columns {observed}, expected exactly {sorted(expected)}", examples[
+        :MAX_EXAMPLES
+    ]
+
+
+def _column_details(kind: str, details: dict[str, Any], kwargs: dict[str, Any], tokens: str) -> str:
+    count = int(details.get("unexpected_count") or 0)
+    rows = details.get("element_count")
+    if kind == "expect_column_values_to_be_of_type":
+        return f"{count} of {rows} prompts are not strings"
+    if kind == "expect_column_values_to_not_be_null":
+        return f"{count} of {rows} prompts are null"
+    if kind == "expect_column_values_to_be_between":
+        low, high = int(kwargs["min_value"]), int(kwargs["max_value"])
+        return f"{count} of {rows} prompts are not {low}..{high} tokens long ({tokens})"
+    if kind == "expect_column_values_to_be_unique":
+        return f"{count} of {rows} rows repeat a prompt of another row"
+    if kind == "expect_column_values_to_not_be_in_set":
+        return f"{count} of {rows} eval prompts also appear in train (leakage)"
+    return f"{count} of {rows} values unexpected"
+
+
+def _examples(
+    details: dict[str, Any], frame: pd.DataFrame, prompt_field: str, tokens_column: str,
+    column: str | None,
+) -> list[str]:
+    """Up to three offending rows, as ``row <i>: <repr of the prompt>`` (plus its token count)."""
+    indices = details.get("partial_unexpected_index_list") or []
+    values = details.get("partial_unexpected_list") or []
+    examples: list[str] = []
+    for position, value in enumerate(values[: len(indices) or None]):
+        row = indices[position] if indices else None
+        if row is not None and prompt_field in frame.columns and 0 <= int(row) < len(frame):
+            prompt = frame.at[int(row), prompt_field]
+        else:
+            prompt = value
+        text = _short_repr(prompt)
+        if column == tokens_column and row is not None:
+            n_tokens = int(frame.at[int(row), tokens_column])
+            if n_tokens >= 0:
+                text += f" ({n_tokens} tokens)"
+            elif text != "null":
+                text += " (not a string)"
+        examples.append(f"row {row}: {text}" if row is not None else text)
+        if len(examples) == MAX_EXAMPLES:
+            break
+    return examples
+
+
+def _short_repr(value: Any) -> str:
+    import pandas as pd
+
+    if pd.api.types.is_scalar(value) and pd.isna(value):
+        return "null"  # None, NaN or pd.NA, whichever the dtype made of a missing prompt
+    text = repr(value)
+    return text if len(text) <= EXAMPLE_CHARS else text[: EXAMPLE_CHARS - 3] + "..."
+
+
+def _token_stats(tokens: pd.Series) -> dict[str, float | int | None]:
+    counted = tokens[tokens >= 0]
+    if counted.empty:
+        return {"min": None, "max": None, "mean": None}
+    return {
+        "min": int(counted.min()),
+        "max": int(counted.max()),
+        "mean": round(float(counted.mean()), 2),
+    }

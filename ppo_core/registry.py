@@ -1,0 +1,105 @@
+"""The model registry and the promotion gate (layer 3).
+
+Promoted models are immutable versions ``<production_dir>/v0001``, ``v0002``, ...; the registry
+(a JSON file, replaced atomically) records every decision with its lineage and names the current
+version. A rejected or failed run never touches a version or the ``current`` pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ppo_core.modeling.checkpoint import atomic_folder
+
+__all__ = ["GateDecision", "current_production", "gate", "load_registry", "record_decision"]
+
+
+@dataclass
+class GateDecision:
+    """Whether a candidate passes, and why (one reason per rule, passing or not)."""
+
+    promote: bool
+    reasons: list[str]
+
+
+def gate(candidate: dict[str, float], baseline: dict[str, float] | None, *,
+         min_improvement: float, max_kl: float, min_eos_rate: float) -> GateDecision:
+    """Apply the promotion rules to held-out metrics (as written by ``ppo evaluate``)."""
+    rules: list[tuple[bool, str]] = []
+    if baseline is not None:
+        gain = candidate["score"] - baseline["score"]
+        rules.append((gain >= min_improvement,
+                      f"score {candidate['score']:.4f} vs baseline {baseline['score']:.4f}: gain "
+                      f"{gain:+.4f} (needs >= {min_improvement:+.4f})"))
+    rules.append((candidate["kl_to_reference"] <= max_kl,
+                  f"KL to reference {candidate['kl_to_reference']:.3f} nats (budget {max_kl})"))
+    rules.append((candidate["eos_rate"] >= min_eos_rate,
+                  f"EOS rate {candidate['eos_rate']:.3f} (needs >= {min_eos_rate})"))
+    return GateDecision(all(ok for ok, _ in rules),
+                        [("pass: " if ok else "FAIL: ") + text for ok, text in rules])
+
+
+def load_registry(path: str | Path) -> dict[str, Any]:
+    """The registry, or an empty one when the file does not exist yet."""
+    path = Path(path)
+    if not path.is_file():
+        return {"current": None, "entries": []}
+    try:
+        registry = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model registry {path} is not valid JSON ({exc.msg}); restore it from "
+                         "git or DVC before promoting") from None
+    if not isinstance(registry, dict) or "entries" not in registry:
+        raise ValueError(f"model registry {path} has no 'entries' list")
+    return registry
+
+
+def current_production(registry_path: str | Path, production_dir: str | Path) -> Path | None:
+    """Folder of the current production version, or None before the first promotion."""
+    current = load_registry(registry_path).get("current")
+    if not current:
+        return None
+    folder = Path(production_dir) / current
+    if not (folder / "config.json").is_file():
+        raise FileNotFoundError(f"the registry names production version {current} but {folder} "
+                                "is missing; restore it (e.g. `dvc pull`) before going on")
+    return folder
+
+
+def record_decision(*, registry_path: str | Path, production_dir: str | Path,
+                    candidate_dir: str | Path, decision: GateDecision,
+                    lineage: dict[str, Any]) -> dict[str, Any]:
+    """Append the decision to the registry; on promotion, first copy the candidate to a new
+    version folder. Returns the registry entry."""
+    registry_path = Path(registry_path)
+    registry = load_registry(registry_path)
+    promoted = [e for e in registry["entries"] if e.get("version")]
+    entry: dict[str, Any] = {
+        "decision": "promoted" if decision.promote else "rejected",
+        "reasons": decision.reasons,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "candidate": str(candidate_dir),
+        **lineage,
+    }
+    if decision.promote:
+        version = f"v{len(promoted) + 1:04d}"
+        target = Path(production_dir) / version
+        if target.exists():
+            raise FileExistsError(f"{target} exists but the registry does not know it; refusing "
+                                  "to overwrite a production version")
+        atomic_folder(target, lambda tmp: shutil.copytree(candidate_dir, tmp, dirs_exist_ok=True))
+        entry["version"] = version
+        entry["path"] = str(target)
+        registry["current"] = version
+    registry["entries"].append(entry)
+    registry_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = registry_path.with_name(f".{registry_path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(registry, indent=1))
+    tmp.replace(registry_path)
+    return entry
