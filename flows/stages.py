@@ -113,18 +113,22 @@ def base(config: Config) -> Path:
 
 
 def train(config: Config, show_progress: bool = True):
-    """The PPO loop with DVCLive metrics and a progress bar."""
+    """The PPO loop with DVCLive metrics, a progress bar, and ``curves.png`` in the metrics
+    folder."""
     from flows.loggers import ConsoleProgress, DVCLiveLogger
+    from flows.plots import plot_training_curves
     from ppo_core.trainer import train as run_training
 
     loggers = [DVCLiveLogger(config.train.metrics_dir)]
     if show_progress:
         loggers.append(ConsoleProgress(config.train.iterations))
     try:
-        return run_training(config, loggers=loggers)
+        summary = run_training(config, loggers=loggers)
     finally:
         for logger in loggers:
             logger.close()
+    plot_training_curves(summary.history, Path(config.train.metrics_dir) / "curves.png")
+    return summary
 
 
 def evaluate(config: Config, candidate: str | None = None, baseline: str | None = None):
@@ -213,11 +217,13 @@ def promote(config: Config) -> dict:
                     max_kl=rules.max_kl, min_eos_rate=rules.min_eos_rate)
     summary_file = Path(config.train.output_dir) / "training_summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
+    config_file = Path(config.train.output_dir) / "ppo_config.yaml"
+    trained_with = config_file.read_text() if config_file.is_file() else None
     entry = record_decision(
         registry_path=rules.registry, production_dir=rules.production_dir,
         candidate_dir=config.train.output_dir, decision=decision,
         lineage={"data_hash": summary.get("data_hash"), "base_model": summary.get("base_model"),
-                 "seed": summary.get("seed"), "metrics": candidate,
+                 "seed": summary.get("seed"), "config": trained_with, "metrics": candidate,
                  "baseline_metrics": side("baseline"), "baseline": models.get("baseline")},
     )
     report = Path("reports") / "promotion.json"

@@ -1,0 +1,36 @@
+"""Pictures of a run, for people who would rather look than read."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+CURVES = (
+    ("rollout/score", "score (mean reward of the scorer)"),
+    ("rollout/kl", "KL to reference (nats / sequence)"),
+    ("ppo/approx_kl", "approx KL per update"),
+    ("ppo/clipfrac", "clip fraction"),
+    ("ppo/entropy", "entropy (nats / token)"),
+    ("rollout/response_length", "response length (tokens)"),
+)
+
+
+def plot_training_curves(history: list[dict[str, float]], path: str | Path) -> Path:
+    """Six panels of the per-iteration metrics, saved as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure, axes = plt.subplots(2, 3, figsize=(12, 6), constrained_layout=True)
+    steps = [row["iteration"] for row in history]
+    for axis, (key, title) in zip(axes.flat, CURVES, strict=True):
+        axis.plot(steps, [row.get(key, float("nan")) for row in history], linewidth=1.5)
+        axis.set_title(title, fontsize=10)
+        axis.set_xlabel("iteration")
+        axis.grid(alpha=0.3)
+    figure.suptitle("PPO training")
+    figure.savefig(path, dpi=100)
+    plt.close(figure)
+    return path

@@ -1,0 +1,93 @@
+"""`prefect deployment run 'retrain/manual'` reaches the served deployment on a local server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from tests.flows.conftest import BIN, environment, read_json
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_for(check, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        time.sleep(1.0)
+    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
+
+
+def healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
+
+
+def stop(process: subprocess.Popen) -> None:
+    if process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = environment() | {"PREFECT_API_URL": api, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+                           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env, stdout=(logs / "server.log").open("w"), stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    served = None
+    try:
+        wait_for(lambda: healthy(api), 120, "the Prefect server")
+        served = subprocess.Popen(
+            [sys.executable, "-m", "flows.pipeline", "serve", "--repo", str(tiny_project)],
+            env=env, cwd=Path(__file__).resolve().parents[2],
+            stdout=(logs / "serve.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+        )
+
+        def deployed() -> bool:
+            probe = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", "retrain/manual"],
+                                   env=env, capture_output=True, text=True, check=False)
+            return probe.returncode == 0
+
+        wait_for(deployed, 120, "the served deployments")
+        scheduled = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", "retrain/scheduled"],
+                                   env=env, capture_output=True, text=True, check=False)
+        assert scheduled.returncode == 0 and "0 3 * * 1" in scheduled.stdout
+        run = subprocess.run(
+            [str(BIN / "prefect"), "deployment", "run", "retrain/manual", "--watch",
+             "--watch-timeout", "400"],
+            env=env, capture_output=True, text=True, check=False, timeout=460,
+        )
+        assert run.returncode == 0, run.stdout + run.stderr + (logs / "serve.log").read_text()[-3000:]
+        assert "Completed" in run.stdout
+        assert read_json(tiny_project / "models" / "registry.json")["current"] == "v0001"
+    finally:
+        if served is not None:
+            stop(served)
+        stop(server)

@@ -1,0 +1,55 @@
+"""The validate stage: bad data fails with the GE report written; the previous version stays."""
+
+from __future__ import annotations
+
+import json
+
+import pandas as pd
+import pytest
+
+from flows.stages import validate
+from flows.validation import DataValidationError
+from ppo_core.config import load_config
+
+
+def write_version(folder, train, evals):
+    folder.mkdir(parents=True, exist_ok=True)
+    pd.DataFrame({"prompt": train}).to_parquet(folder / "train.parquet", index=False)
+    pd.DataFrame({"prompt": evals}).to_parquet(folder / "eval.parquet", index=False)
+    (folder / "manifest.json").write_text(json.dumps({"content_hash": str(hash(tuple(train)))}))
+
+
+@pytest.mark.parametrize("problem", ["null", "duplicate", "too_long", "leak"])
+def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir, problem):
+    config = load_config(overrides=[
+        f"model.policy={tiny_model_dir}", f"data.interim_dir={tmp_path / 'interim'}",
+        f"data.prepared_dir={tmp_path / 'prepared'}", f"validation.report_dir={tmp_path / 'report'}",
+        "validation.min_train_rows=8", "validation.min_eval_rows=2",
+    ])
+    train = [f"The movie number {i} was" for i in range(20)]
+    evals = [f"The film number {i} is" for i in range(5)]
+    write_version(tmp_path / "interim", train, evals)
+    published = validate(config)
+    before = {p.name: p.read_bytes() for p in published.iterdir()}
+
+    bad_train, bad_eval = list(train), list(evals)
+    if problem == "null":
+        bad_train[3] = None
+    elif problem == "duplicate":
+        bad_train[4] = bad_train[5]
+    elif problem == "too_long":
+        bad_eval[0] = " ".join(["wonderful"] * 60)
+    else:
+        bad_eval[1] = train[7]
+    write_version(tmp_path / "interim", bad_train, bad_eval)
+    with pytest.raises(DataValidationError) as caught:
+        validate(config)
+    names = {f.expectation for f in caught.value.result.failures}
+    expected = {"null": "expect_column_values_to_not_be_null",
+                "duplicate": "expect_column_values_to_be_unique",
+                "too_long": "expect_column_values_to_be_between",
+                "leak": "expect_column_values_to_not_be_in_set"}[problem]
+    assert expected in names, caught.value
+    assert (tmp_path / "report" / "summary.json").is_file()
+    assert (tmp_path / "report" / "data_docs" / "index.html").is_file()
+    assert {p.name: p.read_bytes() for p in published.iterdir()} == before

@@ -1,0 +1,71 @@
+"""The promotion gate and the registry: a worse candidate is rejected, a better one promoted,
+and a rejection changes no production version."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ppo_core.registry import current_production, gate, load_registry, record_decision
+
+GOOD = {"score": 0.80, "kl_to_reference": 2.5, "eos_rate": 0.99}
+RULES = {"min_improvement": 0.02, "max_kl": 4.0, "min_eos_rate": 0.85}
+
+
+def test_gate_hand_computed():
+    assert gate(GOOD, {"score": 0.5}, **RULES).promote
+    # 0.51 - 0.50 = 0.01 < 0.02
+    worse = gate({**GOOD, "score": 0.51}, {"score": 0.50}, **RULES)
+    assert not worse.promote and any("FAIL: score" in r for r in worse.reasons)
+    drifted = gate({**GOOD, "kl_to_reference": 4.5}, {"score": 0.1}, **RULES)
+    assert not drifted.promote and any("FAIL: KL" in r for r in drifted.reasons)
+    no_eos = gate({**GOOD, "eos_rate": 0.5}, None, **RULES)
+    assert not no_eos.promote and any("FAIL: EOS" in r for r in no_eos.reasons)
+
+
+def candidate(tmp_path, name: str, content: str):
+    folder = tmp_path / name
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_text(content)
+    return folder
+
+
+def test_better_is_promoted_worse_is_rejected(tmp_path):
+    registry, production = tmp_path / "models" / "registry.json", tmp_path / "models" / "production"
+    assert current_production(registry, production) is None
+    first = record_decision(registry_path=registry, production_dir=production,
+                            candidate_dir=candidate(tmp_path, "c1", "weights-1"),
+                            decision=gate(GOOD, {"score": 0.1}, **RULES),
+                            lineage={"data_hash": "abc"})
+    assert first["decision"] == "promoted" and first["version"] == "v0001"
+    assert current_production(registry, production) == production / "v0001"
+
+    worse = record_decision(registry_path=registry, production_dir=production,
+                            candidate_dir=candidate(tmp_path, "c2", "weights-2"),
+                            decision=gate({**GOOD, "score": 0.7}, GOOD, **RULES),
+                            lineage={"data_hash": "def"})
+    assert worse["decision"] == "rejected" and "version" not in worse
+    assert (production / "v0001" / "model.safetensors").read_text() == "weights-1"
+    assert sorted(p.name for p in production.iterdir()) == ["v0001"]
+
+    better = record_decision(registry_path=registry, production_dir=production,
+                             candidate_dir=candidate(tmp_path, "c3", "weights-3"),
+                             decision=gate({**GOOD, "score": 0.9}, GOOD, **RULES),
+                             lineage={"data_hash": "ghi"})
+    assert better["version"] == "v0002"
+    book = load_registry(registry)
+    assert book["current"] == "v0002"
+    assert [e["decision"] for e in book["entries"]] == ["promoted", "rejected", "promoted"]
+    assert [e["data_hash"] for e in book["entries"]] == ["abc", "def", "ghi"]
+
+
+def test_a_broken_registry_is_an_error_not_a_reset(tmp_path):
+    registry = tmp_path / "registry.json"
+    registry.write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        load_registry(registry)
+    registry.write_text(json.dumps({"current": "v0009", "entries": []}))
+    with pytest.raises(FileNotFoundError, match="v0009"):
+        current_production(registry, tmp_path / "production")
