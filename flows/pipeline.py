@@ -157,7 +157,9 @@ def serve_deployments(repo_dir: str = ".") -> None:
         parameters={"repo_dir": repo, "from_production": True},
         description=f"Retrain on new data from the production model ({config.schedule.cron}).",
     )
-    serve(manual, scheduled)
+    # One run at a time: a schedule firing during a manual run waits instead of racing it for
+    # the same workspace (DVC would refuse the second `dvc repro` on its lock anyway).
+    serve(manual, scheduled, limit=1)
 
 
 def main(argv: list[str] | None = None) -> None:

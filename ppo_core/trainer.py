@@ -45,6 +45,7 @@ from ppo_core.modeling.policy import (
     load_tokenizer,
     score_sequences,
 )
+from ppo_core.modeling.reward_loading import checked_scores
 
 __all__ = [
     "MetricsLogger",
@@ -166,15 +167,7 @@ def collect_rollout(
     mask = generated.response_mask
 
     responses = decode_responses(tokenizer, generated.response_ids, mask)
-    scores = torch.as_tensor(reward_fn(prompts, responses), dtype=torch.float32).to(device)
-    if scores.shape != (len(prompts),):
-        raise ValueError(
-            f"the reward returned shape {tuple(scores.shape)} for {len(prompts)} responses; it must "
-            "return one number per response"
-        )
-    if not torch.isfinite(scores).all():
-        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
-        raise NonFiniteError(f"the reward returned non-finite scores for responses {bad[:5]}")
+    scores = checked_scores(reward_fn(prompts, responses), len(prompts)).to(device)
     raw_scores = scores
     if missing_eos_penalty is not None:
         scores = torch.where(generated.has_eos, scores, scores - missing_eos_penalty)

@@ -34,3 +34,10 @@ def test_ppo_core_never_imports_orchestration():
     for path in (ROOT / "ppo_core").rglob("*.py"):
         for name in imported_modules(path):
             assert name.split(".")[0] not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
+
+
+def test_model_io_layer_never_imports_composition():
+    composition = ("ppo_core.config", "ppo_core.trainer", "ppo_core.evaluation", "ppo_core.registry")
+    for path in (ROOT / "ppo_core" / "modeling").rglob("*.py"):
+        for name in imported_modules(path):
+            assert not name.startswith(composition), f"{path.relative_to(ROOT)} imports {name}"

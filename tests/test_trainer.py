@@ -150,3 +150,44 @@ def test_a_changed_config_starts_over_and_keeps_the_old_checkpoints(tmp_path, ti
     assert summary.resumed_from == 0
     stale = list((tmp_path / "checkpoints").glob("stale-*/step-000001"))
     assert len(stale) == 1
+
+
+def test_separate_critic_adaptive_kl_and_dual_clip_run(tmp_path, tiny_model_dir, prompt_files):
+    recorder = Recorder()
+    summary = train(small_config(tmp_path, tiny_model_dir, prompt_files, "model.critic=separate",
+                                 "kl.adaptive=true", "kl.target=1.0", "kl.horizon=100",
+                                 "ppo.dual_clip=3.0", "ppo.missing_eos_penalty=1.0",
+                                 "ppo.loss_agg_mode=seq-mean-token-mean"), loggers=[recorder])
+    assert (summary.output_dir / "critic" / "model.safetensors").is_file()
+    coefs = [m["rollout/kl_coef"] for _, m in recorder.rows]
+    assert coefs[0] == pytest.approx(0.1) and coefs[1] != coefs[0]  # adapted after iteration 1
+    assert "ppo/dual_clipfrac" in recorder.rows[0][1]
+
+
+def test_reward_model_folder(tmp_path, tiny_model_dir, prompt_files):
+    """A sequence-classification reward model from a local folder scores the rollouts."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    config = GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=16, n_head=2, n_positions=64,
+                        num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    reward_dir = tmp_path / "reward-model"
+    GPT2ForSequenceClassification(config).save_pretrained(reward_dir)
+    tokenizer.save_pretrained(reward_dir)
+    recorder = Recorder()
+    train(small_config(tmp_path, tiny_model_dir, prompt_files, f"model.reward={reward_dir}",
+                       "train.iterations=1"), loggers=[recorder])
+    score = recorder.rows[0][1]["rollout/score"]
+    assert score == score and score != 0.0  # a real, finite, model-made number
+
+
+def raising_reward(prompts, responses):
+    raise RuntimeError("scorer backend is down")
+
+
+def test_a_reward_that_raises_is_named(tmp_path, tiny_model_dir, prompt_files):
+    with pytest.raises(RewardError, match=r"raising_reward.*raised RuntimeError: scorer backend is down"):
+        train(small_config(tmp_path, tiny_model_dir, prompt_files,
+                           "model.reward=tests.test_trainer:raising_reward"))
+    assert not (tmp_path / "checkpoints").exists()

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-__all__ = ["RewardError", "build_reward_fn"]
+__all__ = ["RewardError", "build_reward_fn", "checked_scores"]
 
 RewardFn = Callable[[list[str], list[str]], Tensor]
 
@@ -64,23 +64,29 @@ def _checked(function: RewardFn, name: str) -> RewardFn:
             raw = function(prompts, responses)
         except Exception as exc:
             raise RewardError(f"the reward {name!r} raised {type(exc).__name__}: {exc}") from exc
-        try:
-            scores = torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise RewardError(
-                f"the reward {name!r} returned {type(raw).__name__}, not a sequence of numbers ({exc})"
-            ) from None
-        if scores.shape != (len(prompts),):
-            raise RewardError(
-                f"the reward {name!r} returned shape {tuple(scores.shape)} for {len(prompts)} "
-                "responses; it must return one number per response"
-            )
-        if not torch.isfinite(scores).all():
-            bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
-            raise RewardError(f"the reward {name!r} returned NaN or inf for responses {bad[:5]}")
-        return scores
+        return checked_scores(raw, len(prompts), name)
 
     return reward
+
+
+def checked_scores(raw: object, expected: int, name: str = "reward") -> Tensor:
+    """``raw`` as a float32 tensor ``[expected]`` of finite numbers, or a :class:`RewardError`
+    naming the reward and what was wrong."""
+    try:
+        scores = torch.as_tensor(raw, dtype=torch.float32).detach().cpu()
+    except (TypeError, ValueError, RuntimeError) as exc:
+        raise RewardError(
+            f"the reward {name!r} returned {type(raw).__name__}, not a sequence of numbers ({exc})"
+        ) from None
+    if scores.shape != (expected,):
+        raise RewardError(
+            f"the reward {name!r} returned shape {tuple(scores.shape)} for {expected} "
+            "responses; it must return one number per response"
+        )
+    if not torch.isfinite(scores).all():
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        raise RewardError(f"the reward {name!r} returned NaN or inf for responses {bad[:5]}")
+    return scores
 
 
 class _RewardModel:

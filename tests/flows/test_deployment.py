@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from flows.pipeline import set_params
 from tests.flows.conftest import BIN, environment, read_json
 
 
@@ -50,6 +52,8 @@ def stop(process: subprocess.Popen) -> None:
 
 @pytest.mark.slow
 def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
+    # Fire every minute, so that the test sees the schedule start a run on its own.
+    set_params(str(tiny_project), {"schedule.cron": "* * * * *"})
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
     env = environment() | {"PREFECT_API_URL": api, "PREFECT_HOME": str(tmp_path / "prefect-home"),
@@ -78,7 +82,19 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         wait_for(deployed, 120, "the served deployments")
         scheduled = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", "retrain/scheduled"],
                                    env=env, capture_output=True, text=True, check=False)
-        assert scheduled.returncode == 0 and "0 3 * * 1" in scheduled.stdout
+        assert scheduled.returncode == 0 and "* * * * *" in scheduled.stdout
+
+        def scheduled_run_completed() -> bool:
+            listing = subprocess.run(
+                [str(BIN / "prefect"), "flow-run", "ls", "--state-type", "COMPLETED", "-o", "json"],
+                env=env, capture_output=True, text=True, check=False)
+            if listing.returncode != 0 or not listing.stdout.strip().startswith("["):
+                return False
+            runs = json.loads(listing.stdout)
+            return any(r.get("parameters", {}).get("from_production") for r in runs)
+
+        wait_for(scheduled_run_completed, 240, "a run started by the schedule to complete")
+        assert read_json(tiny_project / "models" / "registry.json")["current"] == "v0001"
         run = subprocess.run(
             [str(BIN / "prefect"), "deployment", "run", "retrain/manual", "--watch",
              "--watch-timeout", "400"],
@@ -86,7 +102,6 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         )
         assert run.returncode == 0, run.stdout + run.stderr + (logs / "serve.log").read_text()[-3000:]
         assert "Completed" in run.stdout
-        assert read_json(tiny_project / "models" / "registry.json")["current"] == "v0001"
     finally:
         if served is not None:
             stop(served)
