@@ -7,6 +7,7 @@ its current value.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -125,11 +126,16 @@ def train(config: ConfigOption = None, overrides: Overrides = None,
 
     Resumes from the newest checkpoint in train.checkpoint_dir (train.resume=false starts over).
     Writes the policy to train.output_dir and per-iteration metrics to train.metrics_dir.
+
+    Data parallel: `torchrun --nproc_per_node N -m flows.cli train ...` (gloo on CPU, NCCL on
+    GPU); ppo.rollout_batch_size and ppo.mini_batch_size are then per rank.
     """
     from flows import stages
 
     cfg = _run(lambda: _load(config, overrides))
     summary = _run(lambda: stages.train(cfg, show_progress=not quiet))
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+        return
     m = summary.final_metrics
     console.print(
         f"trained {summary.iterations} iterations (resumed at {summary.resumed_from}); "

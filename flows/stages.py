@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
 import time
 from pathlib import Path
@@ -127,7 +128,8 @@ def train(config: Config, show_progress: bool = True):
     finally:
         for logger in loggers:
             logger.close()
-    plot_training_curves(summary.history, Path(config.train.metrics_dir) / "curves.png")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 writes the reports
+        plot_training_curves(summary.history, Path(config.train.metrics_dir) / "curves.png")
     return summary
 
 

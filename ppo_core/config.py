@@ -112,6 +112,10 @@ class PPOConfig:
     micro_batch_size: int = 16
     """Rows per forward/backward pass; must divide ``mini_batch_size``. Changes memory, not the
     gradient (exact accumulation)."""
+    generation_batch_size: int | None = None
+    """Rows sampled per ``generate`` call, each chunk with its own seed; ``None`` samples the whole
+    per-rank batch at once. Rollouts depend only on the seed and the chunk, so runs on different
+    numbers of ranks sample the same responses when this divides ``rollout_batch_size``."""
     epochs: int = 4
     """Passes over each rollout batch."""
     drop_last: bool = False
@@ -379,6 +383,13 @@ def validate_config(config: Config) -> None:
                        "ppo.max_grad_norm": ppo.max_grad_norm}.items():
         if value is not None:
             _positive(key, value)
+    if ppo.generation_batch_size is not None and (
+        ppo.generation_batch_size < 1 or ppo.rollout_batch_size % ppo.generation_batch_size
+    ):
+        raise ConfigError(
+            f"ppo.generation_batch_size={ppo.generation_batch_size} must be a positive divisor of "
+            f"ppo.rollout_batch_size={ppo.rollout_batch_size}"
+        )
     if ppo.dual_clip is not None and ppo.dual_clip <= 1.0:
         raise ConfigError(f"ppo.dual_clip must be > 1 (or null), got {ppo.dual_clip}")
     if not 0.0 <= ppo.gamma <= 1.0:

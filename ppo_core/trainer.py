@@ -21,12 +21,13 @@ import torch
 from torch import Tensor
 
 from ppo_core.config import Config, save_config, to_yaml
+from ppo_core.distributed import init_distributed
 from ppo_core.math.accumulation import accumulate_gradients
 from ppo_core.math.batching import micro_batch_slices, minibatch_indices
 from ppo_core.math.gae import compute_gae, whiten_advantages
 from ppo_core.math.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_rewards
 from ppo_core.math.losses import aggregate_loss, count_units, policy_loss, value_loss
-from ppo_core.math.masked import masked_mean, masked_sum
+from ppo_core.math.masked import masked_moments, masked_sum
 from ppo_core.math.running_mean import RunningMean
 from ppo_core.modeling.checkpoint import (
     atomic_folder,
@@ -36,7 +37,7 @@ from ppo_core.modeling.checkpoint import (
     save_checkpoint,
 )
 from ppo_core.modeling.data import load_prompts, read_manifest_hash
-from ppo_core.modeling.generation import decode_responses, generate_responses
+from ppo_core.modeling.generation import concat_generated, decode_responses, generate_responses
 from ppo_core.modeling.policy import (
     ActorCritic,
     check_model_folder,
@@ -144,13 +145,30 @@ def collect_rollout(
     forward_batch_size: int,
     device: torch.device,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    chunk_seeds: Sequence[int] | None = None,
+    all_ranks: bool = False,
 ) -> tuple[RolloutBatch, dict[str, float], list[str]]:
-    """Generate, score and turn one batch of prompts into advantages and returns."""
-    with autocast():
-        generated = generate_responses(
-            actor_critic.policy, tokenizer, prompts, max_new_tokens=max_new_tokens,
-            temperature=temperature, top_k=top_k, top_p=top_p, device=device,
-        )
+    """Generate, score and turn one batch of prompts into advantages and returns.
+
+    With ``chunk_seeds`` the prompts are sampled in ``len(chunk_seeds)`` equal chunks, chunk ``i``
+    after ``torch.manual_seed(chunk_seeds[i])``. With ``all_ranks`` the advantages are whitened
+    and the metrics averaged over every data-parallel rank's rows.
+    """
+    seeds = list(chunk_seeds) if chunk_seeds else [None]
+    if len(prompts) % len(seeds):
+        raise ValueError(f"{len(prompts)} prompts do not split into {len(seeds)} generation chunks")
+    size = len(prompts) // len(seeds)
+    pieces = []
+    for index, seed in enumerate(seeds):
+        if seed is not None:
+            torch.manual_seed(seed)
+        with autocast():
+            pieces.append(generate_responses(
+                actor_critic.policy, tokenizer, prompts[index * size : (index + 1) * size],
+                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                device=device,
+            ))
+    generated = concat_generated(pieces, tokenizer.pad_token_id)
     old_logprobs, ref_logprobs, old_values = [], [], []
     for chunk in micro_batch_slices(len(prompts), forward_batch_size):
         args = (generated.prompt_ids[chunk], generated.prompt_mask[chunk],
@@ -176,7 +194,7 @@ def collect_rollout(
     rewards = token_rewards(scores, kl, mask, kl_coef)
     advantages, returns = compute_gae(rewards, old_values_t, mask, gamma, lam)
     if whiten:
-        advantages = whiten_advantages(advantages, mask)
+        advantages = whiten_advantages(advantages, mask, all_ranks=all_ranks)
 
     batch = RolloutBatch(
         prompt_ids=generated.prompt_ids, prompt_mask=generated.prompt_mask,
@@ -185,18 +203,30 @@ def collect_rollout(
         scores=scores, rewards=rewards, advantages=advantages, returns=returns,
     )
     sequence_kl = masked_sum(kl, mask, dim=1)
-    metrics = {
-        "rollout/score": raw_scores.mean().item(),
-        "rollout/score_std": raw_scores.std().item() if len(prompts) > 1 else 0.0,
-        "rollout/positive_rate": (raw_scores > 0.05).float().mean().item(),
-        "rollout/kl": sequence_kl.mean().item(),
-        "rollout/reward": masked_sum(rewards, mask, dim=1).mean().item(),
-        "rollout/response_length": mask.sum(dim=1).float().mean().item(),
-        "rollout/eos_rate": generated.has_eos.float().mean().item(),
-        "rollout/value_mean": masked_mean(old_values_t, mask).item(),
-        "rollout/kl_coef": float(kl_coef),
+    per_sequence = {
+        "rollout/score": raw_scores,
+        "rollout/positive_rate": (raw_scores > 0.05).float(),
+        "rollout/kl": sequence_kl,
+        "rollout/reward": masked_sum(rewards, mask, dim=1),
+        "rollout/response_length": mask.sum(dim=1).float(),
+        "rollout/eos_rate": generated.has_eos.float(),
     }
+    group = None if all_ranks else _LOCAL_ONLY
+    metrics = {name: _mean_over_ranks(RunningMean.from_sum(v.sum(), len(v)), group)
+               for name, v in per_sequence.items()}
+    metrics["rollout/value_mean"] = _mean_over_ranks(RunningMean.from_masked(old_values_t, mask), group)
+    _, score_var = masked_moments(raw_scores, torch.ones_like(raw_scores, dtype=torch.bool),
+                                  all_ranks=all_ranks) if len(prompts) > 1 or all_ranks else (0, 0.0)
+    metrics["rollout/score_std"] = float(score_var) ** 0.5
+    metrics["rollout/kl_coef"] = float(kl_coef)
     return batch, metrics, responses
+
+
+_LOCAL_ONLY = object()
+
+
+def _mean_over_ranks(value: RunningMean, group: object | None) -> float:
+    return (value if group is _LOCAL_ONLY else value.all_reduce(group)).item()
 
 
 def ppo_update(
@@ -221,9 +251,19 @@ def ppo_update(
     drop_last: bool = False,
     group: object | None = None,
     autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    rank: int = 0,
+    world_size: int = 1,
 ) -> dict[str, float]:
     """``epochs`` passes over shuffled mini-batches; one optimizer step per mini-batch, each the
-    exact gradient of the mini-batch objective accumulated over micro-batches."""
+    exact gradient of the mini-batch objective accumulated over micro-batches.
+
+    Under data parallelism ``batch`` holds this rank's rows ``[rank * b, (rank + 1) * b)`` of a
+    global rollout batch of ``world_size * b`` rows and ``mini_batch_size`` is per rank: every
+    rank draws the same shuffle of the global rows, and global mini-batch ``k`` is the next
+    ``world_size * mini_batch_size`` of them, each rank working on the ones it holds (their
+    number varies; a rank holding none contributes an all-masked micro-batch so the gradient
+    all-reduce still happens). The result equals one process holding every row.
+    """
     parameters = [p for p in actor_critic.parameters() if p.requires_grad]
     no_sync = getattr(actor_critic, "no_sync", None)
     totals: dict[str, RunningMean] = {}
@@ -258,9 +298,17 @@ def ppo_update(
             stats["ppo/dual_clipfrac"] = pg.dual_clipfrac
         return parts, stats
 
+    local_rows = len(batch)
+    first_row = rank * local_rows
     for _epoch in range(epochs):
-        for indices in minibatch_indices(len(batch), mini_batch_size, generator, drop_last=drop_last):
-            mini = batch.rows(indices.to(batch.response_ids.device))
+        for indices in minibatch_indices(local_rows * world_size, mini_batch_size * world_size,
+                                         generator, drop_last=drop_last):
+            mine = indices[(indices >= first_row) & (indices < first_row + local_rows)] - first_row
+            if len(mine) == 0:
+                mini = batch.rows(slice(0, 1))
+                mini.response_mask = torch.zeros_like(mini.response_mask)
+            else:
+                mini = batch.rows(mine.to(batch.response_ids.device))
             micro_batches = [mini.rows(s) for s in micro_batch_slices(len(mini), micro_batch_size)]
             optimizer.zero_grad(set_to_none=True)
             result = accumulate_gradients(
@@ -379,7 +427,7 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
     # 0. Setup: numerics, data, models, optimizer.
     if config.threads:
         torch.set_num_threads(config.threads)
-    device = resolve_device(config.device)
+    parallel, device = init_distributed(resolve_device(config.device))
     autocast = autocast_context(device, config.precision)
     trust = config.model.trust_remote_code
     # Check every input before writing anything.
@@ -394,9 +442,11 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
     if loaded is not None:
         reason = resume_mismatch(config, loaded["state"], data_hash)
         if reason is not None:
-            stale = set_aside_checkpoints(config.train.checkpoint_dir)
-            warnings.warn(f"not resuming from {checkpoint}: {reason}; starting over (the old "
-                          f"checkpoints were moved to {stale})", stacklevel=2)
+            parallel.barrier()  # every rank has read the checkpoint list before it moves
+            if parallel.is_main:
+                stale = set_aside_checkpoints(config.train.checkpoint_dir)
+                warnings.warn(f"not resuming from {checkpoint}: {reason}; starting over (the old "
+                              f"checkpoints were moved to {stale})", stacklevel=2)
             loaded = None
     start_folder = loaded["model_dir"] if loaded else config.model.policy
     torch.manual_seed(config.seed)
@@ -405,6 +455,13 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
     reference.requires_grad_(False)
     reference.to(device)
     reward_fn = build_reward(config, device)
+    update_model: torch.nn.Module = actor_critic
+    if parallel.active:
+        from torch.nn.parallel import DistributedDataParallel
+
+        update_model = DistributedDataParallel(
+            actor_critic, device_ids=[device.index] if device.type == "cuda" else None
+        )
     optim = config.optim
     optimizer = build_optimizer(actor_critic.parameters(), name=optim.name, lr=optim.lr,
                                 weight_decay=optim.weight_decay, betas=optim.betas,
@@ -426,7 +483,7 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
         controller.value = float(loaded["state"]["kl_coef"])
         history = list(loaded["state"].get("history", []))
         for past in history:  # loggers see the whole run, not only its resumed part
-            for logger in loggers:
+            for logger in loggers if parallel.is_main else ():
                 logger.log(int(past["iteration"]), {k: v for k, v in past.items() if k != "iteration"})
     ppo, gen = config.ppo, config.generation
 
@@ -435,49 +492,60 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
                 "base_model": str(config.model.policy), "config": to_yaml(config)}
 
     def write_checkpoint(iteration: int) -> None:
+        parallel.barrier()
+        if not parallel.is_main:
+            parallel.barrier()
+            return
         save_checkpoint(
             config.train.checkpoint_dir, iteration,
             lambda folder: actor_critic.save(folder, tokenizer), optimizer, scheduler,
             {"kl_coef": controller.value, "history": history, **lineage()},
             keep=config.train.keep_checkpoints,
         )
+        parallel.barrier()
 
     metrics: dict[str, float] = history[-1] if history else {}
     for iteration in range(start_iteration, config.train.iterations):
         started = time.perf_counter()
         # 1. Draw this iteration's prompts.
+        # Prompts and sampling seeds are drawn for the global batch; this rank takes its rows.
         draw = torch.Generator().manual_seed(iteration_seed(config.seed, iteration, 0))
-        picks = torch.randint(len(train_prompts), (ppo.rollout_batch_size,), generator=draw)
-        prompts = [train_prompts[i] for i in picks.tolist()]
+        picks = torch.randint(len(train_prompts), (ppo.rollout_batch_size * parallel.world_size,),
+                              generator=draw)
+        first, last = parallel.rows(ppo.rollout_batch_size)
+        prompts = [train_prompts[i] for i in picks[first:last].tolist()]
+        chunk = ppo.generation_batch_size or ppo.rollout_batch_size
+        chunk_seeds = [iteration_seed(config.seed, iteration, 1 + 1000 * index)
+                       for index in range(first // chunk, last // chunk)]
         # 2. Rollout: sample responses, score them, per-token rewards with KL, GAE.
-        torch.manual_seed(iteration_seed(config.seed, iteration, 1))
         batch, metrics, responses = collect_rollout(
             actor_critic, reference, tokenizer, prompts, reward_fn,
             max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
             top_p=gen.top_p, kl_estimator=kl_cfg.estimator, kl_coef=controller.value,
             gamma=ppo.gamma, lam=ppo.lam, whiten=ppo.whiten_advantages,
             missing_eos_penalty=ppo.missing_eos_penalty, forward_batch_size=ppo.micro_batch_size,
-            device=device, autocast=autocast,
+            device=device, autocast=autocast, chunk_seeds=chunk_seeds,
+            all_ranks=parallel.active,
         )
         rollout_done = time.perf_counter()
         # 3. PPO epochs over shuffled mini-batches with exact micro-batch accumulation.
         shuffle = torch.Generator().manual_seed(iteration_seed(config.seed, iteration, 2))
         metrics.update(ppo_update(
-            actor_critic, optimizer, batch, epochs=ppo.epochs, mini_batch_size=ppo.mini_batch_size,
+            update_model, optimizer, batch, epochs=ppo.epochs, mini_batch_size=ppo.mini_batch_size,
             micro_batch_size=ppo.micro_batch_size, clip_eps=ppo.clip_eps,
             clip_eps_high=ppo.clip_eps_high, dual_clip=ppo.dual_clip,
             clip_eps_value=ppo.clip_eps_value, vf_coef=ppo.vf_coef,
             entropy_coef=ppo.entropy_coef, loss_agg_mode=ppo.loss_agg_mode,
             max_grad_norm=ppo.max_grad_norm, target_kl=ppo.target_kl,
             temperature=gen.temperature, generator=shuffle, drop_last=ppo.drop_last,
-            autocast=autocast,
+            autocast=autocast, rank=parallel.rank, world_size=parallel.world_size,
         ))
         # 4. Adapt the KL coefficient and the learning rate.
-        controller.update(metrics["rollout/kl"], len(batch))
+        controller.update(metrics["rollout/kl"], len(batch) * parallel.world_size)
         metrics["optim/lr"] = scheduler.get_last_lr()[0]
         scheduler.step()
         finished = time.perf_counter()
-        tokens = float(batch.response_mask.sum())
+        tokens = float(batch.response_mask.sum()) * parallel.world_size
         metrics.update({
             "perf/rollout_s": rollout_done - started,
             "perf/update_s": finished - rollout_done,
@@ -485,9 +553,9 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
             "perf/tokens_per_s": tokens / max(finished - started, 1e-9),
         })
         history.append({"iteration": float(iteration + 1), **metrics})
-        for logger in loggers:
+        for logger in loggers if parallel.is_main else ():
             logger.log(iteration + 1, metrics)
-        if on_samples is not None:
+        if on_samples is not None and parallel.is_main:
             on_samples(iteration + 1, prompts[:4], responses[:4])
         # 5. Checkpoint every N iterations and at the end.
         last = iteration + 1 == config.train.iterations
@@ -503,7 +571,10 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
             "base_model": str(config.model.policy), "seed": config.seed,
         }, indent=1))
 
-    output_dir = atomic_folder(config.train.output_dir, write_output)
+    output_dir = Path(config.train.output_dir)
+    if parallel.is_main:
+        atomic_folder(output_dir, write_output)
+    parallel.barrier()
     return TrainSummary(output_dir=output_dir, iterations=config.train.iterations,
                         resumed_from=start_iteration, final_metrics=metrics, history=history)
 

@@ -29,7 +29,14 @@ from ppo_core.math.losses import (
     policy_loss,
     value_loss,
 )
-from ppo_core.math.masked import masked_count, masked_mean, masked_sum, masked_var, masked_whiten
+from ppo_core.math.masked import (
+    masked_count,
+    masked_mean,
+    masked_moments,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
 from ppo_core.math.running_mean import RunningMean
 
 __all__ = [
@@ -56,6 +63,7 @@ __all__ = [
     "logprobs_from_logits",
     "masked_count",
     "masked_mean",
+    "masked_moments",
     "masked_sum",
     "masked_var",
     "masked_whiten",

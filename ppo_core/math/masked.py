@@ -13,7 +13,15 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["masked_count", "masked_mean", "masked_sum", "masked_var", "masked_whiten", "select"]
+__all__ = [
+    "masked_count",
+    "masked_mean",
+    "masked_moments",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "select",
+]
 
 
 def select(values: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
@@ -82,21 +90,54 @@ def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
     return variance
 
 
+def masked_moments(
+    values: Tensor, mask: Tensor, all_ranks: bool = False, group: object | None = None
+) -> tuple[Tensor, Tensor]:
+    """Mean and unbiased variance of the valid elements, over this process or over all ranks.
+
+    With ``all_ranks`` (and torch.distributed initialised) the moments are those of the valid
+    elements of every rank together: two all-reduces in float64, first of the sum and count, then
+    of the squared deviations from the global mean (the two-pass form, which does not cancel).
+
+    Raises:
+        ValueError: fewer than 2 valid elements in all.
+    """
+    import torch.distributed as dist
+
+    mask = _as_bool(mask, values).expand_as(values)
+    if not (all_ranks and dist.is_available() and dist.is_initialized()):
+        return masked_mean(values, mask), masked_var(values, mask)
+    picked = select(values, mask).to(torch.float64)
+    totals = torch.stack([picked.sum(), mask.sum().to(torch.float64)])
+    dist.all_reduce(totals, group=group)
+    count = int(totals[1].item())
+    if count < 2:
+        raise ValueError(
+            f"masked_moments needs at least 2 valid elements over all ranks, got {count}"
+        )
+    mean = totals[0] / totals[1]
+    squares = select((values.to(torch.float64) - mean) ** 2, mask).sum()
+    dist.all_reduce(squares, group=group)
+    variance = squares / (count - 1)
+    return mean.to(values.dtype), variance.to(values.dtype)
+
+
 def masked_whiten(
-    values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8
+    values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
+    all_ranks: bool = False, group: object | None = None,
 ) -> Tensor:
     """Normalise the valid elements to zero mean and unit (unbiased) variance.
 
     ``(x - mu) * rsqrt(var + eps)``; with ``shift_mean=False`` the mean is added back, so only the
-    scale changes. Masked positions of the result are 0.
+    scale changes. Masked positions of the result are 0. With ``all_ranks`` the moments are
+    those of all data-parallel ranks together (:func:`masked_moments`).
 
     Args:
         values: any shape, e.g. advantages ``[B, T]``.
         mask: broadcastable to ``values``.
     """
     mask = _as_bool(mask, values)
-    mean = masked_mean(values, mask)
-    variance = masked_var(values, mask)
+    mean, variance = masked_moments(values, mask, all_ranks, group)
     whitened = (select(values, mask) - mean) * torch.rsqrt(variance + eps)
     if not shift_mean:
         whitened = whitened + mean

@@ -14,6 +14,7 @@ from torch import Tensor
 
 __all__ = [
     "GeneratedBatch",
+    "concat_generated",
     "decode_responses",
     "encode_prompts",
     "generate_responses",
@@ -103,3 +104,25 @@ def decode_responses(tokenizer, response_ids: Tensor, response_mask: Tensor) -> 
         kept = [t for t, keep in zip(ids, mask, strict=True) if keep and t != tokenizer.eos_token_id]
         texts.append(tokenizer.decode(kept, skip_special_tokens=True))
     return texts
+
+
+def concat_generated(batches: list[GeneratedBatch], pad_token_id: int) -> GeneratedBatch:
+    """Join batches sampled separately: prompts re-padded on the left, responses on the right."""
+    if len(batches) == 1:
+        return batches[0]
+    prompt_len = max(b.prompt_ids.shape[1] for b in batches)
+    response_len = max(b.response_ids.shape[1] for b in batches)
+
+    def left(x: Tensor, width: int, value: int) -> Tensor:
+        return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
+
+    def right(x: Tensor, width: int, value: int | bool) -> Tensor:
+        return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
+
+    return GeneratedBatch(
+        prompt_ids=torch.cat([left(b.prompt_ids, prompt_len, pad_token_id) for b in batches]),
+        prompt_mask=torch.cat([left(b.prompt_mask, prompt_len, 0) for b in batches]),
+        response_ids=torch.cat([right(b.response_ids, response_len, pad_token_id) for b in batches]),
+        response_mask=torch.cat([right(b.response_mask, response_len, False) for b in batches]),
+        has_eos=torch.cat([b.has_eos for b in batches]),
+    )

@@ -6,7 +6,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from ppo_core import LOSS_AGG_MODES, accumulate_gradients, count_units, micro_batch_slices
+from ppo_core import (
+    LOSS_AGG_MODES,
+    accumulate_gradients,
+    count_units,
+    micro_batch_slices,
+    whiten_advantages,
+)
 from tests.math.toy import ToyPolicy, ppo_micro_loss, random_batch
 
 BATCH, LENGTH, SEED = 8, 6, 11
@@ -44,6 +50,7 @@ def run(rank: int, world_size: int, init_method: str, out_path: str) -> None:
                 "global_count": result.global_count,
                 "local_count": result.local_count,
             }
+        results["whitened"] = whiten_advantages(shard.advantages, shard.response_mask, all_ranks=True)
         torch.save(results, f"{out_path}.{rank}")
     finally:
         dist.destroy_process_group()

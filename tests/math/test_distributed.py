@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from ppo_core import LOSS_AGG_MODES
+from ppo_core import LOSS_AGG_MODES, whiten_advantages
 from tests.math import dist_worker
 from tests.math.test_accumulation import relative_error
 from tests.math.toy import ToyPolicy, ppo_micro_loss
@@ -32,6 +32,9 @@ def test_two_ranks_match_one_process(tmp_path):
     )
     ranks = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world_size)]
     data = dist_worker.shared_batch()
+    # advantages are whitened with the moments of all ranks' rows together
+    whole = whiten_advantages(data.advantages, data.response_mask)
+    torch.testing.assert_close(torch.cat([r["whitened"] for r in ranks]), whole, rtol=1e-12, atol=1e-12)
     for mode in LOSS_AGG_MODES:
         model = ToyPolicy(seed=0)
         parts, _ = ppo_micro_loss(model, data, mode)

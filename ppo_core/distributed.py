@@ -1,0 +1,58 @@
+"""Data-parallel setup for the train stage under ``torchrun`` (layer 3).
+
+``torchrun --nproc_per_node N -m flows.cli train ...`` sets ``RANK``, ``WORLD_SIZE``,
+``LOCAL_RANK`` and the rendezvous address; :func:`init_distributed` joins the process group
+(gloo on CPU, NCCL on CUDA). Without those variables everything runs in one process.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["DataParallel", "init_distributed"]
+
+
+@dataclass(frozen=True)
+class DataParallel:
+    """Where this process stands among the data-parallel ranks."""
+
+    rank: int = 0
+    world_size: int = 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def active(self) -> bool:
+        return self.world_size > 1
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    def rows(self, per_rank: int) -> tuple[int, int]:
+        """The rows ``[start, stop)`` of the global rollout batch that this rank holds."""
+        return self.rank * per_rank, (self.rank + 1) * per_rank
+
+
+def init_distributed(device: torch.device) -> tuple[DataParallel, torch.device]:
+    """Join the process group described by torchrun's environment, if any.
+
+    Returns the rank information and the device this rank should use (``cuda:LOCAL_RANK`` on
+    GPUs).
+    """
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return DataParallel(), device
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend=backend)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    return DataParallel(rank=dist.get_rank(), world_size=dist.get_world_size()), device
