@@ -46,7 +46,7 @@ from ppo_core.modeling.policy import (
     load_tokenizer,
     score_sequences,
 )
-from ppo_core.modeling.reward_loading import checked_scores
+from ppo_core.modeling.reward_loading import build_reward_fn, checked_scores
 
 __all__ = [
     "MetricsLogger",
@@ -411,8 +411,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, *, kind: str, warmup: int,
 
 
 def build_reward(config: Config, device: torch.device) -> Callable[[list[str], list[str]], Tensor]:
-    from ppo_core.modeling.reward_loading import build_reward_fn
-
     return build_reward_fn(config.model.reward, device=device,
                            trust_remote_code=config.model.trust_remote_code)
 

@@ -191,3 +191,14 @@ def test_a_reward_that_raises_is_named(tmp_path, tiny_model_dir, prompt_files):
         train(small_config(tmp_path, tiny_model_dir, prompt_files,
                            "model.reward=tests.test_trainer:raising_reward"))
     assert not (tmp_path / "checkpoints").exists()
+
+
+def nan_reward(prompts, responses):
+    return [float("nan")] * len(prompts)
+
+
+def test_a_nan_reward_stops_before_any_update(tmp_path, tiny_model_dir, prompt_files):
+    with pytest.raises(RewardError, match=r"nan_reward.*returned NaN or inf for responses \[0, 1"):
+        train(small_config(tmp_path, tiny_model_dir, prompt_files,
+                           "model.reward=tests.test_trainer:nan_reward"))
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()

@@ -6,7 +6,6 @@ safetensors, and a folder's own Python code runs only with ``trust_remote_code=T
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -241,7 +240,3 @@ def score_sequences(
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
-
-
-def read_json(path: Path) -> dict:
-    return json.loads(path.read_text())
