@@ -51,7 +51,7 @@ def _load(config_file: Path | None, overrides: list[str] | None):
 def _run(action):
     """Run a stage; turn the errors users can fix into one clear line and exit code 2."""
     from ppo_core.config import ConfigError
-    from ppo_core.modeling.checkpoint import CheckpointError
+    from ppo_core.modeling.checkpoint import CheckpointError, RunLockedError
     from ppo_core.modeling.data import PromptFileError
     from ppo_core.modeling.policy import ModelFolderError
     from ppo_core.modeling.reward_loading import RewardError
@@ -59,7 +59,7 @@ def _run(action):
     try:
         return action()
     except (ConfigError, PromptFileError, ModelFolderError, RewardError, CheckpointError,
-            FileExistsError, FileNotFoundError) as exc:
+            FileExistsError, FileNotFoundError, RunLockedError) as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(code=2) from None
 

@@ -96,7 +96,14 @@ def retrain(repo_dir: str = ".", from_production: bool = False,
             without one yet, from the configured base.
         params: extra dotted params.yaml updates for this run, e.g. {"ppo.epochs": 2}.
     """
+    from ppo_core.modeling.checkpoint import exclusive_run
+
     repo_dir = str(Path(repo_dir).resolve())
+    with exclusive_run(Path(repo_dir) / ".retrain.lock", "retraining run in this repository"):
+        return _retrain(repo_dir, from_production, params)
+
+
+def _retrain(repo_dir: str, from_production: bool, params: dict[str, Any] | None) -> dict[str, Any]:
     updates = dict(params or {})
     if from_production:
         version = _production_version(repo_dir)

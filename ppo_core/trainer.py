@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
@@ -31,9 +32,9 @@ from ppo_core.math.masked import masked_moments, masked_sum
 from ppo_core.math.running_mean import RunningMean
 from ppo_core.modeling.checkpoint import (
     atomic_folder,
-    latest_checkpoint,
+    exclusive_run,
     list_checkpoints,
-    load_checkpoint_state,
+    load_latest_good,
     save_checkpoint,
 )
 from ppo_core.modeling.data import load_prompts, read_manifest_hash
@@ -265,6 +266,7 @@ def ppo_update(
     all-reduce still happens). The result equals one process holding every row.
     """
     parameters = [p for p in actor_critic.parameters() if p.requires_grad]
+    names = {id(p): name for name, p in actor_critic.named_parameters()}
     no_sync = getattr(actor_critic, "no_sync", None)
     totals: dict[str, RunningMean] = {}
     steps = 0
@@ -316,7 +318,7 @@ def ppo_update(
                 count_fn=lambda mb: count_units(mb.response_mask, loss_agg_mode),
                 group=group, no_sync=no_sync,
             )
-            grad_norm = _clip_and_check(parameters, max_grad_norm)
+            grad_norm = _clip_and_check(parameters, max_grad_norm, names)
             optimizer.step()
             steps += 1
             stats = {name: value.all_reduce(group) for name, value in result.stats.items()}
@@ -336,14 +338,19 @@ def ppo_update(
     return metrics
 
 
-def _clip_and_check(parameters: Sequence[torch.nn.Parameter], max_grad_norm: float | None) -> float:
-    """Clip the global gradient norm; refuse to step on a non-finite gradient."""
+def _clip_and_check(parameters: Sequence[torch.nn.Parameter], max_grad_norm: float | None,
+                    names: dict[int, str] | None = None) -> float:
+    """Clip the global gradient norm; refuse to step on a non-finite gradient, naming the first
+    parameter whose gradient holds a NaN or inf."""
     limit = max_grad_norm if max_grad_norm is not None else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parameters, limit)
     if not torch.isfinite(norm):
+        culprit = next((p for p in parameters
+                        if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+        where = (names or {}).get(id(culprit), "a parameter") if culprit is not None else "?"
         raise NonFiniteError(
-            f"the gradient norm is {norm.item()}: a NaN or inf reached the loss or the gradient; "
-            "the optimizer step was not taken"
+            f"the gradient norm is {norm.item()} (first non-finite gradient: {where}): a NaN or "
+            "inf reached the loss or the gradient; the optimizer step was not taken"
         )
     return float(norm)
 
@@ -421,7 +428,18 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
 
     Writes checkpoints to ``train.checkpoint_dir`` and the final policy, with its config and
     lineage, to ``train.output_dir`` (atomically; a failed run leaves the previous one in place).
+    A second run on the same checkpoint folder refuses to start while the first one runs.
     """
+    checkpoints = Path(config.train.checkpoint_dir)
+    lock = checkpoints.parent / f".{checkpoints.name}.lock"
+    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 holds the lock
+        return _train(config, loggers, on_samples)
+    with exclusive_run(lock, f"training run on {checkpoints}"):
+        return _train(config, loggers, on_samples)
+
+
+def _train(config: Config, loggers: Sequence[MetricsLogger],
+           on_samples: Callable[[int, list[str], list[str]], None] | None) -> TrainSummary:
     # 0. Setup: numerics, data, models, optimizer.
     if config.threads:
         torch.set_num_threads(config.threads)
@@ -435,8 +453,11 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
     train_prompts = load_prompts(config.data.train_file, config.data.prompt_field)
     tokenizer = load_tokenizer(config.model.policy, trust)
     data_hash = read_manifest_hash(config.data.train_file)
-    checkpoint = latest_checkpoint(config.train.checkpoint_dir) if config.train.resume else None
-    loaded = load_checkpoint_state(checkpoint) if checkpoint is not None else None
+    checkpoint, loaded, damaged = (
+        load_latest_good(config.train.checkpoint_dir) if config.train.resume else (None, None, [])
+    )
+    for problem in damaged:
+        warnings.warn(f"skipping damaged checkpoint {problem}", stacklevel=2)
     if loaded is not None:
         reason = resume_mismatch(config, loaded["state"], data_hash)
         if reason is not None:

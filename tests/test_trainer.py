@@ -202,3 +202,40 @@ def test_a_nan_reward_stops_before_any_update(tmp_path, tiny_model_dir, prompt_f
         train(small_config(tmp_path, tiny_model_dir, prompt_files,
                            "model.reward=tests.test_trainer:nan_reward"))
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
+
+
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, tiny_model_dir, prompt_files):
+    reference = tmp_path / "reference"
+    train(small_config(reference, tiny_model_dir, prompt_files))
+    run = tmp_path / "run"
+    train(small_config(run, tiny_model_dir, prompt_files))
+    weights = run / "checkpoints" / "step-000002" / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated, as by a full disk
+    (run / "candidate").rename(run / "old-candidate")
+    with pytest.warns(UserWarning, match=r"skipping damaged checkpoint step-000002: .*damaged"):
+        summary = train(small_config(run, tiny_model_dir, prompt_files))
+    assert summary.resumed_from == 1
+    assert max_relative_difference(parameters(run / "candidate"), parameters(reference / "candidate")) == 0.0
+
+
+def test_a_non_finite_gradient_stops_the_step_and_names_the_parameter():
+    from ppo_core.trainer import NonFiniteError, _clip_and_check
+
+    layer = torch.nn.Linear(2, 2)
+    layer.weight.grad = torch.tensor([[1.0, float("nan")], [0.0, 0.0]])
+    layer.bias.grad = torch.zeros(2)
+    before = layer.weight.detach().clone()
+    with pytest.raises(NonFiniteError, match=r"first non-finite gradient: weight"):
+        _clip_and_check(list(layer.parameters()), 1.0, {id(p): n for n, p in layer.named_parameters()})
+    assert torch.equal(layer.weight.detach(), before)
+
+
+def test_a_second_run_on_the_same_checkpoints_refuses_to_start(tmp_path, tiny_model_dir, prompt_files):
+    from ppo_core.modeling.checkpoint import RunLockedError, exclusive_run
+
+    first_run = exclusive_run(tmp_path / ".checkpoints.lock", "training run")
+    refused = pytest.raises(RunLockedError, match=r"another training run on .*checkpoints is running \(pid \d+")
+    with first_run, refused:
+        train(small_config(tmp_path, tiny_model_dir, prompt_files))
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
+    train(small_config(tmp_path, tiny_model_dir, prompt_files, "train.iterations=1"))  # free again

@@ -9,12 +9,14 @@ and loaded with ``torch.load(weights_only=True)``: nothing is unpickled.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +24,14 @@ import torch
 
 __all__ = [
     "CheckpointError",
+    "RunLockedError",
     "atomic_folder",
+    "exclusive_run",
     "file_sha256",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint_state",
+    "load_latest_good",
     "save_checkpoint",
     "verify_checksums",
 ]
@@ -145,6 +150,22 @@ def latest_checkpoint(checkpoint_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
+def load_latest_good(checkpoint_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None,
+                                                       list[str]]:
+    """The newest checkpoint that verifies, its state, and one line per damaged newer one.
+
+    A damaged checkpoint (a truncated or changed file) is skipped, never deleted, so that it can
+    be inspected; the previous good one is used instead.
+    """
+    problems: list[str] = []
+    for folder in reversed(list_checkpoints(checkpoint_dir)):
+        try:
+            return folder, load_checkpoint_state(folder), problems
+        except (CheckpointError, OSError, ValueError, RuntimeError) as exc:
+            problems.append(f"{folder.name}: {exc}")
+    return None, None, problems
+
+
 def load_checkpoint_state(folder: str | Path) -> dict[str, Any]:
     """Verify and read a checkpoint: ``state``, ``optimizer``, ``scheduler`` and the model path."""
     folder = Path(folder)
@@ -159,3 +180,39 @@ def load_checkpoint_state(folder: str | Path) -> dict[str, Any]:
     )
     return {"state": state, "optimizer": optimizer, "scheduler": scheduler,
             "model_dir": folder / MODEL_DIR}
+
+
+class RunLockedError(RuntimeError):
+    """Another run holds the lock on the same outputs."""
+
+
+@contextlib.contextmanager
+def exclusive_run(lock_file: str | Path, what: str) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_file`` for the duration, or refuse at once.
+
+    Two runs writing the same checkpoints or registry would corrupt each other's work; the second
+    one stops with a message naming the holder instead of waiting silently. The lock is an OS
+    file lock, so a killed holder releases it.
+    """
+    import fcntl
+
+    path = Path(lock_file)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a+")
+    try:
+        try:
+            fcntl.flock(handle.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "unknown"
+            raise RunLockedError(
+                f"another {what} is running ({holder}; lock {path}); wait for it to finish or "
+                "stop it, then start again"
+            ) from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}")
+        handle.flush()
+        yield
+    finally:
+        handle.close()

@@ -72,3 +72,13 @@ def test_bad_data_stops_the_flow_at_validation(tiny_project, prefect_harness, mo
     assert {p.name: p.read_bytes() for p in prepared.iterdir()} == before
     assert (tiny_project / "models" / "production" / "v0001" / "model.safetensors").read_bytes() == production
     assert (tiny_project / "models" / "registry.json").read_text() == registry
+
+
+def test_a_second_retraining_run_refuses_while_one_runs(tmp_path, prefect_harness):
+    from flows.pipeline import retrain
+    from ppo_core.modeling.checkpoint import RunLockedError, exclusive_run
+
+    holder = exclusive_run(tmp_path / ".retrain.lock", "retraining run")  # e.g. the schedule's
+    refused = pytest.raises(RunLockedError, match="another retraining run in this repository")
+    with holder, refused:
+        retrain(repo_dir=str(tmp_path))
