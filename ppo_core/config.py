@@ -8,6 +8,7 @@ the trainer unpack the config into keyword arguments: it never enters the math.
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -315,8 +316,19 @@ def _explain(exc: OmegaConfBaseException, path: Path | str | None) -> str:
     where = f" (in {path} or the overrides)" if path else ""
     first = str(exc).splitlines()[0]
     if "not in" in first or "Key" in type(exc).__name__:
-        return f"unknown config key {key!r}{where}: {first}. Run `ppo config` to list the keys."
+        close = difflib.get_close_matches(key, _all_keys(), n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        return f"unknown config key {key!r}{where}: {first}.{hint} Run `ppo config` to list the keys."
     return f"bad value for config key {key!r}{where}: {first}"
+
+
+def _all_keys() -> list[str]:
+    def walk(node: Any, prefix: str) -> list[str]:
+        if isinstance(node, dict):
+            return [k for name, value in node.items() for k in walk(value, f"{prefix}{name}.")]
+        return [prefix[:-1]]
+
+    return walk(OmegaConf.to_container(OmegaConf.structured(Config)), "")
 
 
 def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:

@@ -20,7 +20,7 @@ def test_file_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["ppo.micro_bach_size=4"], r"unknown config key 'ppo.micro_bach_size'"),
+        (["ppo.micro_bach_size=4"], r"unknown config key 'ppo.micro_bach_size'.*Did you mean 'ppo.micro_batch_size'"),
         (["optim.lr=fast"], r"bad value for config key 'optim.lr'.*'fast'"),
         (["seed=1.5"], r"config key 'seed'"),
         (["ppo.micro_batch_size=6"], r"micro_batch_size=6 does not divide mini_batch_size=16"),
