@@ -357,7 +357,8 @@ def _clip_and_check(parameters: Sequence[torch.nn.Parameter], max_grad_norm: flo
 
 # Keys that may change between a run and its resumption without changing what it computes.
 RESUME_FREE_KEYS = ("train.iterations", "train.checkpoint_every", "train.keep_checkpoints",
-                    "train.log_every", "train.resume", "threads", "eval.")
+                    "train.log_every", "train.resume", "threads", "eval.", "promote.",
+                    "schedule.", "validation.")
 
 
 def resume_mismatch(config: Config, state: dict[str, Any], data_hash: str | None) -> str | None:
