@@ -322,13 +322,20 @@ def _explain(exc: OmegaConfBaseException, path: Path | str | None) -> str:
     return f"bad value for config key {key!r}{where}: {first}"
 
 
-def _all_keys() -> list[str]:
-    def walk(node: Any, prefix: str) -> list[str]:
-        if isinstance(node, dict):
-            return [k for name, value in node.items() for k in walk(value, f"{prefix}{name}.")]
-        return [prefix[:-1]]
+def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
+    """A config (dataclass, DictConfig or YAML-loaded dict) as ``{"ppo.epochs": 4, ...}``."""
+    if not isinstance(node, dict):
+        node = OmegaConf.to_container(OmegaConf.structured(node) if not isinstance(node, DictConfig)
+                                      else node)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        name = f"{prefix}{key}"
+        out.update(flatten(value, f"{name}.") if isinstance(value, dict) else {name: value})
+    return out
 
-    return walk(OmegaConf.to_container(OmegaConf.structured(Config)), "")
+
+def _all_keys() -> list[str]:
+    return list(flatten(Config()))
 
 
 def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:

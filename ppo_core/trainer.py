@@ -21,7 +21,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from ppo_core.config import Config, save_config, to_yaml
+from ppo_core.config import Config, flatten, save_config, to_yaml
 from ppo_core.distributed import init_distributed
 from ppo_core.math.accumulation import accumulate_gradients
 from ppo_core.math.batching import micro_batch_slices, minibatch_indices
@@ -212,22 +212,16 @@ def collect_rollout(
         "rollout/response_length": mask.sum(dim=1).float(),
         "rollout/eos_rate": generated.has_eos.float(),
     }
-    group = None if all_ranks else _LOCAL_ONLY
-    metrics = {name: _mean_over_ranks(RunningMean.from_sum(v.sum(), len(v)), group)
-               for name, v in per_sequence.items()}
-    metrics["rollout/value_mean"] = _mean_over_ranks(RunningMean.from_masked(old_values_t, mask), group)
-    _, score_var = masked_moments(raw_scores, torch.ones_like(raw_scores, dtype=torch.bool),
-                                  all_ranks=all_ranks) if len(prompts) > 1 or all_ranks else (0, 0.0)
-    metrics["rollout/score_std"] = float(score_var) ** 0.5
+    means = {name: RunningMean.from_sum(v.sum(), len(v)) for name, v in per_sequence.items()}
+    means["rollout/value_mean"] = RunningMean.from_masked(old_values_t, mask)
+    metrics = {name: (m.all_reduce() if all_ranks else m).item() for name, m in means.items()}
+    every_row = torch.ones_like(raw_scores, dtype=torch.bool)
+    metrics["rollout/score_std"] = (
+        float(masked_moments(raw_scores, every_row, all_ranks=all_ranks)[1]) ** 0.5
+        if len(prompts) > 1 or all_ranks else 0.0
+    )
     metrics["rollout/kl_coef"] = float(kl_coef)
     return batch, metrics, responses
-
-
-_LOCAL_ONLY = object()
-
-
-def _mean_over_ranks(value: RunningMean, group: object | None) -> float:
-    return (value if group is _LOCAL_ONLY else value.all_reduce(group)).item()
 
 
 def ppo_update(
@@ -367,15 +361,8 @@ def resume_mismatch(config: Config, state: dict[str, Any], data_hash: str | None
         return f"it was trained on data version {state.get('data_hash')}, this run has {data_hash}"
     from omegaconf import OmegaConf
 
-    def flat(container: Any, prefix: str = "") -> dict[str, Any]:
-        out: dict[str, Any] = {}
-        for key, value in container.items():
-            name = f"{prefix}{key}"
-            out.update(flat(value, f"{name}.") if isinstance(value, dict) else {name: value})
-        return out
-
-    before = flat(OmegaConf.to_container(OmegaConf.create(state.get("config", "{}"))))
-    now = flat(OmegaConf.to_container(OmegaConf.structured(config)))
+    before = flatten(OmegaConf.create(state.get("config", "{}")))
+    now = flatten(config)
     changed = sorted(k for k in before.keys() | now.keys()
                      if before.get(k) != now.get(k) and not k.startswith(RESUME_FREE_KEYS))
     if changed:
@@ -512,17 +499,14 @@ def _train(config: Config, loggers: Sequence[MetricsLogger],
                 "base_model": str(config.model.policy), "config": to_yaml(config)}
 
     def write_checkpoint(iteration: int) -> None:
-        parallel.barrier()
-        if not parallel.is_main:
-            parallel.barrier()
-            return
-        save_checkpoint(
-            config.train.checkpoint_dir, iteration,
-            lambda folder: actor_critic.save(folder, tokenizer), optimizer, scheduler,
-            {"kl_coef": controller.value, "history": history, **lineage()},
-            keep=config.train.keep_checkpoints,
-        )
-        parallel.barrier()
+        if parallel.is_main:
+            save_checkpoint(
+                config.train.checkpoint_dir, iteration,
+                lambda folder: actor_critic.save(folder, tokenizer), optimizer, scheduler,
+                {"kl_coef": controller.value, "history": history, **lineage()},
+                keep=config.train.keep_checkpoints,
+            )
+        parallel.barrier()  # no rank runs ahead of a checkpoint it may have to resume from
 
     metrics: dict[str, float] = history[-1] if history else {}
     for iteration in range(start_iteration, config.train.iterations):

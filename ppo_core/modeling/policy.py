@@ -215,7 +215,7 @@ def score_sequences(
     attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     prompt_len = prompt_ids.shape[1]
     length = response_ids.shape[1]
-    if isinstance(model, ActorCritic) or _unwrap(model).__class__ is ActorCritic:
+    if isinstance(_unwrap(model), ActorCritic):
         logits, values = model(input_ids, attention_mask)
     else:
         logits = model(
