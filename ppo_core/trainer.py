@@ -92,6 +92,30 @@ class RolloutBatch:
     def rows(self, index: Tensor | slice) -> RolloutBatch:
         return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def trimmed(self) -> RolloutBatch:
+        """The same rows without the columns that are padding in every row: left prompt padding
+        and response positions after the longest response (at least one column is kept).
+
+        Exact: positions come from the attention mask, padded keys are masked out, and causal
+        attention means no kept position looks at a dropped later one; the loss sums over
+        masked tokens only. A micro-batch of short responses then costs what its tokens cost.
+        """
+        prompt_cols = self.prompt_mask.any(dim=0).nonzero()
+        response_cols = self.response_mask.any(dim=0).nonzero()
+        first = int(prompt_cols[0]) if len(prompt_cols) else 0
+        end = int(response_cols[-1]) + 1 if len(response_cols) else 1
+        if first == 0 and end == self.response_ids.shape[1]:
+            return self
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("prompt_"):
+                value = value[:, first:]
+            elif value.dim() == 2:
+                value = value[:, :end]
+            values[f.name] = value
+        return RolloutBatch(**values)
+
 
 @dataclass
 class TrainSummary:
@@ -270,14 +294,14 @@ def ppo_update(
         with autocast():
             out = score_sequences(
                 actor_critic, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                temperature=temperature, with_entropy=True,
+                temperature=temperature, with_entropy=True, entropy_grad=entropy_coef > 0,
             )
         mask = mb.response_mask
         pg = policy_loss(out.logprobs, mb.old_logprobs, mb.advantages, mask, clip_eps,
                          clip_eps_high, dual_clip)
         vf = value_loss(out.values, mb.old_values, mb.returns, mask, clip_eps_value)
         token_losses = pg.token_losses + vf_coef * vf.token_losses
-        entropy = out.entropy if entropy_coef > 0 else out.entropy.detach()
+        entropy = out.entropy
         if entropy_coef > 0:
             token_losses = token_losses - entropy_coef * entropy
         parts = aggregate_loss(token_losses, mask, loss_agg_mode)
@@ -305,7 +329,8 @@ def ppo_update(
                 mini.response_mask = torch.zeros_like(mini.response_mask)
             else:
                 mini = batch.rows(mine.to(batch.response_ids.device))
-            micro_batches = [mini.rows(s) for s in micro_batch_slices(len(mini), micro_batch_size)]
+            micro_batches = [mini.rows(s).trimmed()
+                             for s in micro_batch_slices(len(mini), micro_batch_size)]
             optimizer.zero_grad(set_to_none=True)
             result = accumulate_gradients(
                 micro_batches, loss_fn,

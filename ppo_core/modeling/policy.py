@@ -6,6 +6,8 @@ safetensors, and a folder's own Python code runs only with ``trust_remote_code=T
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,6 +21,7 @@ __all__ = [
     "ModelFolderError",
     "ScoredBatch",
     "check_model_folder",
+    "fuse_activations",
     "load_actor_critic",
     "load_causal_lm",
     "load_tokenizer",
@@ -77,7 +80,24 @@ def load_causal_lm(path: str | Path, role: str = "policy", trust_remote_code: bo
     model = AutoModelForCausalLM.from_pretrained(
         folder, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None
     )
-    return model.eval()
+    return fuse_activations(model).eval()
+
+
+def fuse_activations(model: nn.Module) -> nn.Module:
+    """Swap the tanh-approximated GELU written as Python tensor ops (``NewGELUActivation``, GPT-2's
+    ``gelu_new``) for PyTorch's fused ``gelu(approximate="tanh")``, in place; returns ``model``.
+
+    Same formula (Hendrycks & Gimpel 2016, eq. for the tanh approximation), one kernel instead of
+    seven, so forward and backward passes are faster and keep fewer activations; outputs differ by
+    float round-off only. The config is untouched, so saved folders are as they were loaded.
+    """
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    for parent in list(model.modules()):
+        for name, child in parent.named_children():
+            if type(child) is NewGELUActivation:
+                setattr(parent, name, GELUTanh())
+    return model
 
 
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
@@ -102,7 +122,10 @@ class ActorCritic(nn.Module):
         self.value_head = value_head
         self.critic = critic
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor) -> tuple[Tensor, Tensor]:
+    def forward(self, input_ids: Tensor, attention_mask: Tensor,
+                logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
+        """With ``logits_to_keep=n > 0`` only the last ``n`` positions get logits (``[B, n, V]``);
+        values always cover all ``L`` positions."""
         position_ids = position_ids_from_mask(attention_mask)
         out = self.policy(
             input_ids=input_ids,
@@ -110,6 +133,7 @@ class ActorCritic(nn.Module):
             position_ids=position_ids,
             output_hidden_states=self.critic is None,
             use_cache=False,
+            **_keep_kwargs(self.policy, logits_to_keep),
         )
         if self.critic is None:
             hidden = out.hidden_states[-1]
@@ -153,9 +177,9 @@ def load_actor_critic(
     critic_trunk = None
     if critic == "separate":
         critic_folder = folder / CRITIC_DIR if (folder / CRITIC_DIR).is_dir() else folder
-        critic_trunk = AutoModel.from_pretrained(
+        critic_trunk = fuse_activations(AutoModel.from_pretrained(
             critic_folder, dtype=dtype, trust_remote_code=trust_remote_code
-        ).eval()
+        )).eval()
         hidden = _hidden_size(critic_trunk.config)
     value_head = nn.Linear(hidden, 1, dtype=torch.float32)
     head_file = folder / VALUE_HEAD_FILE
@@ -199,6 +223,7 @@ def score_sequences(
     temperature: float = 1.0,
     with_values: bool = True,
     with_entropy: bool = False,
+    entropy_grad: bool = False,
 ) -> ScoredBatch:
     """One forward pass over ``[prompt; response]`` giving the response tokens' logprobs.
 
@@ -207,6 +232,8 @@ def score_sequences(
         prompt_ids, prompt_mask: ``[B, P]``, left-padded.
         response_ids, response_mask: ``[B, T]``; positions after EOS are masked.
         temperature: the sampling temperature, so the logprobs describe the sampled distribution.
+        with_entropy: also return the per-token entropy ``[B, T]``; it carries a gradient only
+            with ``entropy_grad`` (an entropy bonus in the loss).
 
     Returns:
         :class:`ScoredBatch` with ``[B, T]`` tensors aligned with ``response_ids``.
@@ -215,22 +242,26 @@ def score_sequences(
     attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
     prompt_len = prompt_ids.shape[1]
     length = response_ids.shape[1]
+    # Logits at position t predict token t + 1, so the response needs those of the last
+    # length + 1 positions but the final one; the LM head skips the prompt where the model allows.
     if isinstance(_unwrap(model), ActorCritic):
-        logits, values = model(input_ids, attention_mask)
+        logits, values = model(input_ids, attention_mask, logits_to_keep=length + 1)
     else:
         logits = model(
             input_ids=input_ids, attention_mask=attention_mask,
             position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+            **_keep_kwargs(model, length + 1),
         ).logits
         values = None
-    # logits at position t predict token t + 1
-    response_logits = logits[:, prompt_len - 1 : prompt_len - 1 + length]
+    response_logits = logits[:, logits.shape[1] - length - 1 : -1]
     logprobs = logprobs_from_logits(response_logits, response_ids, temperature)
     entropy = None
     if with_entropy:
         from ppo_core.math.losses import entropy_from_logits
 
-        entropy = entropy_from_logits(response_logits, temperature)
+        # Entropy only enters the loss with an entropy bonus; as a metric it needs no graph.
+        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
+            entropy = entropy_from_logits(response_logits, temperature)
     if values is not None and with_values:
         values = values[:, prompt_len - 1 : prompt_len - 1 + length].float()
     else:
@@ -240,3 +271,17 @@ def score_sequences(
 
 def _unwrap(model: nn.Module) -> nn.Module:
     return getattr(model, "module", model)
+
+
+def _keep_kwargs(model: nn.Module, logits_to_keep: int) -> dict[str, int]:
+    """``{"logits_to_keep": n}`` where the model's ``forward`` takes it (most Hugging Face causal
+    LMs since transformers 4.50), else nothing: every position then gets logits."""
+    if logits_to_keep <= 0:
+        return {}
+    kind = type(_unwrap(model))
+    if kind not in _KEEP_SUPPORT:
+        _KEEP_SUPPORT[kind] = "logits_to_keep" in inspect.signature(kind.forward).parameters
+    return {"logits_to_keep": logits_to_keep} if _KEEP_SUPPORT[kind] else {}
+
+
+_KEEP_SUPPORT: dict[type, bool] = {}

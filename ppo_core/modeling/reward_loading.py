@@ -95,16 +95,16 @@ class _RewardModel:
     def __init__(self, folder: str, device: torch.device | str, trust_remote_code: bool):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from ppo_core.modeling.policy import check_model_folder
+        from ppo_core.modeling.policy import check_model_folder, fuse_activations
 
         path = check_model_folder(folder, "reward model")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = AutoModelForSequenceClassification.from_pretrained(
+        self.model = fuse_activations(AutoModelForSequenceClassification.from_pretrained(
             path, trust_remote_code=trust_remote_code
-        ).to(device).eval()
+        )).to(device).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device = device

@@ -1,0 +1,200 @@
+"""PPO throughput side by side: this project's trainer against TRL 1.12's PPOTrainer.
+
+Both sides run in the same invocation, on the same machine, one after the other, on the same
+work: the same GPT-2 config (random weights saved once to a folder both sides load), the same
+tokenizer and prompts, the same sequence-classification reward model, a separate full value model
+(TRL requires one; here ``model.critic=separate``), a frozen reference, the same rollout batch,
+mini-batch, micro-batch, PPO epochs and response length, fp32 and the same thread count.
+
+The work per iteration is counted as ``batch x response_length`` generated positions on both
+sides (random weights rarely emit EOS, so both sides generate the full length). Each run does
+``--iterations`` iterations; the first is warm-up and dropped; the median of the rest is the
+run's number, and the table gives the median over ``--repeats`` runs. Ours runs with its exact
+token-level normalisation (``loss_agg_mode=token-mean`` over the whole mini-batch); TRL averages
+per micro-batch.
+
+    bash bench/setup_trl.sh            # once: bench/.trl-venv with trl==1.12.0
+    .venv/bin/python bench/ppo_vs_trl.py [--batches 16 64 128] [--repeats 3]
+
+Writes ``bench/results/ppo_vs_trl.json`` and ``docs/ppo-vs-trl.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TRL_PYTHON = ROOT / "bench" / ".trl-venv" / "bin" / "python"
+MODELS = {"2x128": dict(n_layer=2, n_embd=128, n_head=4), "4x256": dict(n_layer=4, n_embd=256, n_head=4)}
+
+
+def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
+    """Save a random-weight policy, a reward/value seq-cls model and a prompt file to ``work``."""
+    import torch
+    from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
+
+    from ppo_core.modeling.tiny_default import (
+        default_prompts,
+        generate_review_corpus,
+        tiny_gpt2_config,
+        train_tokenizer,
+    )
+
+    tokenizer = train_tokenizer(generate_review_corpus(4000, seed=0))
+    config = tiny_gpt2_config(len(tokenizer), n_positions=128, **MODELS[name])
+    torch.manual_seed(0)
+    policy = GPT2LMHeadModel(config)
+    policy.generation_config.pad_token_id = tokenizer.pad_token_id
+    policy.generation_config.eos_token_id = tokenizer.eos_token_id
+    torch.manual_seed(1)
+    reward = GPT2ForSequenceClassification(tiny_gpt2_config(len(tokenizer), n_positions=128,
+                                                            num_labels=1, **MODELS[name]))
+    paths = {"policy": work / name / "policy", "reward": work / name / "reward",
+             "prompts": work / "prompts.jsonl"}
+    for model, key in ((policy, "policy"), (reward, "reward")):
+        model.save_pretrained(paths[key])
+        tokenizer.save_pretrained(paths[key])
+    prompts = default_prompts(n_prompts, seed=0)
+    paths["prompts"].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return {k: str(v) for k, v in paths.items()}
+
+
+def run_ours(assets: dict[str, str], batch: int, args: argparse.Namespace, work: Path) -> list[dict]:
+    micro = min(batch, args.micro)
+    overrides = [
+        f"model.policy={assets['policy']}", f"model.reward={assets['reward']}", "model.critic=separate",
+        f"data.train_file={assets['prompts']}", f"threads={args.threads}", f"seed={args.seed}",
+        f"train.output_dir={work / 'candidate'}", f"train.checkpoint_dir={work / 'ckpt'}",
+        f"train.metrics_dir={work / 'metrics'}", "train.resume=false",
+        f"train.iterations={args.iterations}", f"train.checkpoint_every={args.iterations}",
+        f"ppo.rollout_batch_size={batch}", f"ppo.mini_batch_size={batch}",
+        f"ppo.micro_batch_size={micro}", f"ppo.generation_batch_size={batch}",
+        f"ppo.epochs={args.epochs}", "ppo.max_grad_norm=null", "ppo.vf_coef=0.1",
+        "ppo.loss_agg_mode=token-mean", f"generation.max_new_tokens={args.response_length}",
+        f"kl.coef={args.kl_coef}", f"optim.lr={args.lr}", "optim.betas=[0.9,0.999]",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    subprocess.run([str(Path(sys.executable).parent / "ppo"), "train", "--quiet", *overrides],
+                   cwd=ROOT, env=env, check=True, capture_output=True)
+    series = {}
+    for key in ("rollout_s", "update_s", "iteration_s"):
+        lines = (work / "metrics" / "plots" / "metrics" / "perf" / f"{key}.tsv").read_text().split("\n")[1:]
+        series[key] = [float(line.split("\t")[1]) for line in lines if line.strip()]
+    return [dict(zip(series, values, strict=True)) for values in zip(*series.values(), strict=True)]
+
+
+def run_trl(assets: dict[str, str], batch: int, args: argparse.Namespace, work: Path) -> list[dict]:
+    work.mkdir(parents=True, exist_ok=True)
+    job = {**assets, "batch": batch, "mini": batch, "micro": min(batch, args.micro),
+           "forward_batch": batch, "iterations": args.iterations, "epochs": args.epochs,
+           "response_length": args.response_length, "kl_coef": args.kl_coef, "lr": args.lr,
+           "seed": args.seed, "threads": args.threads, "output_dir": str(work / "out")}
+    (work / "job.json").write_text(json.dumps(job))
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), ACCELERATE_USE_CPU="true")
+    completed = subprocess.run(
+        [str(TRL_PYTHON), str(ROOT / "bench" / "trl_side.py"), "--job", str(work / "job.json"),
+         "--out", str(work / "times.json")], env=env, capture_output=True, text=True)
+    if completed.returncode:
+        raise SystemExit(f"TRL side failed:\n{completed.stderr[-4000:]}")
+    return json.loads((work / "times.json").read_text())["iterations"]
+
+
+def summarize(runs: list[list[dict]], tokens: int) -> dict[str, float]:
+    per_run = [{k: statistics.median(it[k] for it in run[1:]) for k in run[0]} for run in runs]
+    row = {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
+    row.update({f"{k.removesuffix('_s')}_tokens_per_s": tokens / row[k] for k in list(row)})
+    return row
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
+    for ax, phase in zip(axes, ("rollout", "update", "iteration"), strict=True):
+        labels, ours, theirs = [], [], []
+        for key, row in results.items():
+            labels.append(key.replace("/", "\nbatch "))
+            ours.append(row["ours"][f"{phase}_tokens_per_s"])
+            theirs.append(row["trl"][f"{phase}_tokens_per_s"])
+        xs = range(len(labels))
+        ax.bar([x - 0.2 for x in xs], ours, 0.4, label="ppo_core")
+        ax.bar([x + 0.2 for x in xs], theirs, 0.4, label="TRL 1.12")
+        ax.set_xticks(list(xs), labels, fontsize=8)
+        ax.set_title(f"{phase}: response tokens / s")
+    axes[0].legend()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batches", nargs="+", type=int, default=[16, 64, 128])
+    parser.add_argument("--micro", type=int, default=16, help="micro-batch size (both sides)")
+    parser.add_argument("--epochs", type=int, default=4)
+    parser.add_argument("--response-length", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--kl-coef", type=float, default=0.1)
+    parser.add_argument("--lr", type=float, default=1.5e-4)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ppo_vs_trl.json")
+    parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "ppo-vs-trl.png")
+    args = parser.parse_args()
+    if not TRL_PYTHON.exists():
+        raise SystemExit(f"{TRL_PYTHON} is missing: run `bash bench/setup_trl.sh` first")
+    raw: dict[str, dict[str, list]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name in args.models:
+            assets = build_assets(work, name, n_prompts=512)
+            for batch in args.batches:
+                key = f"{name}/{batch}"
+                raw[key] = {"ours": [], "trl": []}
+                for repeat in range(args.repeats):  # alternate sides so drift hits both
+                    raw[key]["ours"].append(run_ours(assets, batch, args, work / f"ours-{key}-{repeat}"))
+                    raw[key]["trl"].append(run_trl(assets, batch, args, work / f"trl-{key}-{repeat}"))
+                    print(f"{key} repeat {repeat}: ours {raw[key]['ours'][-1][-1]['iteration_s']:.3f} s, "
+                          f"TRL {raw[key]['trl'][-1][-1]['iteration_s']:.3f} s", flush=True)
+    results = {}
+    print(f"\n{'model/batch':>12} {'side':>6} {'rollout tok/s':>14} {'update tok/s':>13} "
+          f"{'total tok/s':>12} {'speed-up':>9}")
+    for key, sides in raw.items():
+        tokens = int(key.split("/")[1]) * args.response_length
+        results[key] = {side: summarize(runs, tokens) for side, runs in sides.items()}
+        results[key]["speedup"] = {
+            phase: results[key]["trl"][f"{phase}_s"] / results[key]["ours"][f"{phase}_s"]
+            for phase in ("rollout", "update", "iteration")}
+        for side in ("ours", "trl"):
+            row = results[key][side]
+            speedup = f"{results[key]['speedup']['iteration']:.2f}x" if side == "ours" else ""
+            print(f"{key:>12} {side:>6} {row['rollout_tokens_per_s']:>14.0f} "
+                  f"{row['update_tokens_per_s']:>13.0f} {row['iteration_tokens_per_s']:>12.0f} {speedup:>9}")
+    import torch
+    import transformers
+
+    machine = {"python": platform.python_version(), "torch": torch.__version__,
+               "transformers": transformers.__version__, "cpus": os.cpu_count(),
+               "processor": platform.processor() or platform.machine()}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
+                                    "machine": machine, "median": results, "raw": raw}, indent=1))
+    plot(results, args.plot)
+    print(f"\nwrote {args.out} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
