@@ -9,6 +9,7 @@ the trainer unpack the config into keyword arguments: it never enters the math.
 from __future__ import annotations
 
 import difflib
+import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,29 +293,51 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     Raises:
         ConfigError: unknown key, wrong type, malformed override, or a value out of range.
     """
+    import yaml
+
     merged: DictConfig = OmegaConf.structured(Config)
     try:
         if path is not None:
             path = Path(path)
             if not path.is_file():
                 raise ConfigError(f"config file {str(path)!r} does not exist")
-            merged = OmegaConf.merge(merged, OmegaConf.load(path))
-        for item in overrides:
-            if "=" not in item:
-                raise ConfigError(f"override {item!r} is not of the form key=value")
-        if overrides:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist(list(overrides)))
+            try:
+                loaded = OmegaConf.load(path)
+            except (yaml.YAMLError, UnicodeDecodeError) as exc:
+                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                raise ConfigError(f"config file {str(path)!r} is not valid YAML: {first}") from None
+            if not isinstance(loaded, DictConfig):
+                raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, "
+                                  f"not a {type(loaded).__name__}")
+            merged = OmegaConf.merge(merged, loaded)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_explain(exc, path)) from None
-    config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+        raise ConfigError(_explain(exc, f" (in {path})")) from None
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} is not of the form key=value")
+        try:
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+        except yaml.YAMLError as exc:
+            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise ConfigError(f"override {item!r}: the value is not valid YAML ({first})") from None
+        except OmegaConfBaseException as exc:
+            raise ConfigError(_explain(exc, f" (override {item!r})")) from None
+    try:
+        config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    except OmegaConfBaseException as exc:
+        raise ConfigError(_explain(exc, "")) from None
     validate_config(config)
     return config
 
 
-def _explain(exc: OmegaConfBaseException, path: Path | str | None) -> str:
+def _explain(exc: OmegaConfBaseException, where: str) -> str:
+    """One line naming the key and, in ``where``, the file or override it came from."""
     key = getattr(exc, "full_key", None) or "?"
-    where = f" (in {path} or the overrides)" if path else ""
     first = str(exc).splitlines()[0]
+    if "Interpolation" in type(exc).__name__:
+        return f"config key {key!r}{where}: cannot resolve an ${{...}} reference: {first}"
+    if key == "?":
+        return f"bad config{where}: {first}"
     if "not in" in first or "Key" in type(exc).__name__:
         close = difflib.get_close_matches(key, _all_keys(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -351,6 +374,9 @@ def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
 
 def validate_config(config: Config) -> None:
     """Check ranges, choices and the nesting of batch sizes; raise :class:`ConfigError`."""
+    for key, value in flatten(config).items():
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ConfigError(f"{key} must be a finite number, got {value}")
     _choice("device", config.device, ("auto", "cpu", "cuda"))
     _choice("precision", config.precision, ("fp32", "bf16"))
     _choice("model.critic", config.model.critic, ("shared", "separate"))

@@ -35,6 +35,7 @@ from ppo_core.modeling.checkpoint import (
     exclusive_run,
     list_checkpoints,
     load_latest_good,
+    remove_partial,
     save_checkpoint,
 )
 from ppo_core.modeling.data import load_prompts, read_manifest_hash
@@ -466,6 +467,9 @@ def _train(config: Config, loggers: Sequence[MetricsLogger],
     train_prompts = load_prompts(config.data.train_file, config.data.prompt_field)
     tokenizer = load_tokenizer(config.model.policy, trust)
     data_hash = read_manifest_hash(config.data.train_file)
+    if parallel.is_main:  # under the run lock: what a killed run left half-written goes first
+        for name in remove_partial(config.train.checkpoint_dir):
+            warnings.warn(f"removed {name}, left half-written by an interrupted run", stacklevel=2)
     checkpoint, loaded, damaged = (
         load_latest_good(config.train.checkpoint_dir) if config.train.resume else (None, None, [])
     )

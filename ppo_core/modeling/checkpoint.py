@@ -26,12 +26,14 @@ __all__ = [
     "CheckpointError",
     "RunLockedError",
     "atomic_folder",
+    "discard",
     "exclusive_run",
     "file_sha256",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint_state",
     "load_latest_good",
+    "remove_partial",
     "save_checkpoint",
     "verify_checksums",
 ]
@@ -62,6 +64,7 @@ def atomic_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
+    _restore_interrupted_swap(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         write(tmp)
@@ -77,6 +80,56 @@ def atomic_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return target
+
+
+def _restore_interrupted_swap(target: Path) -> None:
+    """A writer killed between its two renames left ``target`` missing and the previous version
+    under ``.{name}.old-{pid}``: put that version back (unless its writer is still alive)."""
+    if target.exists():
+        return
+    for old in sorted(target.parent.glob(f".{target.name}.old-*")):
+        pid = old.name.rsplit("-", 1)[-1]
+        if pid.isdigit() and _alive(int(pid)):
+            continue
+        old.rename(target)
+        return
+
+
+def _alive(pid: int) -> bool:
+    if pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def discard(folder: Path) -> None:
+    """Delete ``folder`` so that no half-deleted copy is ever visible under its name: it is
+    renamed to a hidden sibling first (one atomic step), then removed."""
+    hidden = folder.with_name(f".{folder.name}.discard-{os.getpid()}")
+    folder.rename(hidden)
+    shutil.rmtree(hidden, ignore_errors=True)
+
+
+def remove_partial(checkpoint_dir: str | Path) -> list[str]:
+    """Remove what killed writers left in ``checkpoint_dir``: hidden temporary, replaced and
+    half-deleted checkpoint folders. Call it only while holding the run lock. Returns their names.
+    """
+    folder = Path(checkpoint_dir)
+    if not folder.is_dir():
+        return []
+    removed = []
+    for path in folder.iterdir():
+        name = path.name
+        if name.startswith(f".{STEP_PREFIX}") and any(
+                tag in name for tag in (".tmp-", ".old-", ".discard-")):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(name)
+    return sorted(removed)
 
 
 def _fsync_tree(folder: Path) -> None:
@@ -131,7 +184,7 @@ def save_checkpoint(
 
     path = atomic_folder(checkpoint_dir / f"{STEP_PREFIX}{iteration:06d}", write)
     for old in list_checkpoints(checkpoint_dir)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
+        discard(old)
     return path
 
 

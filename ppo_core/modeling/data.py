@@ -8,6 +8,9 @@ from pathlib import Path
 __all__ = ["PromptFileError", "load_prompts", "read_manifest_hash"]
 
 
+MAX_LINE_BYTES = 1 << 20  # one prompt record; longer lines are rejected before being read whole
+
+
 class PromptFileError(ValueError):
     """A prompt file is missing, malformed or empty; the message names the file and line."""
 
@@ -26,7 +29,11 @@ def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = Fa
     if path.suffix == ".parquet":
         import pandas as pd
 
-        frame = pd.read_parquet(path)
+        try:
+            frame = pd.read_parquet(path)
+        except Exception as exc:  # pyarrow raises many kinds for a damaged or foreign file
+            raise PromptFileError(f"{path}: not a readable parquet file ({type(exc).__name__}: "
+                                  f"{str(exc)[:200]})") from None
         if field not in frame.columns:
             raise PromptFileError(
                 f"{path}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
@@ -35,11 +42,19 @@ def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = Fa
         for row, value in enumerate(frame[field].tolist()):
             if not isinstance(value, str) or not (value.strip() or allow_empty):
                 raise PromptFileError(f"{path}: row {row}: {field!r} is not a non-empty string")
+            if len(value) > MAX_LINE_BYTES:
+                raise PromptFileError(f"{path}: row {row}: {field!r} is {len(value)} characters "
+                                      f"long, over the limit of {MAX_LINE_BYTES}")
             prompts.append(value)
     elif path.suffix in (".jsonl", ".json"):
         prompts = []
         with path.open("rb") as handle:
-            for number, raw in enumerate(handle, start=1):
+            number = 0
+            while raw := handle.readline(MAX_LINE_BYTES + 1):
+                number += 1
+                if len(raw) > MAX_LINE_BYTES:
+                    raise PromptFileError(f"{path}:{number}: line longer than the limit of "
+                                          f"{MAX_LINE_BYTES} bytes")
                 prompts.extend(_parse_line(path, number, raw, field, allow_empty))
     else:
         raise PromptFileError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
@@ -59,11 +74,18 @@ def _parse_line(path: Path, number: int, raw: bytes, field: str, allow_empty: bo
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PromptFileError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
+    except RecursionError:
+        raise PromptFileError(f"{path}:{number}: JSON nested too deeply") from None
     if not isinstance(record, dict):
         raise PromptFileError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
     value = record.get(field)
     if not isinstance(value, str) or not (value.strip() or allow_empty):
         raise PromptFileError(f"{path}:{number}: field {field!r} is missing or not a non-empty string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a JSON escape of a lone surrogate, e.g. "\\ud800"
+        raise PromptFileError(f"{path}:{number}: field {field!r} holds a lone UTF-16 surrogate, "
+                              "which is not text") from None
     return [value]
 
 

@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# GPU throughput check: generation and PPO-update tokens/s and MFU in bf16 on the tiny default
+# config and a ~100M-parameter GPT-2 config. Needs a CUDA build of torch in .venv
+# (make setup TORCH_SPEC=torch on a CUDA machine). Writes bench/results/gpu_throughput.json.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
+"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
+"$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
+"$PY" bench/gpu_throughput.py --device cuda --precision bf16 --configs tiny gpt2-100m \
+    --batch 128 --micro 32 --prompt-length 64 --response-length 128 --steps 5 "$@"
+# the same in fp32, for the bf16 gain
+"$PY" bench/gpu_throughput.py --device cuda --precision fp32 --configs gpt2-100m --batch 128 \
+    --micro 32 --steps 3 --out bench/results/gpu_throughput_fp32.json
