@@ -7,6 +7,7 @@ its current value.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from pathlib import Path
@@ -48,6 +49,9 @@ def _load(config_file: Path | None, overrides: list[str] | None):
     return load_config(config_file, overrides or [])
 
 
+WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
 def _run(action):
     """Run a stage; turn the errors users can fix into one clear line and exit code 2."""
     from ppo_core.config import ConfigError
@@ -55,12 +59,22 @@ def _run(action):
     from ppo_core.modeling.data import PromptFileError
     from ppo_core.modeling.policy import ModelFolderError
     from ppo_core.modeling.reward_loading import RewardError
+    from ppo_core.registry import RegistryError
 
     try:
         return action()
     except (ConfigError, PromptFileError, ModelFolderError, RewardError, CheckpointError,
-            FileExistsError, FileNotFoundError, RunLockedError) as exc:
+            FileExistsError, FileNotFoundError, RunLockedError, RegistryError) as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(code=2) from None
+    except OSError as exc:
+        if exc.errno not in WRITE_ERRNOS:
+            raise
+        # disk full, read-only or forbidden folder: outputs are written atomically, so nothing
+        # half-written is left behind and the previous versions stay in place
+        where = f": {exc.filename}" if exc.filename else ""
+        console.print(f"[bold red]error:[/] {exc.strerror or exc}{where}; nothing was replaced",
+                      soft_wrap=True)
         raise typer.Exit(code=2) from None
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -372,11 +373,57 @@ def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
 
 
+# Folders and files a run writes or replaces, by config key.
+WRITE_KEYS = ("data.interim_dir", "data.prepared_dir", "validation.report_dir", "train.output_dir",
+              "train.checkpoint_dir", "train.metrics_dir", "eval.output_dir",
+              "promote.production_dir", "promote.registry")
+# Inputs a run must never replace (model.policy is written by the base stage only).
+READ_KEYS = ("model.policy", "model.reference", "base.source")
+
+
+def check_write_paths(config: Config) -> None:
+    """Write targets stay where they are meant to be; raise :class:`ConfigError` otherwise.
+
+    A relative write path may not climb out of the working folder with ``..`` (an absolute path
+    is an explicit choice and is taken as given). No two write targets may be the same folder or
+    one inside the other, and none may be, or sit inside, a model the run reads or the
+    production folder, so that a run cannot replace its own inputs or a promoted version.
+    """
+    flat = flatten(config)
+    writes = {key: Path(flat[key]) for key in WRITE_KEYS}
+    for key, path in writes.items():
+        if not path.is_absolute() and os.path.normpath(path).split(os.sep)[0] == "..":
+            raise ConfigError(f"{key}={str(path)!r} leaves the working folder through '..'; "
+                              "keep outputs inside the project or give an absolute path")
+
+    def inside(a: Path, b: Path) -> bool:
+        a, b = Path(os.path.abspath(a)), Path(os.path.abspath(b))
+        return a == b or b in a.parents
+
+    keys = list(writes)
+    for i, first in enumerate(keys):
+        for second in keys[i + 1:]:
+            if inside(writes[first], writes[second]) or inside(writes[second], writes[first]):
+                raise ConfigError(f"{first}={str(writes[first])!r} and {second}="
+                                  f"{str(writes[second])!r} overlap; each output needs a folder "
+                                  "of its own")
+    for read_key in READ_KEYS:
+        if flat.get(read_key) is None or ":" in str(flat[read_key]):
+            continue
+        for key, path in writes.items():
+            if inside(path, Path(flat[read_key])) or inside(Path(flat[read_key]), path):
+                if read_key == "base.source" and key == "promote.production_dir":
+                    continue  # scheduled retraining starts from a production version: read only
+                raise ConfigError(f"{key}={str(path)!r} would write over {read_key}="
+                                  f"{flat[read_key]!r}; choose another folder")
+
+
 def validate_config(config: Config) -> None:
     """Check ranges, choices and the nesting of batch sizes; raise :class:`ConfigError`."""
     for key, value in flatten(config).items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
+    check_write_paths(config)
     _choice("device", config.device, ("auto", "cpu", "cuda"))
     _choice("precision", config.precision, ("fp32", "bf16"))
     _choice("model.critic", config.model.critic, ("shared", "separate"))

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import dataclass
@@ -18,6 +19,13 @@ from typing import Any
 from ppo_core.modeling.checkpoint import atomic_folder
 
 __all__ = ["GateDecision", "current_production", "gate", "load_registry", "record_decision"]
+
+
+VERSION_PATTERN = re.compile(r"v\d{4,}")
+
+
+class RegistryError(ValueError):
+    """The model registry file is unreadable or names something that is not a version."""
 
 
 @dataclass
@@ -53,10 +61,18 @@ def load_registry(path: str | Path) -> dict[str, Any]:
     try:
         registry = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ValueError(f"model registry {path} is not valid JSON ({exc.msg}); restore it from "
+        raise RegistryError(f"model registry {path} is not valid JSON ({exc.msg}); restore it from "
                          "git or DVC before promoting") from None
-    if not isinstance(registry, dict) or "entries" not in registry:
-        raise ValueError(f"model registry {path} has no 'entries' list")
+    if not isinstance(registry, dict) or not isinstance(registry.get("entries"), list):
+        raise RegistryError(f"model registry {path} has no 'entries' list")
+    # Version names become folder names under promote.production_dir: only vNNNN is accepted, so
+    # an edited registry cannot point a run at (or make it write to) a folder outside it.
+    names = [registry.get("current")] + [e.get("version") for e in registry["entries"]
+                                         if isinstance(e, dict)]
+    for name in names:
+        if name is not None and not (isinstance(name, str) and VERSION_PATTERN.fullmatch(name)):
+            raise RegistryError(f"model registry {path} names version {name!r}; versions are "
+                                "v0001, v0002, ...; restore the registry from git or DVC")
     return registry
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -76,8 +78,14 @@ def atomic_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
             shutil.rmtree(old, ignore_errors=True)
         else:
             tmp.rename(target)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        # Writers in other languages (safetensors) report a full disk as "... (os error 28)":
+        # raise it as the OSError it is, so callers can tell a full disk from a bug.
+        code = re.search(r"\(os error (\d+)\)", str(exc)) if not isinstance(exc, OSError) else None
+        if code:
+            number = int(code.group(1))
+            raise OSError(number, os.strerror(number), str(target)) from exc
         raise
     return target
 
@@ -176,9 +184,9 @@ def save_checkpoint(
 
     def write(tmp: Path) -> None:
         save_model(tmp / MODEL_DIR)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        _save_tensors(optimizer.state_dict(), tmp / "optimizer.pt")
         if scheduler is not None:
-            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            _save_tensors(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=1))
         _write_checksums(tmp)
 
@@ -224,15 +232,31 @@ def load_checkpoint_state(folder: str | Path) -> dict[str, Any]:
     folder = Path(folder)
     verify_checksums(folder)
     state = json.loads((folder / STATE_FILE).read_text())
-    optimizer = torch.load(folder / "optimizer.pt", weights_only=True, map_location="cpu")
+    optimizer = _load_tensors(folder / "optimizer.pt")
     scheduler_file = folder / "scheduler.pt"
-    scheduler = (
-        torch.load(scheduler_file, weights_only=True, map_location="cpu")
-        if scheduler_file.is_file()
-        else None
-    )
+    scheduler = _load_tensors(scheduler_file) if scheduler_file.is_file() else None
     return {"state": state, "optimizer": optimizer, "scheduler": scheduler,
             "model_dir": folder / MODEL_DIR}
+
+
+def _save_tensors(obj: Any, path: Path) -> None:
+    """``torch.save`` through memory, then one plain file write: a full disk or a read-only
+    folder raises ``OSError`` with its errno (torch's own writer reports those as a bare
+    ``RuntimeError: iostream error``)."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    with path.open("wb") as handle:
+        handle.write(buffer.getbuffer())
+
+
+def _load_tensors(path: Path) -> Any:
+    """``torch.load(weights_only=True)``: tensors and plain containers only; a file that asks to
+    build any other object is refused (never unpickled) with a :class:`CheckpointError`."""
+    try:
+        return torch.load(path, weights_only=True, map_location="cpu")
+    except Exception as exc:  # UnpicklingError, a truncated zip, ...
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(f"{path}: refused to load ({first})") from None
 
 
 class RunLockedError(RuntimeError):

@@ -51,7 +51,26 @@ def check_model_folder(path: str | Path, role: str = "model") -> Path:
             f"{role} folder {str(folder)!r} has no config.json; it is not a Hugging Face "
             "save_pretrained folder"
         )
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.safetensors.index.json")):
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+            p.name for p in folder.glob("*.pt*"))
+        found = f" (found {', '.join(pickled)}: pickle files are never loaded)" if pickled else ""
+        raise ModelFolderError(
+            f"{role} folder {str(folder)!r} has no safetensors weights{found}; save the model "
+            "with save_pretrained(..., safe_serialization=True)"
+        )
     return folder
+
+
+def from_pretrained_checked(loader, folder: Path, role: str, **kwargs):
+    """``loader.from_pretrained(folder, use_safetensors=True, ...)``, its failures turned into one
+    :class:`ModelFolderError` that names the role and folder (a folder whose code would have to
+    run without ``trust_remote_code``, a config transformers does not know, damaged weights)."""
+    try:
+        return loader.from_pretrained(folder, use_safetensors=True, **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelFolderError(f"cannot load {role} from {str(folder)!r}: {first}") from None
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -77,9 +96,8 @@ def load_causal_lm(path: str | Path, role: str = "policy", trust_remote_code: bo
     from transformers import AutoModelForCausalLM
 
     folder = check_model_folder(path, role)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, dtype=dtype, trust_remote_code=trust_remote_code, use_safetensors=None
-    )
+    model = from_pretrained_checked(AutoModelForCausalLM, folder, role, dtype=dtype,
+                                    trust_remote_code=trust_remote_code)
     return fuse_activations(model).eval()
 
 
@@ -177,8 +195,9 @@ def load_actor_critic(
     critic_trunk = None
     if critic == "separate":
         critic_folder = folder / CRITIC_DIR if (folder / CRITIC_DIR).is_dir() else folder
-        critic_trunk = fuse_activations(AutoModel.from_pretrained(
-            critic_folder, dtype=dtype, trust_remote_code=trust_remote_code
+        check_model_folder(critic_folder, "critic")
+        critic_trunk = fuse_activations(from_pretrained_checked(
+            AutoModel, critic_folder, "critic", dtype=dtype, trust_remote_code=trust_remote_code
         )).eval()
         hidden = _hidden_size(critic_trunk.config)
     value_head = nn.Linear(hidden, 1, dtype=torch.float32)

@@ -95,15 +95,20 @@ class _RewardModel:
     def __init__(self, folder: str, device: torch.device | str, trust_remote_code: bool):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-        from ppo_core.modeling.policy import check_model_folder, fuse_activations
+        from ppo_core.modeling.policy import (
+            check_model_folder,
+            from_pretrained_checked,
+            fuse_activations,
+        )
 
         path = check_model_folder(folder, "reward model")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = fuse_activations(AutoModelForSequenceClassification.from_pretrained(
-            path, trust_remote_code=trust_remote_code
+        self.model = fuse_activations(from_pretrained_checked(
+            AutoModelForSequenceClassification, path, "reward model",
+            trust_remote_code=trust_remote_code,
         )).to(device).eval()
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
