@@ -11,7 +11,11 @@ sides (random weights rarely emit EOS, so both sides generate the full length). 
 ``--iterations`` iterations; the first is warm-up and dropped; the median of the rest is the
 run's number, and the table gives the median over ``--repeats`` runs. Ours runs with its exact
 token-level normalisation (``loss_agg_mode=token-mean`` over the whole mini-batch); TRL averages
-per micro-batch.
+per micro-batch. Gradient-free rollout passes run ``batch`` rows at a time on both sides (TRL's
+``local_rollout_forward_batch_size``, our ``ppo.scoring_batch_size``).
+
+A third side, ``ours_shared``, is this project's default: the value head sits on the policy's
+trunk (``model.critic=shared``), which TRL cannot do; everything else is the same.
 
     bash bench/setup_trl.sh            # once: bench/.trl-venv with trl==1.12.0
     .venv/bin/python bench/ppo_vs_trl.py [--batches 16 64 128] [--repeats 3]
@@ -33,6 +37,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 TRL_PYTHON = ROOT / "bench" / ".trl-venv" / "bin" / "python"
+SIDES = ("ours", "ours_shared", "trl")
+REACHED: dict[str, object] = {}  # what TRL's run really used (precision, checkpointing)
+SIDE_NAMES = {"ours": "ppo_core, separate critic (same math as TRL)",
+              "ours_shared": "ppo_core, value head on the policy (default)", "trl": "TRL 1.12"}
 MODELS = {"2x128": dict(n_layer=2, n_embd=128, n_head=4), "4x256": dict(n_layer=4, n_embd=256, n_head=4)}
 
 
@@ -67,16 +75,18 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
-def run_ours(assets: dict[str, str], batch: int, args: argparse.Namespace, work: Path) -> list[dict]:
+def run_ours(assets: dict[str, str], batch: int, args: argparse.Namespace, work: Path,
+             critic: str = "separate") -> list[dict]:
     micro = min(batch, args.micro)
     overrides = [
-        f"model.policy={assets['policy']}", f"model.reward={assets['reward']}", "model.critic=separate",
+        f"model.policy={assets['policy']}", f"model.reward={assets['reward']}", f"model.critic={critic}",
         f"data.train_file={assets['prompts']}", f"threads={args.threads}", f"seed={args.seed}",
         f"train.output_dir={work / 'candidate'}", f"train.checkpoint_dir={work / 'ckpt'}",
         f"train.metrics_dir={work / 'metrics'}", "train.resume=false",
         f"train.iterations={args.iterations}", f"train.checkpoint_every={args.iterations}",
         f"ppo.rollout_batch_size={batch}", f"ppo.mini_batch_size={batch}",
         f"ppo.micro_batch_size={micro}", f"ppo.generation_batch_size={batch}",
+        f"ppo.scoring_batch_size={batch}",
         f"ppo.epochs={args.epochs}", "ppo.max_grad_norm=null", "ppo.vf_coef=0.1",
         "ppo.loss_agg_mode=token-mean", f"generation.max_new_tokens={args.response_length}",
         f"kl.coef={args.kl_coef}", f"optim.lr={args.lr}", "optim.betas=[0.9,0.999]",
@@ -104,7 +114,9 @@ def run_trl(assets: dict[str, str], batch: int, args: argparse.Namespace, work: 
          "--out", str(work / "times.json")], env=env, capture_output=True, text=True)
     if completed.returncode:
         raise SystemExit(f"TRL side failed:\n{completed.stderr[-4000:]}")
-    return json.loads((work / "times.json").read_text())["iterations"]
+    result = json.loads((work / "times.json").read_text())
+    REACHED.update(result["reached"])
+    return result["iterations"]
 
 
 def summarize(runs: list[list[dict]], tokens: int) -> dict[str, float]:
@@ -122,17 +134,14 @@ def plot(results: dict, path: Path) -> None:
 
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, phase in zip(axes, ("rollout", "update", "iteration"), strict=True):
-        labels, ours, theirs = [], [], []
-        for key, row in results.items():
-            labels.append(key.replace("/", "\nbatch "))
-            ours.append(row["ours"][f"{phase}_tokens_per_s"])
-            theirs.append(row["trl"][f"{phase}_tokens_per_s"])
+        labels = [key.replace("/", "\nbatch ") for key in results]
         xs = range(len(labels))
-        ax.bar([x - 0.2 for x in xs], ours, 0.4, label="ppo_core")
-        ax.bar([x + 0.2 for x in xs], theirs, 0.4, label="TRL 1.12")
+        for offset, (side, name) in zip((-0.27, 0.0, 0.27), SIDE_NAMES.items(), strict=True):
+            ax.bar([x + offset for x in xs],
+                   [row[side][f"{phase}_tokens_per_s"] for row in results.values()], 0.27, label=name)
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.set_title(f"{phase}: response tokens / s")
-    axes[0].legend()
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -163,25 +172,30 @@ def main() -> None:
             assets = build_assets(work, name, n_prompts=512)
             for batch in args.batches:
                 key = f"{name}/{batch}"
-                raw[key] = {"ours": [], "trl": []}
-                for repeat in range(args.repeats):  # alternate sides so drift hits both
+                raw[key] = {side: [] for side in SIDES}
+                for repeat in range(args.repeats):  # alternate sides so drift hits all of them
                     raw[key]["ours"].append(run_ours(assets, batch, args, work / f"ours-{key}-{repeat}"))
+                    raw[key]["ours_shared"].append(run_ours(
+                        assets, batch, args, work / f"shared-{key}-{repeat}", critic="shared"))
                     raw[key]["trl"].append(run_trl(assets, batch, args, work / f"trl-{key}-{repeat}"))
-                    print(f"{key} repeat {repeat}: ours {raw[key]['ours'][-1][-1]['iteration_s']:.3f} s, "
-                          f"TRL {raw[key]['trl'][-1][-1]['iteration_s']:.3f} s", flush=True)
+                    print(f"{key} repeat {repeat}: " + ", ".join(
+                        f"{side} {raw[key][side][-1][-1]['iteration_s']:.3f} s" for side in SIDES),
+                        flush=True)
     results = {}
-    print(f"\n{'model/batch':>12} {'side':>6} {'rollout tok/s':>14} {'update tok/s':>13} "
+    print(f"\n{'model/batch':>12} {'side':>12} {'rollout tok/s':>14} {'update tok/s':>13} "
           f"{'total tok/s':>12} {'speed-up':>9}")
     for key, sides in raw.items():
         tokens = int(key.split("/")[1]) * args.response_length
         results[key] = {side: summarize(runs, tokens) for side, runs in sides.items()}
-        results[key]["speedup"] = {
-            phase: results[key]["trl"][f"{phase}_s"] / results[key]["ours"][f"{phase}_s"]
-            for phase in ("rollout", "update", "iteration")}
-        for side in ("ours", "trl"):
+        for ours in ("ours", "ours_shared"):
+            results[key][f"speedup_{ours}"] = {
+                phase: results[key]["trl"][f"{phase}_s"] / results[key][ours][f"{phase}_s"]
+                for phase in ("rollout", "update", "iteration")}
+        for side in SIDES:
             row = results[key][side]
-            speedup = f"{results[key]['speedup']['iteration']:.2f}x" if side == "ours" else ""
-            print(f"{key:>12} {side:>6} {row['rollout_tokens_per_s']:>14.0f} "
+            gain = results[key].get(f"speedup_{side}")
+            speedup = f"{gain['iteration']:.2f}x" if gain else ""
+            print(f"{key:>12} {side:>12} {row['rollout_tokens_per_s']:>14.0f} "
                   f"{row['update_tokens_per_s']:>13.0f} {row['iteration_tokens_per_s']:>12.0f} {speedup:>9}")
     import torch
     import transformers
@@ -191,7 +205,9 @@ def main() -> None:
                "processor": platform.processor() or platform.machine()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                    "machine": machine, "median": results, "raw": raw}, indent=1))
+                                    "machine": machine, "trl_reached": REACHED,
+                                    "median": results, "raw": raw}, indent=1))
+    print(f"TRL ran with: {REACHED}")
     plot(results, args.plot)
     print(f"\nwrote {args.out} and {args.plot}")
 

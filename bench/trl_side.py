@@ -110,7 +110,12 @@ def main() -> None:
          "iteration_s": ends[i + 1] - ends[i]}
         for i in range(len(whitened))
     ]
-    args.out.write_text(json.dumps({"iterations": iterations}))
+    # What actually reached the run (PPOConfig's bf16 and gradient_checkpointing defaults do not:
+    # PPOTrainer builds its own Accelerator and never enables checkpointing).
+    reached = {"accelerator_mixed_precision": str(trainer.accelerator.mixed_precision),
+               "gradient_checkpointing": bool(policy.is_gradient_checkpointing),
+               "parameter_dtype": str(next(policy.parameters()).dtype)}
+    args.out.write_text(json.dumps({"iterations": iterations, "reached": reached}))
 
 
 if __name__ == "__main__":

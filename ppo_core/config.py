@@ -119,6 +119,10 @@ class PPOConfig:
     """Rows sampled per ``generate`` call, each chunk with its own seed; ``None`` samples the whole
     per-rank batch at once. Rollouts depend only on the seed and the chunk, so runs on different
     numbers of ranks sample the same responses when this divides ``rollout_batch_size``."""
+    scoring_batch_size: int | None = None
+    """Rows per gradient-free forward pass in the rollout (old logprobs, values, reference
+    logprobs); ``None`` uses ``micro_batch_size``. Larger is faster where memory allows; the
+    numbers are the same."""
     epochs: int = 4
     """Passes over each rollout batch."""
     drop_last: bool = False
@@ -482,6 +486,8 @@ def validate_config(config: Config) -> None:
             f"ppo.generation_batch_size={ppo.generation_batch_size} must be a positive divisor of "
             f"ppo.rollout_batch_size={ppo.rollout_batch_size}"
         )
+    if ppo.scoring_batch_size is not None and ppo.scoring_batch_size < 1:
+        raise ConfigError(f"ppo.scoring_batch_size must be >= 1 (or null), got {ppo.scoring_batch_size}")
     if ppo.dual_clip is not None and ppo.dual_clip <= 1.0:
         raise ConfigError(f"ppo.dual_clip must be > 1 (or null), got {ppo.dual_clip}")
     if not 0.0 <= ppo.gamma <= 1.0:

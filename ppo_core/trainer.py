@@ -377,7 +377,8 @@ def _clip_and_check(parameters: Sequence[torch.nn.Parameter], max_grad_norm: flo
 
 # Keys that may change between a run and its resumption without changing what it computes.
 RESUME_FREE_KEYS = ("train.iterations", "train.checkpoint_every", "train.keep_checkpoints",
-                    "train.log_every", "train.resume", "threads", "eval.", "promote.",
+                    "train.log_every", "train.resume", "threads", "ppo.scoring_batch_size",
+                    "eval.", "promote.",
                     "schedule.", "validation.")
 
 
@@ -556,7 +557,8 @@ def _train(config: Config, loggers: Sequence[MetricsLogger],
             max_new_tokens=gen.max_new_tokens, temperature=gen.temperature, top_k=gen.top_k,
             top_p=gen.top_p, kl_estimator=kl_cfg.estimator, kl_coef=controller.value,
             gamma=ppo.gamma, lam=ppo.lam, whiten=ppo.whiten_advantages,
-            missing_eos_penalty=ppo.missing_eos_penalty, forward_batch_size=ppo.micro_batch_size,
+            missing_eos_penalty=ppo.missing_eos_penalty,
+            forward_batch_size=ppo.scoring_batch_size or ppo.micro_batch_size,
             device=device, autocast=autocast, chunk_seeds=chunk_seeds,
             all_ranks=parallel.active,
         )
