@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_core.modeling.checkpoint import atomic_folder
+from ppo_core.modeling.checkpoint import atomic_folder, exclusive_run
 
 __all__ = ["GateDecision", "current_production", "gate", "load_registry", "record_decision"]
 
@@ -94,6 +94,14 @@ def record_decision(*, registry_path: str | Path, production_dir: str | Path,
     """Append the decision to the registry; on promotion, first copy the candidate to a new
     version folder. Returns the registry entry."""
     registry_path = Path(registry_path)
+    # Two promotions at once would pick the same version number or drop each other's entry.
+    lock = registry_path.with_name(f".{registry_path.name}.lock")
+    with exclusive_run(lock, f"promotion into {registry_path}"):
+        return _record(registry_path, production_dir, candidate_dir, decision, lineage)
+
+
+def _record(registry_path: Path, production_dir: str | Path, candidate_dir: str | Path,
+            decision: GateDecision, lineage: dict[str, Any]) -> dict[str, Any]:
     registry = load_registry(registry_path)
     promoted = [e for e in registry["entries"] if e.get("version")]
     entry: dict[str, Any] = {

@@ -69,3 +69,15 @@ def test_a_broken_registry_is_an_error_not_a_reset(tmp_path):
     registry.write_text(json.dumps({"current": "v0009", "entries": []}))
     with pytest.raises(FileNotFoundError, match="v0009"):
         current_production(registry, tmp_path / "production")
+
+
+def test_a_second_promotion_at_once_refuses_and_changes_nothing(tmp_path):
+    from ppo_core.modeling.checkpoint import RunLockedError, exclusive_run
+
+    registry, production = tmp_path / "models" / "registry.json", tmp_path / "models" / "production"
+    with exclusive_run(registry.with_name(".registry.json.lock"), "promotion"):  # the other run
+        with pytest.raises(RunLockedError, match="another promotion"):
+            record_decision(registry_path=registry, production_dir=production,
+                            candidate_dir=candidate(tmp_path, "c1", "weights-1"),
+                            decision=gate(GOOD, {"score": 0.1}, **RULES), lineage={})
+    assert not registry.exists() and not production.exists()
