@@ -1,8 +1,8 @@
 """The Prefect flow ``retrain``: the DVC stages in order, with retries, logs and artifacts.
 
-Each task runs ``dvc repro <stage>`` in the repository, so the stage logic stays in ``ppo
-<stage>`` and ``dvc.lock`` stays true: a stage whose inputs did not change is skipped, a retried
-``train`` resumes from its persisted checkpoints.
+Each task runs ``dvc repro --single-item <stage>`` in the repository, so the stage logic stays
+in ``ppo <stage>`` and ``dvc.lock`` stays true: a stage whose inputs did not change is skipped, a
+retried ``train`` resumes from its persisted checkpoints.
 
     python -m flows.pipeline run                 # one run now (temporary local Prefect server)
     python -m flows.pipeline serve               # deployments 'retrain/manual' and 'retrain/scheduled'
@@ -39,10 +39,14 @@ def _environment() -> dict[str, str]:
 
 @task(name="dvc-repro", task_run_name="{stage}")
 def run_stage(stage: str, repo_dir: str) -> str:
-    """Run ``dvc repro <stage>`` in ``repo_dir``; log its output; raise on failure."""
+    """Run ``dvc repro --single-item <stage>`` in ``repo_dir``; log its output; raise on failure.
+
+    The flow runs the stages in DAG order, so the upstream ones are already up to date;
+    ``--single-item`` spares each call re-checking (and re-hashing) all of them.
+    """
     logger = get_run_logger()
     process = subprocess.run(
-        [str(Path(sys.executable).parent / "dvc"), "repro", stage],
+        [str(Path(sys.executable).parent / "dvc"), "repro", "--single-item", stage],
         cwd=repo_dir, env=_environment(), capture_output=True, text=True, check=False,
     )
     output = (process.stdout + process.stderr).strip()

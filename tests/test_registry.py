@@ -75,9 +75,9 @@ def test_a_second_promotion_at_once_refuses_and_changes_nothing(tmp_path):
     from ppo_core.modeling.checkpoint import RunLockedError, exclusive_run
 
     registry, production = tmp_path / "models" / "registry.json", tmp_path / "models" / "production"
-    with exclusive_run(registry.with_name(".registry.json.lock"), "promotion"):  # the other run
-        with pytest.raises(RunLockedError, match="another promotion"):
-            record_decision(registry_path=registry, production_dir=production,
-                            candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-                            decision=gate(GOOD, {"score": 0.1}, **RULES), lineage={})
+    other_run = exclusive_run(registry.with_name(".registry.json.lock"), "promotion")
+    with other_run, pytest.raises(RunLockedError, match="another promotion"):
+        record_decision(registry_path=registry, production_dir=production,
+                        candidate_dir=candidate(tmp_path, "c1", "weights-1"),
+                        decision=gate(GOOD, {"score": 0.1}, **RULES), lineage={})
     assert not registry.exists() and not production.exists()
