@@ -141,8 +141,9 @@ def plot(results: dict, path: Path) -> None:
                    [row[side][f"{phase}_tokens_per_s"] for row in results.values()], 0.27, label=name)
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.set_title(f"{phase}: response tokens / s")
-    axes[0].legend(fontsize=7)
-    fig.tight_layout()
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
@@ -162,7 +163,11 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ppo_vs_trl.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "ppo-vs-trl.png")
+    parser.add_argument("--replot", action="store_true", help="only redraw the plot from --out")
     args = parser.parse_args()
+    if args.replot:
+        plot(json.loads(args.out.read_text())["median"], args.plot)
+        return
     if not TRL_PYTHON.exists():
         raise SystemExit(f"{TRL_PYTHON} is missing: run `bash bench/setup_trl.sh` first")
     raw: dict[str, dict[str, list]] = {}
