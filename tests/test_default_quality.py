@@ -21,7 +21,7 @@ def test_default_run_makes_reviews_positive_within_budget(tmp_path):
     config = load_config(ROOT / "params.yaml", [
         f"data.raw_dir={ROOT / 'data' / 'raw'}",
         f"data.interim_dir={out / 'interim'}",
-        f"data.prepared_dir={out / 'interim'}",
+        f"data.prepared_dir={out / 'prepared'}",
         f"data.train_file={out / 'interim' / 'train.parquet'}",
         f"data.eval_file={out / 'interim' / 'eval.parquet'}",
         f"model.policy={out / 'base'}",
