@@ -306,6 +306,8 @@ def ppo_update(
         if entropy_coef > 0:
             token_losses = token_losses - entropy_coef * entropy
         parts = aggregate_loss(token_losses, mask, loss_agg_mode)
+        if not torch.isfinite(parts.total.detach()):
+            _raise_non_finite_loss(pg.token_losses, vf.token_losses, mb, mask)
         stats = {
             "ppo/policy_loss": RunningMean.from_masked(pg.token_losses.detach(), mask),
             "ppo/value_loss": RunningMean.from_masked(vf.token_losses.detach(), mask),
@@ -356,6 +358,22 @@ def ppo_update(
     metrics["ppo/optimizer_steps"] = float(steps)
     metrics["ppo/early_stopped"] = early_stopped
     return metrics
+
+
+def _raise_non_finite_loss(policy_losses: Tensor, value_losses: Tensor, mb: RolloutBatch,
+                           mask: Tensor) -> None:
+    """Name which loss term, and which rollout input under the mask, is not finite (before any
+    backward pass of this micro-batch, so no step is taken)."""
+    bad_terms = [name for name, losses in (("policy", policy_losses), ("value", value_losses))
+                 if not torch.isfinite(torch.where(mask, losses.detach(), 0.0)).all()]
+    bad_inputs = [name for name in ("old_logprobs", "advantages", "returns", "old_values")
+                  if not torch.isfinite(torch.where(mask, getattr(mb, name).float(), 0.0)).all()]
+    raise NonFiniteError(
+        f"the PPO loss is not finite ({' and '.join(bad_terms) or 'combined'} loss term"
+        f"{'s' if len(bad_terms) > 1 else ''}; non-finite rollout inputs: "
+        f"{', '.join(bad_inputs) or 'none, so the model produced it'}); the optimizer step was "
+        "not taken and no checkpoint was written"
+    )
 
 
 def _clip_and_check(parameters: Sequence[torch.nn.Parameter], max_grad_norm: float | None,

@@ -239,3 +239,26 @@ def test_a_second_run_on_the_same_checkpoints_refuses_to_start(tmp_path, tiny_mo
         train(small_config(tmp_path, tiny_model_dir, prompt_files))
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
     train(small_config(tmp_path, tiny_model_dir, prompt_files, "train.iterations=1"))  # free again
+
+
+def test_a_non_finite_loss_is_named_before_any_backward_pass(tiny_model_dir):
+    from ppo_core.modeling.generation import encode_prompts
+    from ppo_core.modeling.policy import load_actor_critic, load_tokenizer
+    from ppo_core.trainer import NonFiniteError, RolloutBatch, ppo_update
+
+    model = load_actor_critic(tiny_model_dir)
+    prompt_ids, prompt_mask = encode_prompts(load_tokenizer(tiny_model_dir), ["The film", "A plot"])
+    response = torch.randint(4, 200, (2, 5))
+    zeros = torch.zeros(2, 5)
+    advantages = torch.zeros(2, 5)
+    advantages[1, 2] = float("inf")  # a valid position: the loss cannot be finite
+    batch = RolloutBatch(prompt_ids, prompt_mask, response, torch.ones(2, 5, dtype=torch.bool),
+                         zeros, zeros, zeros, torch.zeros(2), zeros, advantages, zeros)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(NonFiniteError, match=r"policy loss term; non-finite rollout inputs: advantages"):
+        ppo_update(model, optimizer, batch, epochs=1, mini_batch_size=2, micro_batch_size=1,
+                   clip_eps=0.2, clip_eps_high=None, dual_clip=None, clip_eps_value=0.2,
+                   vf_coef=0.1, entropy_coef=0.0, loss_agg_mode="token-mean", max_grad_norm=1.0,
+                   target_kl=None, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
