@@ -38,7 +38,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRL_PYTHON = ROOT / "bench" / ".trl-venv" / "bin" / "python"
 SIDES = ("ours", "ours_shared", "trl")
-REACHED: dict[str, object] = {}  # what TRL's run really used (precision, checkpointing)
 SIDE_NAMES = {"ours": "ppo_core, separate critic (same math as TRL)",
               "ours_shared": "ppo_core, value head on the policy (default)", "trl": "TRL 1.12"}
 MODELS = {"2x128": dict(n_layer=2, n_embd=128, n_head=4), "4x256": dict(n_layer=4, n_embd=256, n_head=4)}
@@ -101,7 +100,9 @@ def run_ours(assets: dict[str, str], batch: int, args: argparse.Namespace, work:
     return [dict(zip(series, values, strict=True)) for values in zip(*series.values(), strict=True)]
 
 
-def run_trl(assets: dict[str, str], batch: int, args: argparse.Namespace, work: Path) -> list[dict]:
+def run_trl(assets: dict[str, str], batch: int, args: argparse.Namespace,
+            work: Path) -> tuple[list[dict], dict]:
+    """TRL's per-iteration times, and what really reached its run (precision, checkpointing)."""
     work.mkdir(parents=True, exist_ok=True)
     job = {**assets, "batch": batch, "mini": batch, "micro": min(batch, args.micro),
            "forward_batch": batch, "iterations": args.iterations, "epochs": args.epochs,
@@ -115,8 +116,7 @@ def run_trl(assets: dict[str, str], batch: int, args: argparse.Namespace, work: 
     if completed.returncode:
         raise SystemExit(f"TRL side failed:\n{completed.stderr[-4000:]}")
     result = json.loads((work / "times.json").read_text())
-    REACHED.update(result["reached"])
-    return result["iterations"]
+    return result["iterations"], result["reached"]
 
 
 def summarize(runs: list[list[dict]], tokens: int) -> dict[str, float]:
@@ -182,7 +182,8 @@ def main() -> None:
                     raw[key]["ours"].append(run_ours(assets, batch, args, work / f"ours-{key}-{repeat}"))
                     raw[key]["ours_shared"].append(run_ours(
                         assets, batch, args, work / f"shared-{key}-{repeat}", critic="shared"))
-                    raw[key]["trl"].append(run_trl(assets, batch, args, work / f"trl-{key}-{repeat}"))
+                    times, reached = run_trl(assets, batch, args, work / f"trl-{key}-{repeat}")
+                    raw[key]["trl"].append(times)
                     print(f"{key} repeat {repeat}: " + ", ".join(
                         f"{side} {raw[key][side][-1][-1]['iteration_s']:.3f} s" for side in SIDES),
                         flush=True)
@@ -210,9 +211,9 @@ def main() -> None:
                "processor": platform.processor() or platform.machine()}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                    "machine": machine, "trl_reached": REACHED,
+                                    "machine": machine, "trl_reached": reached,
                                     "median": results, "raw": raw}, indent=1))
-    print(f"TRL ran with: {REACHED}")
+    print(f"TRL ran with: {reached}")
     plot(results, args.plot)
     print(f"\nwrote {args.out} and {args.plot}")
 

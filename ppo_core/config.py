@@ -22,6 +22,7 @@ from omegaconf.errors import OmegaConfBaseException
 from ppo_core.math.batching import check_batch_sizes
 from ppo_core.math.kl import KL_ESTIMATORS
 from ppo_core.math.losses import LOSS_AGG_MODES
+from ppo_core.modeling.checkpoint import first_line
 
 __all__ = ["Config", "ConfigError", "load_config", "save_config", "to_yaml"]
 
@@ -309,8 +310,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             try:
                 loaded = OmegaConf.load(path)
             except (yaml.YAMLError, UnicodeDecodeError) as exc:
-                first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                raise ConfigError(f"config file {str(path)!r} is not valid YAML: {first}") from None
+                raise ConfigError(f"config file {str(path)!r} is not valid YAML: "
+                                  f"{first_line(exc)}") from None
             if not isinstance(loaded, DictConfig):
                 raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, "
                                   f"not a {type(loaded).__name__}")
@@ -323,8 +324,8 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except yaml.YAMLError as exc:
-            first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            raise ConfigError(f"override {item!r}: the value is not valid YAML ({first})") from None
+            raise ConfigError(f"override {item!r}: the value is not valid YAML "
+                              f"({first_line(exc)})") from None
         except OmegaConfBaseException as exc:
             raise ConfigError(_explain(exc, f" (override {item!r})")) from None
     try:
@@ -385,15 +386,15 @@ WRITE_KEYS = ("data.interim_dir", "data.prepared_dir", "validation.report_dir", 
 READ_KEYS = ("model.policy", "model.reference", "base.source")
 
 
-def check_write_paths(config: Config) -> None:
+def check_write_paths(flat: dict[str, Any]) -> None:
     """Write targets stay where they are meant to be; raise :class:`ConfigError` otherwise.
 
     A relative write path may not climb out of the working folder with ``..`` (an absolute path
     is an explicit choice and is taken as given). No two write targets may be the same folder or
     one inside the other, and none may be, or sit inside, a model the run reads or the
     production folder, so that a run cannot replace its own inputs or a promoted version.
+    ``flat`` is the config as ``flatten`` gives it.
     """
-    flat = flatten(config)
     writes = {key: Path(flat[key]) for key in WRITE_KEYS}
     for key, path in writes.items():
         if not path.is_absolute() and os.path.normpath(path).split(os.sep)[0] == "..":
@@ -424,10 +425,11 @@ def check_write_paths(config: Config) -> None:
 
 def validate_config(config: Config) -> None:
     """Check ranges, choices and the nesting of batch sizes; raise :class:`ConfigError`."""
-    for key, value in flatten(config).items():
+    flat = flatten(config)
+    for key, value in flat.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
-    check_write_paths(config)
+    check_write_paths(flat)
     _choice("device", config.device, ("auto", "cpu", "cuda"))
     _choice("precision", config.precision, ("fp32", "bf16"))
     _choice("model.critic", config.model.critic, ("shared", "separate"))

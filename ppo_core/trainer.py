@@ -28,7 +28,7 @@ from ppo_core.math.batching import micro_batch_slices, minibatch_indices
 from ppo_core.math.gae import compute_gae, whiten_advantages
 from ppo_core.math.kl import AdaptiveKLController, FixedKLController, kl_penalty, token_rewards
 from ppo_core.math.losses import aggregate_loss, count_units, policy_loss, value_loss
-from ppo_core.math.masked import masked_moments, masked_sum
+from ppo_core.math.masked import masked_moments, masked_sum, select
 from ppo_core.math.running_mean import RunningMean
 from ppo_core.modeling.checkpoint import (
     atomic_folder,
@@ -306,8 +306,6 @@ def ppo_update(
         if entropy_coef > 0:
             token_losses = token_losses - entropy_coef * entropy
         parts = aggregate_loss(token_losses, mask, loss_agg_mode)
-        if not torch.isfinite(parts.total.detach()):
-            _raise_non_finite_loss(pg.token_losses, vf.token_losses, mb, mask)
         stats = {
             "ppo/policy_loss": RunningMean.from_masked(pg.token_losses.detach(), mask),
             "ppo/value_loss": RunningMean.from_masked(vf.token_losses.detach(), mask),
@@ -340,11 +338,16 @@ def ppo_update(
                 count_fn=lambda mb: count_units(mb.response_mask, loss_agg_mode),
                 group=group, no_sync=no_sync,
             )
+            # One check per mini-batch, on the loss every rank sees, before the step (a check per
+            # micro-batch would stall the device between each forward and backward pass).
+            mini_batch_loss = result.loss.all_reduce(group)
+            if not torch.isfinite(mini_batch_loss.mean):
+                _raise_non_finite_loss(result.stats, mini)
             grad_norm = _clip_and_check(parameters, max_grad_norm, names)
             optimizer.step()
             steps += 1
             stats = {name: value.all_reduce(group) for name, value in result.stats.items()}
-            stats["ppo/loss"] = result.loss.all_reduce(group)
+            stats["ppo/loss"] = mini_batch_loss
             stats["ppo/grad_norm"] = RunningMean.of(grad_norm, 1)
             for name, value in stats.items():
                 totals[name] = totals[name].merge(value) if name in totals else value
@@ -360,17 +363,17 @@ def ppo_update(
     return metrics
 
 
-def _raise_non_finite_loss(policy_losses: Tensor, value_losses: Tensor, mb: RolloutBatch,
-                           mask: Tensor) -> None:
-    """Name which loss term, and which rollout input under the mask, is not finite (before any
-    backward pass of this micro-batch, so no step is taken)."""
-    bad_terms = [name for name, losses in (("policy", policy_losses), ("value", value_losses))
-                 if not torch.isfinite(torch.where(mask, losses.detach(), 0.0)).all()]
+def _raise_non_finite_loss(stats: dict[str, RunningMean], mini: RolloutBatch) -> None:
+    """Name which loss term, and which rollout input under the mask, is not finite on this rank;
+    called before the optimizer step, so none is taken."""
+    bad_terms = [name for name in ("policy", "value")
+                 if not torch.isfinite(stats[f"ppo/{name}_loss"].mean)]
     bad_inputs = [name for name in ("old_logprobs", "advantages", "returns", "old_values")
-                  if not torch.isfinite(torch.where(mask, getattr(mb, name).float(), 0.0)).all()]
+                  if not torch.isfinite(select(getattr(mini, name).float(), mini.response_mask)).all()]
+    terms = " and ".join(bad_terms) or "another rank's"
     raise NonFiniteError(
-        f"the PPO loss is not finite ({' and '.join(bad_terms) or 'combined'} loss term"
-        f"{'s' if len(bad_terms) > 1 else ''}; non-finite rollout inputs: "
+        f"the PPO loss is not finite ({terms} loss term{'s' if len(bad_terms) > 1 else ''}; "
+        "non-finite rollout inputs: "
         f"{', '.join(bad_inputs) or 'none, so the model produced it'}); the optimizer step was "
         "not taken and no checkpoint was written"
     )

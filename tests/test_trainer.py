@@ -241,7 +241,7 @@ def test_a_second_run_on_the_same_checkpoints_refuses_to_start(tmp_path, tiny_mo
     train(small_config(tmp_path, tiny_model_dir, prompt_files, "train.iterations=1"))  # free again
 
 
-def test_a_non_finite_loss_is_named_before_any_backward_pass(tiny_model_dir):
+def test_a_non_finite_loss_is_named_before_the_optimizer_step(tiny_model_dir):
     from ppo_core.modeling.generation import encode_prompts
     from ppo_core.modeling.policy import load_actor_critic, load_tokenizer
     from ppo_core.trainer import NonFiniteError, RolloutBatch, ppo_update

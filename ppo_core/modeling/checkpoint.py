@@ -31,6 +31,7 @@ __all__ = [
     "discard",
     "exclusive_run",
     "file_sha256",
+    "first_line",
     "latest_checkpoint",
     "list_checkpoints",
     "load_checkpoint_state",
@@ -44,10 +45,18 @@ STEP_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
 CHECKSUM_FILE = "checksums.json"
 MODEL_DIR = "model"
+# Hidden siblings a writer makes: being written, replaced (kept until the swap), being deleted.
+TMP_TAG, OLD_TAG, DISCARD_TAG = ".tmp-", ".old-", ".discard-"
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or damaged."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when the message is empty)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 def file_sha256(path: Path) -> str:
@@ -67,12 +76,12 @@ def atomic_folder(target: str | Path, write: Callable[[Path], None]) -> Path:
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     _restore_interrupted_swap(target)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_TAG}", dir=target.parent))
     try:
         write(tmp)
         _fsync_tree(tmp)
         if target.exists():
-            old = target.with_name(f".{target.name}.old-{os.getpid()}")
+            old = target.with_name(f".{target.name}{OLD_TAG}{os.getpid()}")
             target.rename(old)
             tmp.rename(target)
             shutil.rmtree(old, ignore_errors=True)
@@ -95,7 +104,7 @@ def _restore_interrupted_swap(target: Path) -> None:
     under ``.{name}.old-{pid}``: put that version back (unless its writer is still alive)."""
     if target.exists():
         return
-    for old in sorted(target.parent.glob(f".{target.name}.old-*")):
+    for old in sorted(target.parent.glob(f".{target.name}{OLD_TAG}*")):
         pid = old.name.rsplit("-", 1)[-1]
         if pid.isdigit() and _alive(int(pid)):
             continue
@@ -118,7 +127,7 @@ def _alive(pid: int) -> bool:
 def discard(folder: Path) -> None:
     """Delete ``folder`` so that no half-deleted copy is ever visible under its name: it is
     renamed to a hidden sibling first (one atomic step), then removed."""
-    hidden = folder.with_name(f".{folder.name}.discard-{os.getpid()}")
+    hidden = folder.with_name(f".{folder.name}{DISCARD_TAG}{os.getpid()}")
     folder.rename(hidden)
     shutil.rmtree(hidden, ignore_errors=True)
 
@@ -134,7 +143,7 @@ def remove_partial(checkpoint_dir: str | Path) -> list[str]:
     for path in folder.iterdir():
         name = path.name
         if name.startswith(f".{STEP_PREFIX}") and any(
-                tag in name for tag in (".tmp-", ".old-", ".discard-")):
+                tag in name for tag in (TMP_TAG, OLD_TAG, DISCARD_TAG)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(name)
     return sorted(removed)
@@ -255,8 +264,7 @@ def _load_tensors(path: Path) -> Any:
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as exc:  # UnpicklingError, a truncated zip, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise CheckpointError(f"{path}: refused to load ({first})") from None
+        raise CheckpointError(f"{path}: refused to load ({first_line(exc)})") from None
 
 
 class RunLockedError(RuntimeError):

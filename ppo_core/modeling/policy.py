@@ -7,6 +7,7 @@ safetensors, and a folder's own Python code runs only with ``trust_remote_code=T
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from torch import Tensor, nn
 
 from ppo_core.math.losses import logprobs_from_logits
+from ppo_core.modeling.checkpoint import first_line
 
 __all__ = [
     "ActorCritic",
@@ -69,8 +71,8 @@ def from_pretrained_checked(loader, folder: Path, role: str, **kwargs):
     try:
         return loader.from_pretrained(folder, use_safetensors=True, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelFolderError(f"cannot load {role} from {str(folder)!r}: {first}") from None
+        raise ModelFolderError(f"cannot load {role} from {str(folder)!r}: "
+                               f"{first_line(exc)}") from None
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -194,8 +196,11 @@ def load_actor_critic(
     hidden = _hidden_size(policy.config)
     critic_trunk = None
     if critic == "separate":
-        critic_folder = folder / CRITIC_DIR if (folder / CRITIC_DIR).is_dir() else folder
-        check_model_folder(critic_folder, "critic")
+        critic_folder = folder / CRITIC_DIR
+        if critic_folder.is_dir():
+            check_model_folder(critic_folder, "critic")
+        else:  # a fresh critic starts from the policy's weights (already checked)
+            critic_folder = folder
         critic_trunk = fuse_activations(from_pretrained_checked(
             AutoModel, critic_folder, "critic", dtype=dtype, trust_remote_code=trust_remote_code
         )).eval()
@@ -295,12 +300,11 @@ def _unwrap(model: nn.Module) -> nn.Module:
 def _keep_kwargs(model: nn.Module, logits_to_keep: int) -> dict[str, int]:
     """``{"logits_to_keep": n}`` where the model's ``forward`` takes it (most Hugging Face causal
     LMs since transformers 4.50), else nothing: every position then gets logits."""
-    if logits_to_keep <= 0:
+    if logits_to_keep <= 0 or not _takes_logits_to_keep(type(_unwrap(model))):
         return {}
-    kind = type(_unwrap(model))
-    if kind not in _KEEP_SUPPORT:
-        _KEEP_SUPPORT[kind] = "logits_to_keep" in inspect.signature(kind.forward).parameters
-    return {"logits_to_keep": logits_to_keep} if _KEEP_SUPPORT[kind] else {}
+    return {"logits_to_keep": logits_to_keep}
 
 
-_KEEP_SUPPORT: dict[type, bool] = {}
+@functools.cache
+def _takes_logits_to_keep(kind: type) -> bool:
+    return "logits_to_keep" in inspect.signature(kind.forward).parameters
