@@ -19,28 +19,30 @@ from rich.console import Console
 from rich.table import Table
 from transformers import GPT2Config, GPT2LMHeadModel
 
-from ppo_core import (
-    LOSS_AGG_MODES,
-    accumulate_gradients,
-    aggregate_loss,
-    count_units,
-    logprobs_from_logits,
-    micro_batch_slices,
-    policy_loss,
-)
+from ppo_core import LOSS_AGG_MODES, PPOObjective, accumulate_gradients, micro_batch_slices
+from ppo_core.modeling.policy import ActorCritic, score_sequences
+
+PROMPT_LENGTH = 4
 
 
 def make_batch(batch: int, length: int, vocab: int, dtype: torch.dtype, seed: int):
     gen = torch.Generator().manual_seed(seed)
-    tokens = torch.randint(0, vocab, (batch, length + 1), generator=gen)
     mask = torch.rand(batch, length, generator=gen) < 0.7
     mask[0] = False  # one fully masked row
     mask[1:3, length // 3 :] = False  # a few short responses
+
+    def floats(scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(batch, length, generator=gen, dtype=dtype) * scale
+
     return {
-        "tokens": tokens,
-        "mask": mask,
-        "old_logprobs": torch.randn(batch, length, generator=gen, dtype=dtype) * 0.1 - 5.0,
-        "advantages": torch.randn(batch, length, generator=gen, dtype=dtype),
+        "prompt_ids": torch.randint(0, vocab, (batch, PROMPT_LENGTH), generator=gen),
+        "prompt_mask": torch.ones(batch, PROMPT_LENGTH, dtype=torch.long),
+        "response_ids": torch.randint(0, vocab, (batch, length), generator=gen),
+        "response_mask": mask,
+        "old_logprobs": floats(0.1) - 5.0,
+        "old_values": floats(),
+        "advantages": floats(),
+        "returns": floats(),
     }
 
 
@@ -48,11 +50,12 @@ def rows(data: dict, index: slice) -> dict:
     return {k: v[index] for k, v in data.items()}
 
 
-def micro_loss(model, mb: dict, mode: str):
-    logits = model(mb["tokens"][:, :-1]).logits
-    logprobs = logprobs_from_logits(logits, mb["tokens"][:, 1:])
-    out = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mb["mask"], clip_eps=0.2)
-    return aggregate_loss(out.token_losses, mb["mask"], mode), {}
+def micro_loss(model, mb: dict, objective: PPOObjective):
+    """The trainer's objective (policy, clipped value and entropy terms) on one micro-batch."""
+    out = score_sequences(model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"],
+                          mb["response_mask"], with_entropy=True, entropy_grad=True)
+    return objective(out.logprobs, out.values, out.entropy, mb["old_logprobs"], mb["old_values"],
+                     mb["advantages"], mb["returns"], mb["response_mask"])
 
 
 def gradient(model) -> torch.Tensor:
@@ -72,7 +75,7 @@ def main() -> None:
     config = GPT2Config(vocab_size=97, n_layer=2, n_embd=32, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
                         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(args.seed)
-    model = GPT2LMHeadModel(config).to(dtype).eval()
+    model = ActorCritic(GPT2LMHeadModel(config), torch.nn.Linear(config.n_embd, 1)).to(dtype).eval()
     data = make_batch(args.batch, args.length, config.vocab_size, dtype, args.seed)
 
     table = Table(title=f"relative gradient error vs the full mini-batch ({args.dtype})")
@@ -82,8 +85,10 @@ def main() -> None:
     table.add_column("mean of means", justify="right")
     results = []
     for mode in LOSS_AGG_MODES:
+        objective = PPOObjective(clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.5, entropy_coef=0.01,
+                                 loss_agg_mode=mode)
         model.zero_grad()
-        parts, _ = micro_loss(model, data, mode)
+        parts, _ = micro_loss(model, data, objective)
         (parts.total / parts.count).backward()
         reference = gradient(model)
         for micro in range(1, args.batch + 1):
@@ -91,13 +96,13 @@ def main() -> None:
             model.zero_grad()
             accumulate_gradients(
                 [rows(data, s) for s in slices],
-                loss_fn=lambda mb, mode=mode: micro_loss(model, mb, mode),
-                count_fn=lambda mb, mode=mode: count_units(mb["mask"], mode),
+                loss_fn=lambda mb, objective=objective: micro_loss(model, mb, objective),
+                count_fn=lambda mb, objective=objective: objective.count(mb["response_mask"]),
             )
             exact = ((gradient(model) - reference).abs().max() / reference.abs().max()).item()
             model.zero_grad()
             for s in slices:
-                p, _ = micro_loss(model, rows(data, s), mode)
+                p, _ = micro_loss(model, rows(data, s), objective)
                 # the common bug; an empty micro-batch contributes nothing instead of NaN here
                 if p.count > 0:
                     (p.total / p.count / len(slices)).backward()

@@ -28,8 +28,7 @@ def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[s
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ppo_core import accumulate_gradients, aggregate_loss, count_units, micro_batch_slices
-    from ppo_core.math.losses import policy_loss, value_loss
+    from ppo_core import PPOObjective, accumulate_gradients, micro_batch_slices
     from ppo_core.modeling.policy import ActorCritic, score_sequences
 
     torch.manual_seed(0)
@@ -50,18 +49,19 @@ def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[s
                 "old_logprobs": torch.full((rows, 16), -7.0), "advantages": torch.randn(rows, 16, generator=gen),
                 "old_values": torch.zeros(rows, 16), "returns": torch.randn(rows, 16, generator=gen)}
 
+    objective = PPOObjective(clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.1)  # the defaults
+
     def loss_fn(mb):
         out = score_sequences(model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"],
                               mb["response_mask"])
-        pg = policy_loss(out.logprobs, mb["old_logprobs"], mb["advantages"], mb["response_mask"], 0.2)
-        vf = value_loss(out.values, mb["old_values"], mb["returns"], mb["response_mask"], 0.2)
-        return aggregate_loss(pg.token_losses + 0.1 * vf.token_losses, mb["response_mask"]), {}
+        return objective(out.logprobs, out.values, None, mb["old_logprobs"], mb["old_values"],
+                         mb["advantages"], mb["returns"], mb["response_mask"])
 
     def update(data, micro_size):
         optimizer.zero_grad(set_to_none=True)
         micro_batches = [{k: v[s] for k, v in data.items()}
                          for s in micro_batch_slices(len(data["prompt_ids"]), micro_size)]
-        accumulate_gradients(micro_batches, loss_fn, lambda mb: count_units(mb["response_mask"]))
+        accumulate_gradients(micro_batches, loss_fn, lambda mb: objective.count(mb["response_mask"]))
         optimizer.step()
 
     update(batch(1), 1)  # warm-up: optimizer state and allocator at a one-row shape

@@ -13,7 +13,17 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["DataParallel", "init_distributed"]
+__all__ = ["DataParallel", "init_distributed", "is_main_process"]
+
+
+def is_main_process() -> bool:
+    """Whether this process is rank 0 of a ``torchrun`` launch, or runs alone.
+
+    Reads torchrun's ``RANK`` (absent in a plain process, which counts as rank 0), so it answers
+    before the process group is joined and outside the train stage. Rank 0 alone writes the
+    shared outputs: checkpoints, the model, reports and the console summary.
+    """
+    return int(os.environ.get("RANK", "0")) == 0
 
 
 @dataclass(frozen=True)

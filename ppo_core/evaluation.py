@@ -9,19 +9,26 @@ tokens, an unbiased estimate of the sequence KL), response length, EOS rate and 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from torch import Tensor
 
 from ppo_core.config import Config
+from ppo_core.files import atomic_folder
 from ppo_core.math.masked import masked_sum
-from ppo_core.modeling.checkpoint import atomic_folder
 from ppo_core.modeling.data import load_prompts
-from ppo_core.modeling.generation import decode_responses, generate_responses
-from ppo_core.modeling.policy import load_causal_lm, load_tokenizer, score_sequences
+from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
+from ppo_core.modeling.reward_loading import RewardFn
+from ppo_core.rollout import (
+    POSITIVE_SCORE,
+    build_reward,
+    load_reference,
+    sample_responses,
+    score_in_chunks,
+    score_responses,
+)
+from ppo_core.runtime import Runtime, setup_runtime
 
 __all__ = ["ModelReport", "distinct_n", "evaluate", "evaluate_model"]
 
@@ -55,55 +62,42 @@ def evaluate_model(
     reference: torch.nn.Module,
     tokenizer,
     prompts: list[str],
-    reward_fn: Callable[[list[str], list[str]], Tensor],
-    *,
-    samples_per_prompt: int,
-    max_new_tokens: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-    seed: int,
-    batch_size: int,
-    device: torch.device,
-    num_examples: int,
-    trust_remote_code: bool = False,
+    reward_fn: RewardFn,
+    config: Config,
+    runtime: Runtime,
 ) -> ModelReport:
-    """Sample, score and measure one model on ``prompts``."""
-    model = load_causal_lm(path, name, trust_remote_code).to(device)
-    expanded = [p for p in prompts for _ in range(samples_per_prompt)]
-    torch.manual_seed(seed)
-    scores, kls, lengths, eos, responses = [], [], [], [], []
-    for start in range(0, len(expanded), batch_size):
-        chunk = expanded[start : start + batch_size]
-        generated = generate_responses(model, tokenizer, chunk, max_new_tokens, temperature,
-                                       top_k, top_p, device)
-        args = (generated.prompt_ids, generated.prompt_mask, generated.response_ids,
-                generated.response_mask)
-        logprobs = score_sequences(model, *args, temperature=temperature, with_values=False).logprobs
-        ref = score_sequences(reference, *args, temperature=temperature, with_values=False).logprobs
-        kls.append(masked_sum(logprobs - ref, generated.response_mask, dim=1).cpu())
-        texts = decode_responses(tokenizer, generated.response_ids, generated.response_mask)
-        scores.append(torch.as_tensor(reward_fn(chunk, texts), dtype=torch.float32).cpu())
-        lengths.append(generated.response_mask.sum(dim=1).float().cpu())
-        eos.append(generated.has_eos.float().cpu())
-        responses.extend(texts)
+    """Sample ``eval.samples_per_prompt`` responses per prompt from the model in ``path``, with
+    the rollout's own sampling and scoring code, and measure them."""
+    model = load_causal_lm(path, name, config.model.trust_remote_code).to(runtime.device)
+    expanded = [p for p in prompts for _ in range(config.eval.samples_per_prompt)]
+    batch_size = config.ppo.rollout_batch_size
+    temperature = config.generation.temperature
+    torch.manual_seed(config.eval.seed)
+    generated = sample_responses(model, tokenizer, expanded, config.generation, runtime,
+                                 chunk_size=batch_size)
+    logprobs = score_in_chunks(model, generated, temperature, runtime, batch_size,
+                               with_values=False).logprobs
+    ref_logprobs = score_in_chunks(reference, generated, temperature, runtime, batch_size,
+                                   with_values=False).logprobs
     del model
-    score = torch.cat(scores)
-    kl = torch.cat(kls)
+    responses, score = score_responses(reward_fn, tokenizer, expanded, generated)
+    mask = generated.response_mask
+    kl = masked_sum(logprobs - ref_logprobs, mask, dim=1).cpu()
     metrics = {
         "score": score.mean().item(),
         "score_std": score.std().item() if len(score) > 1 else 0.0,
-        "positive_rate": (score > 0.05).float().mean().item(),
+        "positive_rate": (score > POSITIVE_SCORE).float().mean().item(),
         "kl_to_reference": kl.mean().item(),
-        "response_length": torch.cat(lengths).mean().item(),
-        "eos_rate": torch.cat(eos).mean().item(),
+        "response_length": mask.sum(dim=1).float().mean().item(),
+        "eos_rate": generated.has_eos.float().mean().item(),
         "distinct_1": distinct_n(responses, 1),
         "distinct_2": distinct_n(responses, 2),
         "num_samples": float(len(responses)),
     }
     samples = [
         {"prompt": p, "response": r, "score": round(float(s), 4)}
-        for p, r, s in list(zip(expanded, responses, score.tolist(), strict=True))[:num_examples]
+        for p, r, s in list(zip(expanded, responses, score.tolist(), strict=True))
+        [: config.eval.num_examples]
     ]
     return ModelReport(name=name, path=str(path), metrics=metrics, samples=samples)
 
@@ -112,29 +106,16 @@ def evaluate(config: Config, candidate: str | Path, baseline: str | Path | None 
              output_dir: str | Path | None = None) -> dict[str, ModelReport]:
     """Evaluate ``candidate`` (and ``baseline``, when given) and write ``metrics.json``,
     ``samples.json`` and ``report.md`` to ``output_dir`` (default ``eval.output_dir``)."""
-    from ppo_core.modeling.reward_loading import build_reward_fn
-    from ppo_core.trainer import resolve_device
-
-    if config.threads:
-        torch.set_num_threads(config.threads)
-    device = resolve_device(config.device)
-    trust = config.model.trust_remote_code
+    runtime = setup_runtime(config, distributed=False)
     prompts = load_prompts(config.data.eval_file, config.data.prompt_field)[: config.eval.num_prompts]
-    tokenizer = load_tokenizer(candidate, trust)
-    reference = load_causal_lm(config.model.reference or config.model.policy, "reference", trust)
-    reference.to(device)
-    reward_fn = build_reward_fn(config.model.reward, device=device, trust_remote_code=trust)
-    gen = config.generation
-    common = dict(samples_per_prompt=config.eval.samples_per_prompt,
-                  max_new_tokens=gen.max_new_tokens, temperature=gen.temperature,
-                  top_k=gen.top_k, top_p=gen.top_p, seed=config.eval.seed,
-                  batch_size=config.ppo.rollout_batch_size, device=device,
-                  num_examples=config.eval.num_examples, trust_remote_code=trust)
-    reports = {"candidate": evaluate_model("candidate", candidate, reference, tokenizer, prompts,
-                                           reward_fn, **common)}
-    if baseline is not None:
-        reports["baseline"] = evaluate_model("baseline", baseline, reference, tokenizer, prompts,
-                                             reward_fn, **common)
+    tokenizer = load_tokenizer(candidate, config.model.trust_remote_code)
+    reference = load_reference(config.model, runtime.device)
+    reward_fn = build_reward(config.model, runtime.device)
+    models = {"candidate": candidate} if baseline is None else {"candidate": candidate,
+                                                                "baseline": baseline}
+    reports = {name: evaluate_model(name, path, reference, tokenizer, prompts, reward_fn, config,
+                                    runtime)
+               for name, path in models.items()}
     write_reports(reports, Path(output_dir or config.eval.output_dir), config, len(prompts))
     return reports
 

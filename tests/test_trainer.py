@@ -69,8 +69,10 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_dir, p
     # the update moved the weights (so the comparison is not vacuous) ...
     moved = {k: v for k, v in results[8].items() if k in base}
     assert max_relative_difference(moved, base) > 1e-4
-    # ... and the same way for both micro-batch sizes
-    assert max_relative_difference(results[1], results[8]) <= 1e-5
+    # ... and the same way for both micro-batch sizes. Float32 round-off (another summation
+    # order) measured 5.3e-6 here; the mean-of-means bug measured 1.5, so a bound of 1e-3 holds
+    # on any BLAS build while failing that bug by three orders of magnitude.
+    assert max_relative_difference(results[1], results[8]) <= 1e-3
 
 
 def test_same_seed_same_metrics(tmp_path, tiny_model_dir, prompt_files):
@@ -219,14 +221,14 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, tin
 
 
 def test_a_non_finite_gradient_stops_the_step_and_names_the_parameter():
-    from ppo_core.trainer import NonFiniteError, _clip_and_check
+    from ppo_core.update import NonFiniteError, clip_and_check_gradients
 
     layer = torch.nn.Linear(2, 2)
     layer.weight.grad = torch.tensor([[1.0, float("nan")], [0.0, 0.0]])
     layer.bias.grad = torch.zeros(2)
     before = layer.weight.detach().clone()
     with pytest.raises(NonFiniteError, match=r"first non-finite gradient: weight"):
-        _clip_and_check(list(layer.parameters()), 1.0, {id(p): n for n, p in layer.named_parameters()})
+        clip_and_check_gradients(list(layer.parameters()), 1.0, {id(p): n for n, p in layer.named_parameters()})
     assert torch.equal(layer.weight.detach(), before)
 
 
@@ -244,7 +246,9 @@ def test_a_second_run_on_the_same_checkpoints_refuses_to_start(tmp_path, tiny_mo
 def test_a_non_finite_loss_is_named_before_the_optimizer_step(tiny_model_dir):
     from ppo_core.modeling.generation import encode_prompts
     from ppo_core.modeling.policy import load_actor_critic, load_tokenizer
-    from ppo_core.trainer import NonFiniteError, RolloutBatch, ppo_update
+    from ppo_core.config import PPOConfig
+    from ppo_core.rollout import RolloutBatch
+    from ppo_core.update import NonFiniteError, ppo_update
 
     model = load_actor_critic(tiny_model_dir)
     prompt_ids, prompt_mask = encode_prompts(load_tokenizer(tiny_model_dir), ["The film", "A plot"])
@@ -257,8 +261,7 @@ def test_a_non_finite_loss_is_named_before_the_optimizer_step(tiny_model_dir):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(NonFiniteError, match=r"policy loss term; non-finite rollout inputs: advantages"):
-        ppo_update(model, optimizer, batch, epochs=1, mini_batch_size=2, micro_batch_size=1,
-                   clip_eps=0.2, clip_eps_high=None, dual_clip=None, clip_eps_value=0.2,
-                   vf_coef=0.1, entropy_coef=0.0, loss_agg_mode="token-mean", max_grad_norm=1.0,
-                   target_kl=None, temperature=1.0, generator=torch.Generator().manual_seed(0))
+        ppo_update(model, optimizer, batch,
+                   ppo=PPOConfig(epochs=1, mini_batch_size=2, micro_batch_size=1),
+                   temperature=1.0, generator=torch.Generator().manual_seed(0))
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))

@@ -37,6 +37,7 @@ from ppo_core.math.masked import (
     masked_var,
     masked_whiten,
 )
+from ppo_core.math.objective import PPOObjective
 from ppo_core.math.running_mean import RunningMean
 
 __all__ = [
@@ -46,6 +47,7 @@ __all__ = [
     "AdaptiveKLController",
     "FixedKLController",
     "LossParts",
+    "PPOObjective",
     "PolicyLossOutput",
     "RunningMean",
     "ValueLossOutput",

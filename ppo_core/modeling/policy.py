@@ -287,7 +287,8 @@ def score_sequences(
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             entropy = entropy_from_logits(response_logits, temperature)
     if values is not None and with_values:
-        values = values[:, prompt_len - 1 : prompt_len - 1 + length].float()
+        values = values[:, prompt_len - 1 : prompt_len - 1 + length]
+        values = values.to(torch.promote_types(values.dtype, torch.float32))
     else:
         values = None
     return ScoredBatch(logprobs=logprobs, values=values, entropy=entropy)

@@ -9,13 +9,12 @@ from torch import Tensor, nn
 
 from ppo_core import (
     LossParts,
+    PPOObjective,
     RunningMean,
-    aggregate_loss,
     entropy_from_logits,
     logprobs_from_logits,
-    policy_loss,
-    value_loss,
 )
+from ppo_core.math.losses import LossAggMode
 
 VOCAB = 11
 HIDDEN = 8
@@ -88,18 +87,15 @@ def random_batch(
 def ppo_micro_loss(
     model: nn.Module,
     mb: ToyBatch,
-    mode: str,
-    clip_eps: float = 0.2,
-    clip_eps_value: float | None = 0.2,
-    vf_coef: float = 0.5,
-    entropy_coef: float = 0.01,
+    mode: LossAggMode,
+    objective: PPOObjective | None = None,
 ) -> tuple[LossParts, dict[str, RunningMean]]:
-    """The full PPO objective of one micro-batch as (sum, count) plus its statistics."""
+    """The trainer's PPO objective on one toy micro-batch: (sum, count) plus its statistics.
+
+    The default coefficients switch every term on (value loss, entropy bonus, both clips)."""
+    objective = objective or PPOObjective(clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.5,
+                                          entropy_coef=0.01, loss_agg_mode=mode)
     logits, values = model(mb.tokens)
     logprobs = logprobs_from_logits(logits, mb.actions)
-    pg = policy_loss(logprobs, mb.old_logprobs, mb.advantages, mb.response_mask, clip_eps)
-    vf = value_loss(values, mb.old_values, mb.returns, mb.response_mask, clip_eps_value)
-    entropy = entropy_from_logits(logits)
-    token_losses = pg.token_losses + vf_coef * vf.token_losses - entropy_coef * entropy
-    parts = aggregate_loss(token_losses, mb.response_mask, mode)
-    return parts, {"clipfrac": pg.clipfrac, "approx_kl": pg.approx_kl, "vf_clipfrac": vf.clipfrac}
+    return objective(logprobs, values, entropy_from_logits(logits), mb.old_logprobs,
+                     mb.old_values, mb.advantages, mb.returns, mb.response_mask)

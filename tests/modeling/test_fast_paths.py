@@ -12,7 +12,7 @@ from ppo_core.modeling.policy import (
     load_tokenizer,
     score_sequences,
 )
-from ppo_core.trainer import RolloutBatch
+from ppo_core.rollout import RolloutBatch
 
 
 def _batch(tiny_model_dir):

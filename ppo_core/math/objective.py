@@ -1,0 +1,108 @@
+"""The PPO objective of one micro-batch: policy loss + value loss - entropy bonus, aggregated.
+
+Per token ``i`` (Schulman et al. 2017, "Proximal Policy Optimization Algorithms", eq. 9, with the
+clipped value loss of OpenAI's baselines ``ppo2``):
+
+    l_i = pg_i + vf_coef * vf_i - entropy_coef * H_i
+
+reduced by :func:`~ppo_core.math.losses.aggregate_loss` to a (sum, count) pair, never a mean, so
+that micro-batches and ranks add up to the exact mini-batch objective (docs/design.md section 4).
+This is the one definition the trainer, the tests and the benchmarks share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch import Tensor
+
+from ppo_core.math.losses import (
+    LossAggMode,
+    LossParts,
+    aggregate_loss,
+    count_units,
+    policy_loss,
+    value_loss,
+)
+from ppo_core.math.running_mean import RunningMean
+
+__all__ = ["PPOObjective"]
+
+
+@dataclass(frozen=True)
+class PPOObjective:
+    """The coefficients of the PPO objective; calling it scores one micro-batch.
+
+    Attributes:
+        clip_eps: lower policy clip range, ``rho >= 1 - clip_eps``.
+        clip_eps_high: upper clip range, ``rho <= 1 + clip_eps_high``; ``None`` uses ``clip_eps``.
+        dual_clip: dual-clip constant ``c > 1`` for negative advantages; ``None`` is off.
+        clip_eps_value: value clip range around the rollout values; ``None`` is off.
+        vf_coef: weight of the value loss.
+        entropy_coef: weight of the entropy bonus (subtracted).
+        loss_agg_mode: how token losses reduce to units (see ``aggregate_loss``).
+    """
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    clip_eps_value: float | None = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    loss_agg_mode: LossAggMode = "token-mean"
+
+    def __call__(
+        self,
+        logprobs: Tensor,
+        values: Tensor,
+        entropy: Tensor | None,
+        old_logprobs: Tensor,
+        old_values: Tensor,
+        advantages: Tensor,
+        returns: Tensor,
+        response_mask: Tensor,
+    ) -> tuple[LossParts, dict[str, RunningMean]]:
+        """This micro-batch's share of the mini-batch objective, and its statistics.
+
+        Args:
+            logprobs: ``[B, T]`` current log-probabilities of the taken tokens (with graph).
+            values: ``[B, T]`` current value predictions (with graph).
+            entropy: ``[B, T]`` per-token policy entropy, or ``None``; it needs a graph only when
+                ``entropy_coef > 0``, and is then required.
+            old_logprobs, old_values: ``[B, T]`` the same at rollout time.
+            advantages, returns: ``[B, T]`` from GAE (advantages whitened per rollout batch).
+            response_mask: ``[B, T]`` True on tokens that count; masked positions may hold
+                anything, NaN included.
+
+        Returns:
+            ``(LossParts(sum, count), stats)``; every statistic is a token-weighted
+            :class:`RunningMean`: ``policy_loss``, ``value_loss``, ``approx_kl``, ``clipfrac``,
+            ``ratio``, ``vf_clipfrac``, plus ``entropy`` when given and ``dual_clipfrac`` when
+            dual clipping is on.
+        """
+        if self.entropy_coef > 0 and entropy is None:
+            raise ValueError(f"entropy_coef={self.entropy_coef} needs the per-token entropy")
+        pg = policy_loss(logprobs, old_logprobs, advantages, response_mask, self.clip_eps,
+                         self.clip_eps_high, self.dual_clip)
+        vf = value_loss(values, old_values, returns, response_mask, self.clip_eps_value)
+        token_losses = pg.token_losses + self.vf_coef * vf.token_losses
+        if self.entropy_coef > 0 and entropy is not None:
+            token_losses = token_losses - self.entropy_coef * entropy
+        parts = aggregate_loss(token_losses, response_mask, self.loss_agg_mode)
+        stats = {
+            "policy_loss": RunningMean.from_masked(pg.token_losses.detach(), response_mask),
+            "value_loss": RunningMean.from_masked(vf.token_losses.detach(), response_mask),
+            "approx_kl": pg.approx_kl,
+            "clipfrac": pg.clipfrac,
+            "ratio": pg.ratio,
+            "vf_clipfrac": vf.clipfrac,
+        }
+        if entropy is not None:
+            stats["entropy"] = RunningMean.from_masked(entropy.detach(), response_mask)
+        if self.dual_clip is not None:
+            stats["dual_clipfrac"] = pg.dual_clipfrac
+        return parts, stats
+
+    def count(self, response_mask: Tensor) -> Tensor:
+        """Units a ``[B, T]`` mask contributes to the denominator ``N`` (no forward pass)."""
+        return count_units(response_mask, self.loss_agg_mode)

@@ -1,0 +1,246 @@
+"""Experience (layer 3): sample responses, score them, and turn the scores into advantages.
+
+:func:`sample_responses` and :func:`score_in_chunks` are shared by the PPO rollout and by
+evaluation, so both see the same prompts, positions and sampling distribution
+(docs/design.md section 8). :func:`collect_rollout` adds the reward shaping of Ziegler et al.
+(2019), "Fine-Tuning Language Models from Human Preferences": the per-token KL penalty plus the
+score on the last response token, then GAE (Schulman et al. 2016) and whitening once per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from ppo_core.config import GenerationConfig, KLConfig, ModelConfig, PPOConfig
+from ppo_core.math.batching import micro_batch_slices
+from ppo_core.math.gae import compute_gae, whiten_advantages
+from ppo_core.math.kl import kl_penalty, token_rewards
+from ppo_core.math.masked import masked_moments, masked_sum
+from ppo_core.math.running_mean import RunningMean
+from ppo_core.modeling.generation import (
+    GeneratedBatch,
+    concat_generated,
+    decode_responses,
+    generate_responses,
+)
+from ppo_core.modeling.policy import ActorCritic, ScoredBatch, load_causal_lm, score_sequences
+from ppo_core.modeling.reward_loading import RewardFn, build_reward_fn, checked_scores
+from ppo_core.runtime import Runtime
+
+__all__ = [
+    "RolloutBatch",
+    "build_reward",
+    "collect_rollout",
+    "load_reference",
+    "sample_responses",
+    "score_in_chunks",
+]
+
+POSITIVE_SCORE = 0.05
+"""A response counts as positive above this score (the sentiment scorer's neutral band)."""
+
+
+@dataclass
+class RolloutBatch:
+    """One iteration's experience. Token fields are ``[B, T]``, ``scores`` is ``[B]``."""
+
+    prompt_ids: Tensor  # [B, P] left-padded
+    prompt_mask: Tensor  # [B, P]
+    response_ids: Tensor  # [B, T]
+    response_mask: Tensor  # [B, T] real response tokens, first EOS included
+    old_logprobs: Tensor  # [B, T] sampling policy
+    ref_logprobs: Tensor  # [B, T] frozen reference
+    old_values: Tensor  # [B, T] critic at rollout time
+    scores: Tensor  # [B] sequence scores (after the missing-EOS penalty)
+    rewards: Tensor  # [B, T] -beta * kl + score on the last token
+    advantages: Tensor  # [B, T] whitened once per rollout batch
+    returns: Tensor  # [B, T]
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    def rows(self, index: Tensor | slice) -> RolloutBatch:
+        return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def trimmed(self) -> RolloutBatch:
+        """The same rows without the columns that are padding in every row: left prompt padding
+        and response positions after the longest response (at least one column is kept).
+
+        Exact: positions come from the attention mask, padded keys are masked out, and causal
+        attention means no kept position looks at a dropped later one; the loss sums over
+        masked tokens only. A micro-batch of short responses then costs what its tokens cost.
+        """
+        prompt_cols = self.prompt_mask.any(dim=0).nonzero()
+        response_cols = self.response_mask.any(dim=0).nonzero()
+        first = int(prompt_cols[0]) if len(prompt_cols) else 0
+        end = int(response_cols[-1]) + 1 if len(response_cols) else 1
+        if first == 0 and end == self.response_ids.shape[1]:
+            return self
+        values = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.name.startswith("prompt_"):
+                value = value[:, first:]
+            elif value.dim() == 2:
+                value = value[:, :end]
+            values[f.name] = value
+        return RolloutBatch(**values)
+
+
+def load_reference(model: ModelConfig, device: torch.device) -> torch.nn.Module:
+    """The frozen KL reference: ``model.reference``, else the starting policy folder."""
+    reference = load_causal_lm(model.reference or model.policy, "reference",
+                               model.trust_remote_code)
+    reference.requires_grad_(False)
+    return reference.to(device)
+
+
+def build_reward(model: ModelConfig, device: torch.device) -> RewardFn:
+    """The reward named by ``model.reward`` (built-in, user function or reward-model folder)."""
+    return build_reward_fn(model.reward, device=device, trust_remote_code=model.trust_remote_code)
+
+
+@torch.no_grad()
+def sample_responses(
+    policy: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    generation: GenerationConfig,
+    runtime: Runtime,
+    chunk_size: int,
+    chunk_seeds: Sequence[int] | None = None,
+) -> GeneratedBatch:
+    """One sampled response per prompt, ``chunk_size`` prompts per ``generate`` call.
+
+    With ``chunk_seeds`` chunk ``i`` is sampled after ``torch.manual_seed(chunk_seeds[i])`` (one
+    seed per chunk), so a chunk's responses do not depend on which process samples it; without
+    them the global generator runs on from chunk to chunk.
+    """
+    starts = range(0, len(prompts), chunk_size)
+    if chunk_seeds is not None and len(chunk_seeds) != len(starts):
+        raise ValueError(f"{len(prompts)} prompts in chunks of {chunk_size} need {len(starts)} "
+                         f"seeds, got {len(chunk_seeds)}")
+    pieces = []
+    for index, start in enumerate(starts):
+        if chunk_seeds is not None:
+            torch.manual_seed(chunk_seeds[index])
+        with runtime.autocast():
+            pieces.append(generate_responses(
+                policy, tokenizer, prompts[start : start + chunk_size],
+                max_new_tokens=generation.max_new_tokens, temperature=generation.temperature,
+                top_k=generation.top_k, top_p=generation.top_p, device=runtime.device,
+            ))
+    return concat_generated(pieces, tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def score_in_chunks(
+    model: torch.nn.Module,
+    generated: GeneratedBatch,
+    temperature: float,
+    runtime: Runtime,
+    chunk_size: int,
+    with_values: bool,
+) -> ScoredBatch:
+    """Logprobs (and values) of every sampled response token, ``chunk_size`` rows per forward
+    pass; ``[B, T]`` each, aligned with ``generated.response_ids``."""
+    logprobs, values = [], []
+    for rows in micro_batch_slices(len(generated.response_ids), chunk_size):
+        with runtime.autocast():
+            out = score_sequences(
+                model, generated.prompt_ids[rows], generated.prompt_mask[rows],
+                generated.response_ids[rows], generated.response_mask[rows],
+                temperature=temperature, with_values=with_values,
+            )
+        logprobs.append(out.logprobs)
+        if out.values is not None:
+            values.append(out.values)
+    return ScoredBatch(logprobs=torch.cat(logprobs),
+                       values=torch.cat(values) if values else None, entropy=None)
+
+
+def score_responses(reward_fn: RewardFn, tokenizer, prompts: list[str],
+                    generated: GeneratedBatch) -> tuple[list[str], Tensor]:
+    """Decode each response up to EOS and score it: ``(texts, scores [B] float32 on CPU)``; a
+    reward that returns the wrong shape or a non-finite number is a ``RewardError``."""
+    texts = decode_responses(tokenizer, generated.response_ids, generated.response_mask)
+    return texts, checked_scores(reward_fn(prompts, texts), len(prompts))
+
+
+@torch.no_grad()
+def collect_rollout(
+    actor_critic: ActorCritic,
+    reference: torch.nn.Module,
+    tokenizer,
+    prompts: list[str],
+    reward_fn: RewardFn,
+    *,
+    ppo: PPOConfig,
+    generation: GenerationConfig,
+    kl: KLConfig,
+    kl_coef: float,
+    runtime: Runtime,
+    chunk_seeds: Sequence[int] | None = None,
+) -> tuple[RolloutBatch, dict[str, float], list[str]]:
+    """Generate, score and turn one batch of prompts into advantages and returns.
+
+    ``kl_coef`` is the controller's current ``beta`` (``kl.coef`` only at the start). Under data
+    parallelism the advantages are whitened and the metrics averaged over every rank's rows.
+
+    Returns:
+        the batch, its ``rollout/*`` metrics, and the decoded responses.
+    """
+    all_ranks = runtime.parallel.active
+    generated = sample_responses(actor_critic.policy, tokenizer, prompts, generation, runtime,
+                                 chunk_size=ppo.generation_batch_size or len(prompts),
+                                 chunk_seeds=chunk_seeds)
+    scoring_size = ppo.scoring_batch_size or ppo.micro_batch_size
+    policy_scored = score_in_chunks(actor_critic, generated, generation.temperature, runtime,
+                                    scoring_size, with_values=True)
+    reference_scored = score_in_chunks(reference, generated, generation.temperature, runtime,
+                                       scoring_size, with_values=False)
+    old_values = policy_scored.values
+    assert old_values is not None  # an ActorCritic always has values
+    mask = generated.response_mask
+
+    responses, raw_scores = score_responses(reward_fn, tokenizer, prompts, generated)
+    raw_scores = raw_scores.to(runtime.device)
+    scores = raw_scores
+    if ppo.missing_eos_penalty is not None:
+        scores = torch.where(generated.has_eos, scores, scores - ppo.missing_eos_penalty)
+
+    token_kl = kl_penalty(policy_scored.logprobs, reference_scored.logprobs, kl.estimator, mask)
+    rewards = token_rewards(scores, token_kl, mask, kl_coef)
+    advantages, returns = compute_gae(rewards, old_values, mask, ppo.gamma, ppo.lam)
+    if ppo.whiten_advantages:
+        advantages = whiten_advantages(advantages, mask, all_ranks=all_ranks)
+
+    batch = RolloutBatch(
+        prompt_ids=generated.prompt_ids, prompt_mask=generated.prompt_mask,
+        response_ids=generated.response_ids, response_mask=mask,
+        old_logprobs=policy_scored.logprobs, ref_logprobs=reference_scored.logprobs,
+        old_values=old_values, scores=scores, rewards=rewards, advantages=advantages,
+        returns=returns,
+    )
+    per_sequence = {
+        "rollout/score": raw_scores,
+        "rollout/positive_rate": (raw_scores > POSITIVE_SCORE).float(),
+        "rollout/kl": masked_sum(token_kl, mask, dim=1),
+        "rollout/reward": masked_sum(rewards, mask, dim=1),
+        "rollout/response_length": mask.sum(dim=1).float(),
+        "rollout/eos_rate": generated.has_eos.float(),
+    }
+    means = {name: RunningMean.from_sum(v.sum(), len(v)) for name, v in per_sequence.items()}
+    means["rollout/value_mean"] = RunningMean.from_masked(old_values, mask)
+    metrics = {name: (m.all_reduce() if all_ranks else m).item() for name, m in means.items()}
+    every_row = torch.ones_like(raw_scores, dtype=torch.bool)
+    metrics["rollout/score_std"] = (
+        float(masked_moments(raw_scores, every_row, all_ranks=all_ranks)[1]) ** 0.5
+        if len(prompts) > 1 or all_ranks else 0.0
+    )
+    metrics["rollout/kl_coef"] = float(kl_coef)
+    return batch, metrics, responses
