@@ -1,6 +1,7 @@
 # Two entry points, each sets itself up from nothing:
 #   make run   - run the pipeline on the embedded default (tiny model, local everything)
 #   make test  - lint and run the whole test suite
+#   make test-fast - the tests not marked slow, for the inner loop
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
@@ -9,7 +10,7 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test lint setup clean
+.PHONY: run test test-fast lint format setup clean
 
 setup: $(STAMP)
 
@@ -26,11 +27,22 @@ $(STAMP): pyproject.toml
 run: $(STAMP)
 	PATH="$(CURDIR)/$(BIN):$$PATH" $(BIN)/python -m flows.pipeline run
 
+# Style, format and types: ruff (configured in pyproject.toml) and mypy over ppo_core/ and flows/.
 lint: $(STAMP)
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff check --fix .
+	$(BIN)/ruff format .
 
 test: $(STAMP) lint
 	$(BIN)/python -m pytest -q
 
+# The inner loop: every test not marked slow (no lint), a few minutes.
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -q -m "not slow"
+
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .hypothesis
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

@@ -35,7 +35,7 @@ def main() -> None:
 
     from ppo_core.modeling.generation import generate_responses, response_mask_from_ids
     from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
-    from ppo_core.modeling.tiny_default import default_prompts
+    from ppo_core.modeling.review_grammar import default_prompts
 
     model = load_causal_lm(args.model)
     tokenizer = load_tokenizer(args.model)

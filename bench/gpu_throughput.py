@@ -93,7 +93,7 @@ def measure_generation(model, config, args, device) -> dict[str, float]:
 
 def measure_update(model, config, args, device, autocast) -> dict[str, float]:
     from ppo_core.math.accumulation import accumulate_gradients
-    from ppo_core.math.losses import LossParts, count_units
+    from ppo_core.math.objective import PPOObjective
     from ppo_core.modeling.policy import score_sequences
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
@@ -104,14 +104,18 @@ def measure_update(model, config, args, device, autocast) -> dict[str, float]:
     response_mask = torch.ones_like(response_ids, dtype=torch.bool)
     micro = args.micro or args.batch
     micro_batches = [slice(i, i + micro) for i in range(0, args.batch, micro)]
+    objective = PPOObjective()  # the trainer's objective with its default coefficients
+    old_logprobs = torch.full(response_ids.shape, -7.0, device=device)
+    advantages = torch.randn(response_ids.shape, device=device)
+    old_values = torch.zeros(response_ids.shape, device=device)
+    returns = torch.randn(response_ids.shape, device=device)
 
     def loss_fn(rows: slice):
         with autocast():
             out = score_sequences(model, prompt_ids[rows], prompt_mask[rows], response_ids[rows],
-                                  response_mask[rows])
-        token_losses = -out.logprobs.float() + 0.1 * out.values.square()
-        mask = response_mask[rows]
-        return LossParts(torch.where(mask, token_losses, 0).sum(), mask.sum()), {}
+                                  response_mask[rows], with_entropy=True)
+        return objective(out.logprobs, out.values, out.entropy, old_logprobs[rows],
+                         old_values[rows], advantages[rows], returns[rows], response_mask[rows])
 
     times = []
     model.train()
@@ -120,7 +124,7 @@ def measure_update(model, config, args, device, autocast) -> dict[str, float]:
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
         accumulate_gradients(micro_batches, loss_fn,
-                             count_fn=lambda rows: count_units(response_mask[rows], "token-mean"))
+                             count_fn=lambda rows: objective.count(response_mask[rows]))
         optimizer.step()
         synchronize(device)
         if step:

@@ -48,12 +48,8 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
     import torch
     from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-    from ppo_core.modeling.tiny_default import (
-        default_prompts,
-        generate_review_corpus,
-        tiny_gpt2_config,
-        train_tokenizer,
-    )
+    from ppo_core.modeling.review_grammar import default_prompts, generate_review_corpus
+    from ppo_core.modeling.tiny_default import tiny_gpt2_config, train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(4000, seed=0))
     config = tiny_gpt2_config(len(tokenizer), n_positions=128, **MODELS[name])

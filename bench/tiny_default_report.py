@@ -35,8 +35,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ppo_core.modeling.review_grammar import default_prompts
     from ppo_core.modeling.rewards import SentimentScorer
-    from ppo_core.modeling.tiny_default import build_tiny_default, default_prompts
+    from ppo_core.modeling.tiny_default import build_tiny_default
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()

@@ -8,7 +8,6 @@ its current value.
 from __future__ import annotations
 
 import errno
-import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -55,7 +54,8 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 def _run(action):
     """Run a stage; turn the errors users can fix into one clear line and exit code 2."""
     from ppo_core.config import ConfigError
-    from ppo_core.modeling.checkpoint import CheckpointError, RunLockedError
+    from ppo_core.files import RunLockedError
+    from ppo_core.modeling.checkpoint import CheckpointError
     from ppo_core.modeling.data import PromptFileError
     from ppo_core.modeling.policy import ModelFolderError
     from ppo_core.modeling.reward_loading import RewardError
@@ -145,10 +145,11 @@ def train(config: ConfigOption = None, overrides: Overrides = None,
     GPU); ppo.rollout_batch_size and ppo.mini_batch_size are then per rank.
     """
     from flows import stages
+    from ppo_core.distributed import is_main_process
 
     cfg = _run(lambda: _load(config, overrides))
     summary = _run(lambda: stages.train(cfg, show_progress=not quiet))
-    if int(os.environ.get("RANK", "0")) != 0:  # under torchrun, rank 0 reports
+    if not is_main_process():  # under torchrun, rank 0 reports
         return
     m = summary.final_metrics
     console.print(
@@ -193,7 +194,7 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
     The candidate must beat the baseline's held-out score by promote.min_improvement, stay
     within promote.max_kl and end responses with EOS often enough. A pass copies it to a new
     version under promote.production_dir; either way the decision and its lineage go to
-    promote.registry and reports/promotion.json. A rejection exits with code 0.
+    promote.registry and promote.report. A rejection exits with code 0.
     """
     from flows import stages
 

@@ -1,11 +1,22 @@
-"""Metric sinks for the trainer: DVCLive files (for `dvc metrics` / `dvc plots`) and the console."""
+"""Metric names and sinks: DVCLive files (for `dvc metrics` / `dvc plots`) and the console.
+
+A metric is named ``group/name`` (``rollout/score``, ``ppo/approx_kl``, ``candidate/score``).
+:func:`metric_file` says where DVCLive keeps one metric's series and :func:`metric_group` reads
+one group of a flat mapping; code that needs either goes through them (``dvc.yaml``'s plot
+paths are checked against :func:`metric_file` by the tests).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+if TYPE_CHECKING:
+    from dvclive import Live
 
 # The metrics worth a glance on the progress line; everything goes to DVCLive.
 HEADLINE = {
@@ -18,14 +29,30 @@ HEADLINE = {
 }
 
 
+def metric_file(folder: str | Path, key: str) -> Path:
+    """The file in which :class:`DVCLiveLogger` (DVCLive) keeps the per-iteration values of the
+    metric ``key`` logged under ``folder``: ``plots/metrics/rollout/score.tsv`` for
+    ``rollout/score``, a ``step`` column and one named after the key's last part. The folder's
+    ``metrics.json`` holds the latest values, nested by the same parts."""
+    return Path(folder) / "plots" / "metrics" / f"{key}.tsv"
+
+
+def metric_group(flat: Mapping[str, float], group: str) -> dict[str, float]:
+    """The metrics ``{group}/{name}`` of ``flat`` as ``{name: value}``, e.g. the ``candidate``
+    side of the ``metrics.json`` written by ``ppo evaluate``."""
+    prefix = f"{group}/"
+    return {key[len(prefix):]: value for key, value in flat.items() if key.startswith(prefix)}
+
+
 class DVCLiveLogger:
-    """Writes every metric per iteration under ``folder`` with DVCLive (``plots/metrics/...`` and
+    """Writes every metric per iteration under ``folder`` with DVCLive (:func:`metric_file` and
     ``metrics.json``). The folder is rewritten from the run's full history on resume, so it always
     describes the whole run."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
-        self.live = None  # opened at the first metrics, so a run that fails to start keeps the old files
+        # Opened at the first metrics, so a run that fails to start keeps the old files.
+        self.live: Live | None = None
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
         if self.live is None:

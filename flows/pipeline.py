@@ -11,15 +11,23 @@ retried ``train`` resumes from its persisted checkpoints.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from ppo_core.files import atomic_write_text
+
+if TYPE_CHECKING:
+    from prefect.deployments.runner import RunnerDeployment
+
+    from ppo_core.config import Config
 
 STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
 # Stages worth retrying: the long, resumable ones. A validation failure is not retried.
@@ -59,7 +67,8 @@ def run_stage(stage: str, repo_dir: str) -> str:
 
 
 def set_params(repo_dir: str, updates: dict[str, Any]) -> None:
-    """Set dotted keys in params.yaml, keeping its comments (as `dvc exp run -S` does)."""
+    """Set dotted keys in params.yaml, keeping its comments (as `dvc exp run -S` does); the file
+    is replaced atomically."""
     from ruamel.yaml import YAML
 
     yaml = YAML()
@@ -73,17 +82,21 @@ def set_params(repo_dir: str, updates: dict[str, Any]) -> None:
         if leaf not in node:
             raise KeyError(f"params.yaml has no key {dotted!r}")
         node[leaf] = value
-    tmp = path.with_name(".params.yaml.tmp")
-    with tmp.open("w") as handle:
-        yaml.dump(data, handle)
-    tmp.replace(path)
+    text = io.StringIO()
+    yaml.dump(data, text)
+    atomic_write_text(path, text.getvalue())
+
+
+def _load_params(repo_dir: str) -> Config:
+    from ppo_core.config import load_config
+
+    return load_config(Path(repo_dir) / "params.yaml")
 
 
 def _production_version(repo_dir: str) -> str | None:
-    from ppo_core.config import load_config
     from ppo_core.registry import current_production
 
-    config = load_config(Path(repo_dir) / "params.yaml")
+    config = _load_params(repo_dir)
     registry = Path(repo_dir) / config.promote.registry
     production = current_production(registry, Path(repo_dir) / config.promote.production_dir)
     return None if production is None else str(production.relative_to(Path(repo_dir).resolve()))
@@ -100,7 +113,7 @@ def retrain(repo_dir: str = ".", from_production: bool = False,
             without one yet, from the configured base.
         params: extra dotted params.yaml updates for this run, e.g. {"ppo.epochs": 2}.
     """
-    from ppo_core.modeling.checkpoint import exclusive_run
+    from ppo_core.files import exclusive_run
 
     repo_dir = str(Path(repo_dir).resolve())
     with exclusive_run(Path(repo_dir) / ".retrain.lock", "retraining run in this repository"):
@@ -126,51 +139,68 @@ def _retrain(repo_dir: str, from_production: bool, params: dict[str, Any] | None
 
 
 def publish_results(repo_dir: str, status: dict[str, str]) -> dict[str, Any]:
-    """Evaluation report and metrics as Prefect artifacts; returns where the outputs are."""
+    """Evaluation report and metrics as Prefect artifacts; returns where the outputs are (the
+    paths of params.yaml, under ``repo_dir``)."""
+    from flows.loggers import metric_group
+
     root = Path(repo_dir)
-    report = root / "reports" / "eval" / "report.md"
-    metrics = json.loads((root / "reports" / "eval" / "metrics.json").read_text())
-    promotion = json.loads((root / "reports" / "promotion.json").read_text())
+    config = _load_params(repo_dir)
+    eval_dir = root / config.eval.output_dir
+    report = eval_dir / "report.md"
+    metrics_file = eval_dir / "metrics.json"
+    metrics = json.loads(metrics_file.read_text())
+    promotion = json.loads((root / config.promote.report).read_text())
     decision = promotion["decision"]
     header = (f"**Decision: {decision}**" + (f" as {promotion['version']}" if "version" in promotion else "")
               + "\n\n" + "\n".join(f"- {r}" for r in promotion["reasons"]) + "\n\n")
     create_markdown_artifact(markdown=header + report.read_text(), key="evaluation-report",
                              description="Held-out evaluation and promotion decision")
-    names = sorted({k.split("/", 1)[1] for k in metrics if "/" in k and not k.startswith("delta")})
-    table = [{"metric": name, **{side: metrics.get(f"{side}/{name}") for side in ("candidate", "baseline")}}
+    sides = {side: metric_group(metrics, side) for side in ("candidate", "baseline")}
+    names = sorted(set().union(*sides.values()))
+    table = [{"metric": name, **{side: values.get(name) for side, values in sides.items()}}
              for name in names]
     create_table_artifact(table=table, key="evaluation-metrics", description="candidate vs baseline")
     outputs = {
         "stages": status,
         "decision": decision,
         "report": str(report),
-        "metrics": str(root / "reports" / "eval" / "metrics.json"),
-        "train_metrics": str(root / "reports" / "train"),
-        "candidate": str(root / "models" / "candidate"),
-        "registry": str(root / "models" / "registry.json"),
+        "metrics": str(metrics_file),
+        "train_metrics": str(root / config.train.metrics_dir),
+        "candidate": str(root / config.train.output_dir),
+        "registry": str(root / config.promote.registry),
     }
     print("outputs: " + json.dumps(outputs, indent=1))
     return outputs
 
 
 def serve_deployments(repo_dir: str = ".") -> None:
-    """Serve 'retrain/manual' (on demand) and 'retrain/scheduled' (cron from params.yaml)."""
+    """Serve 'retrain/manual' (on demand) and 'retrain/scheduled' (``schedule.cron`` in
+    ``schedule.timezone``, from params.yaml)."""
     from prefect import serve
 
-    from ppo_core.config import load_config
-
-    config = load_config(Path(repo_dir) / "params.yaml")
-    repo = str(Path(repo_dir).resolve())
-    manual = retrain.to_deployment(name="manual", parameters={"repo_dir": repo},
-                                   description="Run the whole pipeline now.")
-    scheduled = retrain.to_deployment(
-        name="scheduled", cron=config.schedule.cron,
-        parameters={"repo_dir": repo, "from_production": True},
-        description=f"Retrain on new data from the production model ({config.schedule.cron}).",
-    )
+    manual, scheduled = deployments(repo_dir)
     # One run at a time: a schedule firing during a manual run waits instead of racing it for
     # the same workspace (DVC would refuse the second `dvc repro` on its lock anyway).
     serve(manual, scheduled, limit=1)
+
+
+def deployments(repo_dir: str = ".") -> tuple[RunnerDeployment, RunnerDeployment]:
+    """The deployments 'retrain/manual' and 'retrain/scheduled' of the project in ``repo_dir``."""
+    from prefect.schedules import Cron
+
+    config = _load_params(repo_dir)
+    repo = str(Path(repo_dir).resolve())
+    when = config.schedule
+    manual = retrain.to_deployment(name="manual", parameters={"repo_dir": repo},
+                                   description="Run the whole pipeline now.")
+    scheduled = retrain.to_deployment(
+        name="scheduled", schedule=Cron(when.cron, timezone=when.timezone),
+        parameters={"repo_dir": repo, "from_production": True},
+        description=f"Retrain on new data from the production model ({when.cron}, "
+                    f"{when.timezone}).",
+    )
+    # to_deployment returns a coroutine only when it is called from async code.
+    return cast("RunnerDeployment", manual), cast("RunnerDeployment", scheduled)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
+
+from ppo_core.files import atomic_write_bytes
 
 CURVES = (
     ("rollout/score", "score (mean reward of the scorer)"),
@@ -15,14 +18,12 @@ CURVES = (
 
 
 def plot_training_curves(history: list[dict[str, float]], path: str | Path) -> Path:
-    """Six panels of the per-iteration metrics, saved as a PNG."""
+    """Six panels of the per-iteration metrics, saved as a PNG (atomically)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     figure, axes = plt.subplots(2, 3, figsize=(12, 6), constrained_layout=True)
     steps = [row["iteration"] for row in history]
     for axis, (key, title) in zip(axes.flat, CURVES, strict=True):
@@ -31,6 +32,7 @@ def plot_training_curves(history: list[dict[str, float]], path: str | Path) -> P
         axis.set_xlabel("iteration")
         axis.grid(alpha=0.3)
     figure.suptitle("PPO training")
-    figure.savefig(path, dpi=100)
+    image = io.BytesIO()
+    figure.savefig(image, format="png", dpi=100)
     plt.close(figure)
-    return path
+    return atomic_write_bytes(path, image.getvalue())

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 
 from ppo_core.config import Config
+from ppo_core.files import atomic_folder, atomic_write_text, file_sha256
 
 
 def _normalise(text: str) -> str:
@@ -37,7 +37,6 @@ def prepare(config: Config) -> Path:
     """
     import pandas as pd
 
-    from ppo_core.modeling.checkpoint import atomic_folder, file_sha256
     from ppo_core.modeling.data import PromptFileError, load_prompts
 
     data = config.data
@@ -97,7 +96,6 @@ def base(config: Config) -> Path:
 
         return build_tiny_default(target, seed=config.base.tiny_seed, steps=config.base.tiny_steps,
                                   num_threads=config.threads or None)
-    from ppo_core.modeling.checkpoint import atomic_folder
     from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
 
     source = Path(config.base.source)
@@ -118,9 +116,10 @@ def train(config: Config, show_progress: bool = True):
     folder."""
     from flows.loggers import ConsoleProgress, DVCLiveLogger
     from flows.plots import plot_training_curves
+    from ppo_core.distributed import is_main_process
     from ppo_core.trainer import train as run_training
 
-    loggers = [DVCLiveLogger(config.train.metrics_dir)]
+    loggers: list[DVCLiveLogger | ConsoleProgress] = [DVCLiveLogger(config.train.metrics_dir)]
     if show_progress:
         loggers.append(ConsoleProgress(config.train.iterations))
     try:
@@ -128,7 +127,7 @@ def train(config: Config, show_progress: bool = True):
     finally:
         for logger in loggers:
             logger.close()
-    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 writes the reports
+    if is_main_process():  # under torchrun, rank 0 writes the reports
         plot_training_curves(summary.history, Path(config.train.metrics_dir) / "curves.png")
     return summary
 
@@ -154,7 +153,6 @@ def validate(config: Config) -> Path:
     import pandas as pd
 
     from flows.validation import DataValidationError, validate_prompt_splits
-    from ppo_core.modeling.checkpoint import atomic_folder
     from ppo_core.modeling.data import PromptFileError
     from ppo_core.modeling.policy import load_tokenizer
 
@@ -197,7 +195,8 @@ def _evaluation_baseline(config: Config) -> str:
 
 def promote(config: Config) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
-    candidate as a new production version. Writes ``reports/promotion.json`` either way."""
+    candidate as a new production version. Writes the decision to ``promote.report`` either way."""
+    from flows.loggers import metric_group
     from ppo_core.registry import gate, record_decision
 
     metrics_file = Path(config.eval.output_dir) / "metrics.json"
@@ -208,8 +207,7 @@ def promote(config: Config) -> dict:
     models = json.loads(models_file.read_text()) if models_file.is_file() else {}
 
     def side(name: str) -> dict[str, float] | None:
-        values = {k.split("/", 1)[1]: v for k, v in flat.items() if k.startswith(f"{name}/")}
-        return values or None
+        return metric_group(flat, name) or None
 
     candidate = side("candidate")
     if candidate is None:
@@ -228,7 +226,5 @@ def promote(config: Config) -> dict:
                  "seed": summary.get("seed"), "config": trained_with, "metrics": candidate,
                  "baseline_metrics": side("baseline"), "baseline": models.get("baseline")},
     )
-    report = Path("reports") / "promotion.json"
-    report.parent.mkdir(parents=True, exist_ok=True)
-    report.write_text(json.dumps(entry, indent=1))
+    atomic_write_text(rules.report, json.dumps(entry, indent=1))
     return entry

@@ -4,7 +4,7 @@ Each split (train, eval) is its own dataframe asset, expectation suite, validati
 checkpoint in an in-memory (ephemeral) GE context; the only things written to disk are the Data Docs
 site (``report_dir/data_docs/index.html``) and ``report_dir/summary.json``. Nothing is written to
 the working directory, and GE is imported inside the function so ``import flows.validation`` stays
-cheap (DESIGN.md section 7).
+cheap (docs/design.md section 7).
 
 The frame GE sees for a split is ``{prompt_field: <the prompts as Python objects>, "n_tokens": int}``:
 ``n_tokens`` is derived here with the caller's token counter (-1 where the prompt is null or not a
@@ -25,6 +25,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from ppo_core.files import atomic_write_text
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -198,7 +200,7 @@ def validate_prompt_splits(
         "docs_index": str(docs_index),
         "great_expectations_version": gx.__version__,
     }
-    result.summary_path.write_text(json.dumps(summary, indent=2, default=str) + "\n")
+    atomic_write_text(result.summary_path, json.dumps(summary, indent=2, default=str) + "\n")
     return result
 
 
@@ -321,6 +323,7 @@ def _read_result(
     details = result.get("result") or {}
     unexpected = int(details.get("unexpected_count") or 0)
     error = _exception_message(result.get("exception_info") or {})
+    examples: list[Any]
     if error is not None:
         text, examples = f"could not be evaluated: {error}", []
     elif kind == "expect_table_columns_to_match_set":

@@ -11,24 +11,58 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import zoneinfo
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from ppo_core.files import atomic_write_text, first_line
 from ppo_core.math.batching import check_batch_sizes
-from ppo_core.math.kl import KL_ESTIMATORS
-from ppo_core.math.losses import LOSS_AGG_MODES
-from ppo_core.modeling.checkpoint import first_line
+from ppo_core.math.kl import KLEstimator
+from ppo_core.math.losses import LossAggMode
 
-__all__ = ["Config", "ConfigError", "load_config", "save_config", "to_yaml"]
+__all__ = ["CHOICES", "Config", "ConfigError", "load_config", "save_config", "to_yaml"]
 
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key, the value and what is allowed."""
+
+
+# The string choices owned here; the loss aggregation modes and KL estimators are defined by the
+# math functions that take them.
+Device = Literal["auto", "cpu", "cuda"]
+Precision = Literal["fp32", "bf16"]
+Critic = Literal["shared", "separate"]
+OptimizerName = Literal["adamw", "sgd"]
+SchedulerName = Literal["constant", "linear"]
+
+# A field annotated ``Choice[SomeLiteral]`` is that Literal to a type checker and ``str`` to
+# OmegaConf: OmegaConf 2.3 has no Literal fields (and matches an Enum by member name, which
+# "token-mean" cannot be). validate_config checks the value against CHOICES.
+if TYPE_CHECKING:
+    _T = TypeVar("_T")
+    Choice = Annotated[_T, "choice"]
+else:
+    class _ChoiceOfStr:
+        def __getitem__(self, choices: Any) -> type:
+            return str
+
+    Choice = _ChoiceOfStr()
+
+# Every key whose value is one of a fixed set of strings, with the Literal that lists them.
+CHOICES: dict[str, Any] = {
+    "device": Device,
+    "precision": Precision,
+    "model.critic": Critic,
+    "ppo.loss_agg_mode": LossAggMode,
+    "kl.estimator": KLEstimator,
+    "optim.name": OptimizerName,
+    "optim.scheduler": SchedulerName,
+}
 
 
 @dataclass
@@ -43,7 +77,7 @@ class ModelConfig:
     """``builtin:sentiment`` (VADER), ``module:function`` (user code, called with lists of prompts
     and responses; it runs as Python), or a local folder of a sequence-classification reward
     model."""
-    critic: str = "shared"
+    critic: Choice[Critic] = "shared"
     """``shared``: a value head on the policy's trunk; ``separate``: a critic trunk of its own,
     initialised from the policy folder."""
     trust_remote_code: bool = False
@@ -144,7 +178,7 @@ class PPOConfig:
     """Discount factor."""
     lam: float = 0.95
     """GAE lambda."""
-    loss_agg_mode: str = "token-mean"
+    loss_agg_mode: Choice[LossAggMode] = "token-mean"
     """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
     whiten_advantages: bool = True
     """Whiten advantages once per rollout batch."""
@@ -160,7 +194,7 @@ class PPOConfig:
 class KLConfig:
     """The KL penalty against the reference model."""
 
-    estimator: str = "k1"
+    estimator: Choice[KLEstimator] = "k1"
     """``k1``, ``k2``, ``k3`` or ``abs`` (per-token estimate in the reward)."""
     coef: float = 0.1
     """Initial (or fixed) coefficient ``beta``. 0.1 holds the tiny default near 2.5 nats per
@@ -177,7 +211,7 @@ class KLConfig:
 class OptimConfig:
     """Optimizer and learning-rate schedule."""
 
-    name: str = "adamw"
+    name: Choice[OptimizerName] = "adamw"
     """``adamw`` or ``sgd``."""
     lr: float = 1.5e-4
     weight_decay: float = 0.0
@@ -186,7 +220,7 @@ class OptimConfig:
     eps: float = 1e-8
     momentum: float = 0.0
     """SGD momentum."""
-    scheduler: str = "constant"
+    scheduler: Choice[SchedulerName] = "constant"
     """``constant`` or ``linear`` (decay to 0 over ``train.iterations``)."""
     warmup_iterations: int = 0
 
@@ -221,8 +255,7 @@ class TrainConfig:
     resume: bool = True
     """Resume from the newest checkpoint in ``checkpoint_dir`` when there is one."""
     metrics_dir: str = "reports/train"
-    """DVCLive folder for the per-iteration metrics and plots."""
-    log_every: int = 1
+    """DVCLive folder for the per-iteration metrics and plots (``curves.png`` too)."""
 
 
 @dataclass
@@ -234,11 +267,13 @@ class EvalConfig:
     seed: int = 1234
     """Sampling seed; candidate and baseline use the same one."""
     output_dir: str = "reports/eval"
+    """Where ``ppo evaluate`` writes ``metrics.json``, ``models.json``, ``samples.json`` and
+    ``report.md``."""
     num_examples: int = 8
+    """Sample generations written beside the metrics."""
     baseline: str | None = None
     """Model folder to compare against; ``None`` uses the current production version when the
     registry has one, else ``model.policy``."""
-    """Sample generations written beside the metrics."""
 
 
 @dataclass
@@ -256,6 +291,9 @@ class PromoteConfig:
     """Promoted versions live here as ``v0001/``, ``v0002/``, ... (never overwritten)."""
     registry: str = "models/registry.json"
     """The model registry: every promotion decision, with lineage; names the current version."""
+    report: str = "reports/promotion.json"
+    """Where ``ppo promote`` writes its decision (the registry entry: reasons, lineage, metrics),
+    promoted or not."""
 
 
 @dataclass
@@ -265,6 +303,8 @@ class ScheduleConfig:
     cron: str = "0 3 * * 1"
     """When to retrain: new raw data is picked up, training starts from the production model."""
     timezone: str = "UTC"
+    """IANA time zone of ``cron`` (e.g. ``Europe/Berlin``); a zone with daylight saving time
+    keeps the local hour across the change."""
 
 
 @dataclass
@@ -272,9 +312,9 @@ class Config:
     """The whole configuration."""
 
     seed: int = 0
-    device: str = "auto"
+    device: Choice[Device] = "auto"
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
-    precision: str = "fp32"
+    precision: Choice[Precision] = "fp32"
     """``fp32`` or ``bf16`` (autocast on CUDA)."""
     threads: int = 0
     """CPU threads for torch; 0 keeps torch's default. Tiny models run as fast on 1 thread, and a
@@ -301,7 +341,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     """
     import yaml
 
-    merged: DictConfig = OmegaConf.structured(Config)
+    merged: DictConfig | ListConfig = OmegaConf.structured(Config)
     try:
         if path is not None:
             path = Path(path)
@@ -332,8 +372,27 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc, "")) from None
+    _check_shapes(config)
     validate_config(config)
     return config
+
+
+def _check_shapes(node: Any, prefix: str = "") -> None:
+    """Every section is a section and every list a list; raise :class:`ConfigError` otherwise.
+
+    OmegaConf types a ``${...}`` reference when it resolves it into a number or a string, not
+    when it stands for a whole list or section (``optim.betas=${seed}``); this names the key.
+    """
+    for item in fields(node):
+        key, value = f"{prefix}{item.name}", getattr(node, item.name)
+        default = item.default if item.default_factory is MISSING else item.default_factory()
+        shown = type(value).__name__ if is_dataclass(value) else repr(value)
+        if is_dataclass(default):
+            if type(value) is not type(default):
+                raise ConfigError(f"{key} must be a section of keys, got {shown}")
+            _check_shapes(value, f"{key}.")
+        elif isinstance(default, list) and not isinstance(value, list):
+            raise ConfigError(f"{key} must be a list, got {shown}")
 
 
 def _explain(exc: OmegaConfBaseException, where: str) -> str:
@@ -381,7 +440,7 @@ def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
 # Folders and files a run writes or replaces, by config key.
 WRITE_KEYS = ("data.interim_dir", "data.prepared_dir", "validation.report_dir", "train.output_dir",
               "train.checkpoint_dir", "train.metrics_dir", "eval.output_dir",
-              "promote.production_dir", "promote.registry")
+              "promote.production_dir", "promote.registry", "promote.report")
 # Inputs a run must never replace (model.policy is written by the base stage only).
 READ_KEYS = ("model.policy", "model.reference", "base.source")
 
@@ -430,13 +489,13 @@ def validate_config(config: Config) -> None:
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
     check_write_paths(flat)
-    _choice("device", config.device, ("auto", "cpu", "cuda"))
-    _choice("precision", config.precision, ("fp32", "bf16"))
-    _choice("model.critic", config.model.critic, ("shared", "separate"))
-    _choice("ppo.loss_agg_mode", config.ppo.loss_agg_mode, LOSS_AGG_MODES)
-    _choice("kl.estimator", config.kl.estimator, KL_ESTIMATORS)
-    _choice("optim.name", config.optim.name, ("adamw", "sgd"))
-    _choice("optim.scheduler", config.optim.scheduler, ("constant", "linear"))
+    for key, choices in CHOICES.items():
+        _choice(key, flat[key], get_args(choices))
+    try:
+        zoneinfo.ZoneInfo(config.schedule.timezone)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        raise ConfigError(f"schedule.timezone={config.schedule.timezone!r} is not an IANA time "
+                          "zone name; use e.g. UTC or Europe/Berlin") from None
     ppo = config.ppo
     try:
         check_batch_sizes(ppo.rollout_batch_size, ppo.mini_batch_size, ppo.micro_batch_size,
@@ -454,7 +513,6 @@ def validate_config(config: Config) -> None:
         "validation.max_tokens": config.validation.max_tokens,
         "train.checkpoint_every": config.train.checkpoint_every,
         "train.keep_checkpoints": config.train.keep_checkpoints,
-        "train.log_every": config.train.log_every,
         "eval.num_prompts": config.eval.num_prompts,
         "eval.samples_per_prompt": config.eval.samples_per_prompt,
         "kl.target": config.kl.target,
@@ -514,8 +572,4 @@ def to_yaml(config: Config) -> str:
 
 def save_config(config: Config, path: str | Path) -> None:
     """Write the resolved config to ``path`` atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(to_yaml(config))
-    tmp.replace(path)
+    atomic_write_text(path, to_yaml(config))

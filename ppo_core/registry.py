@@ -8,7 +8,6 @@ version. A rejected or failed run never touches a version or the ``current`` poi
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import time
@@ -16,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_core.modeling.checkpoint import atomic_folder, exclusive_run
+from ppo_core.files import atomic_folder, atomic_write_text, exclusive_run
 
 __all__ = ["GateDecision", "current_production", "gate", "load_registry", "record_decision"]
 
@@ -122,8 +121,5 @@ def _record(registry_path: Path, production_dir: str | Path, candidate_dir: str 
         entry["path"] = str(target)
         registry["current"] = version
     registry["entries"].append(entry)
-    registry_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = registry_path.with_name(f".{registry_path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(registry, indent=1))
-    tmp.replace(registry_path)
+    atomic_write_text(registry_path, json.dumps(registry, indent=1))
     return entry

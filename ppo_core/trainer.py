@@ -342,7 +342,7 @@ def run_iteration(config: Config, runtime: Runtime, inputs: RunInputs, models: M
                               runtime=runtime))
     # 4. Adapt the KL coefficient and the learning rate.
     state.kl_controller.update(metrics["rollout/kl"], len(batch) * parallel.world_size)
-    metrics["optim/lr"] = state.scheduler.get_last_lr()[0]
+    metrics["optim/lr"] = float(state.scheduler.get_last_lr()[0])
     state.scheduler.step()
     finished = time.perf_counter()
     tokens = float(batch.response_mask.sum()) * parallel.world_size

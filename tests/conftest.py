@@ -31,7 +31,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
     """Train and eval prompt files (JSONL) from the default prompt pool."""
-    from ppo_core.modeling.tiny_default import default_prompts
+    from ppo_core.modeling.review_grammar import default_prompts
 
     folder = tmp_path_factory.mktemp("prompts")
     prompts = default_prompts(160, seed=0)

@@ -1,6 +1,11 @@
+import dataclasses
+from typing import get_args
+
 import pytest
 
-from ppo_core.config import Config, ConfigError, load_config, save_config, to_yaml
+from ppo_core.config import CHOICES, Config, ConfigError, load_config, save_config, to_yaml
+from ppo_core.math.kl import KL_ESTIMATORS
+from ppo_core.math.losses import LOSS_AGG_MODES
 
 
 def test_defaults_load_and_nest():
@@ -32,6 +37,16 @@ def test_file_then_overrides(tmp_path):
         (["ppo.lam=1.5"], r"ppo.lam must be in \[0, 1\], got 1.5"),
         (["generation.top_p=0"], r"generation.top_p must be in \(0, 1\]"),
         (["device=tpu"], r"device='tpu' is not one of auto, cpu, cuda"),
+        (["ppo.loss_agg_mode=mean"], r"not one of token-mean, seq-mean-token-mean, seq-mean-token-sum"),
+        (["optim.scheduler=cosine"], r"optim.scheduler='cosine' is not one of constant, linear"),
+        (["precision=fp16"], r"precision='fp16' is not one of fp32, bf16"),
+        (["model.critic=none"], r"model.critic='none' is not one of shared, separate"),
+        (["device=[1]"], r"bad value for config key 'device'"),
+        (["schedule.timezone=Mars/Olympus"], r"schedule.timezone='Mars/Olympus' is not an IANA"),
+        (["promote.report=reports/eval/promotion.json"], r"eval.output_dir=.* and promote.report=.* overlap"),
+        (["train.log_every=1"], r"unknown config key 'train.log_every'"),
+        (["optim.betas=${seed}"], r"optim.betas must be a list, got 0"),
+        (["optim.betas=${data}"], r"optim.betas must be a list, got DataConfig"),
         (["seed"], r"override 'seed' is not of the form key=value"),
     ],
 )
@@ -57,3 +72,43 @@ def test_saved_config_loads_back(tmp_path):
     save_config(config, tmp_path / "c.yaml")
     again = load_config(tmp_path / "c.yaml")
     assert to_yaml(again) == to_yaml(config)
+
+
+def test_saved_config_is_written_atomically(tmp_path):
+    save_config(load_config(), tmp_path / "c.yaml")
+    save_config(load_config(overrides=["seed=3"]), tmp_path / "c.yaml")
+    assert [p.name for p in tmp_path.iterdir()] == ["c.yaml"]
+    assert load_config(tmp_path / "c.yaml").seed == 3
+
+
+def _choice_fields(cls, prefix=""):
+    """Dotted keys of the fields annotated ``Choice[...]``, through the nested sections."""
+    for item in dataclasses.fields(cls):
+        section = item.default_factory
+        if section is not dataclasses.MISSING and dataclasses.is_dataclass(section):
+            yield from _choice_fields(section, f"{prefix}{item.name}.")
+        elif str(item.type).startswith("Choice["):
+            yield f"{prefix}{item.name}"
+
+
+def test_every_choice_field_is_checked_against_its_literal():
+    assert sorted(_choice_fields(Config)) == sorted(CHOICES)
+    # The math layer's own tuples are the same choices.
+    assert get_args(CHOICES["kl.estimator"]) == KL_ESTIMATORS
+    assert get_args(CHOICES["ppo.loss_agg_mode"]) == LOSS_AGG_MODES
+    defaults = Config()
+    for key, choices in CHOICES.items():
+        value = defaults
+        for part in key.split("."):
+            value = getattr(value, part)
+        assert value in get_args(choices), key
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_choices_with_dashes_load_from_overrides_and_files(mode, tmp_path):
+    assert load_config(overrides=[f"ppo.loss_agg_mode={mode}"]).ppo.loss_agg_mode == mode
+    path = tmp_path / "run.yaml"
+    path.write_text(f"ppo:\n  loss_agg_mode: {mode}\nkl:\n  estimator: abs\n")
+    config = load_config(path)
+    assert (config.ppo.loss_agg_mode, config.kl.estimator) == (mode, "abs")
+    assert isinstance(config.ppo.loss_agg_mode, str)

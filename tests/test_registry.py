@@ -72,7 +72,7 @@ def test_a_broken_registry_is_an_error_not_a_reset(tmp_path):
 
 
 def test_a_second_promotion_at_once_refuses_and_changes_nothing(tmp_path):
-    from ppo_core.modeling.checkpoint import RunLockedError, exclusive_run
+    from ppo_core.files import RunLockedError, exclusive_run
 
     registry, production = tmp_path / "models" / "registry.json", tmp_path / "models" / "production"
     other_run = exclusive_run(registry.with_name(".registry.json.lock"), "promotion")

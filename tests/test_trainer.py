@@ -233,7 +233,7 @@ def test_a_non_finite_gradient_stops_the_step_and_names_the_parameter():
 
 
 def test_a_second_run_on_the_same_checkpoints_refuses_to_start(tmp_path, tiny_model_dir, prompt_files):
-    from ppo_core.modeling.checkpoint import RunLockedError, exclusive_run
+    from ppo_core.files import RunLockedError, exclusive_run
 
     first_run = exclusive_run(tmp_path / ".checkpoints.lock", "training run")
     refused = pytest.raises(RunLockedError, match=r"another training run on .*checkpoints is running \(pid \d+")
@@ -244,9 +244,9 @@ def test_a_second_run_on_the_same_checkpoints_refuses_to_start(tmp_path, tiny_mo
 
 
 def test_a_non_finite_loss_is_named_before_the_optimizer_step(tiny_model_dir):
+    from ppo_core.config import PPOConfig
     from ppo_core.modeling.generation import encode_prompts
     from ppo_core.modeling.policy import load_actor_critic, load_tokenizer
-    from ppo_core.config import PPOConfig
     from ppo_core.rollout import RolloutBatch
     from ppo_core.update import NonFiniteError, ppo_update
 

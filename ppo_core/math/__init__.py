@@ -1,4 +1,4 @@
-"""Layer 1 of ppo_core: PPO math on tensors. Imports torch only (DESIGN.md section 2)."""
+"""Layer 1 of ppo_core: PPO math on tensors. Imports torch only (docs/design.md section 2)."""
 
 from ppo_core.math.accumulation import (
     AccumulationResult,

@@ -1,6 +1,6 @@
 """Exact gradient accumulation over micro-batches and data-parallel ranks.
 
-The mini-batch objective (DESIGN.md section 4) is
+The mini-batch objective (docs/design.md section 4) is
 
     L = sum_i m_i l_i / N,   N = sum_i m_i over all micro-batches k and all ranks r.
 
@@ -8,8 +8,8 @@ Each micro-batch contributes ``S_rk = sum_{i in (r, k)} m_i l_i`` (a :class:`Los
 ``N`` is known before any backward pass, because the masks of the whole mini-batch are, so each
 micro-batch backpropagates ``S_rk * R / N``: DDP then averages over ``R`` ranks and the summed
 gradient is exactly ``grad L``. Dividing each micro-batch by its own count and the sum by the number
-of steps (a mean of means) is the bug this module exists to avoid; see the grad-accumulation pull
-request in ``shared/seeds``.
+of steps (a mean of means) is the bug this module exists to avoid; see Levanter's "Fix grad accum
+when using loss_mask" (marin-community/levanter#842) and docs/design.md section 4.
 """
 
 from __future__ import annotations
@@ -17,13 +17,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor
 
 from ppo_core.math.losses import LossParts
 from ppo_core.math.running_mean import RunningMean
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "AccumulationResult",
@@ -37,7 +40,7 @@ MicroBatch = TypeVar("MicroBatch")
 LossFn = Callable[[MicroBatch], tuple[LossParts, Mapping[str, RunningMean]]]
 
 
-def data_parallel_world_size(group: object | None = None) -> int:
+def data_parallel_world_size(group: ProcessGroup | None = None) -> int:
     """Number of ranks in ``group`` (1 when torch.distributed is not initialised)."""
     import torch.distributed as dist
 
@@ -46,7 +49,7 @@ def data_parallel_world_size(group: object | None = None) -> int:
     return 1
 
 
-def all_reduce_count(local_count: Tensor | int, group: object | None = None) -> Tensor:
+def all_reduce_count(local_count: Tensor | int, group: ProcessGroup | None = None) -> Tensor:
     """Sum a unit count over all ranks of ``group``; int64 scalar, identity on one process."""
     import torch.distributed as dist
 
@@ -83,7 +86,7 @@ def accumulate_gradients(
     loss_fn: LossFn,
     count_fn: Callable[[MicroBatch], Tensor | int],
     *,
-    group: object | None = None,
+    group: ProcessGroup | None = None,
     no_sync: Callable[[], AbstractContextManager] | None = None,
 ) -> AccumulationResult:
     """Backpropagate the exact mini-batch objective, one micro-batch at a time.

@@ -4,7 +4,7 @@ Each PPO epoch shuffles the rollout batch (seeded) and splits it into mini-batch
 step each; each mini-batch is split into micro-batches whose gradients are accumulated
 (:mod:`ppo_core.math.accumulation`). A split that does not divide the batch is an error naming both
 sizes, unless the caller asked to drop the remainder, in which case a warning says how many rows
-were dropped (the ``drop_last`` discussion of the minibatching pull request in ``shared/seeds``).
+were dropped (the ``drop_last`` discussion of TRL's "add minibatching", huggingface/trl#153).
 """
 
 from __future__ import annotations

@@ -13,10 +13,15 @@ of the row, and 0 past the last one (the episode ends there).
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
 
 from ppo_core.math.masked import masked_whiten, select
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["compute_gae", "whiten_advantages"]
 
@@ -57,11 +62,11 @@ def compute_gae(
 
 @torch.no_grad()
 def whiten_advantages(advantages: Tensor, response_mask: Tensor, all_ranks: bool = False,
-                      group: object | None = None) -> Tensor:
+                      group: ProcessGroup | None = None) -> Tensor:
     """Whiten advantages once per rollout batch (masked, Bessel-corrected); ``[B, T]`` in and out.
 
     Whitening per mini-batch instead would give each mini-batch its own scale, which breaks the
-    equality between the micro-batched and the full update (DESIGN.md section 4); for the same
+    equality between the micro-batched and the full update (docs/design.md section 4); for the same
     reason, under data parallelism the moments are those of the rollout batch of all ranks.
     """
     return masked_whiten(advantages, response_mask, shift_mean=True, all_ranks=all_ranks,

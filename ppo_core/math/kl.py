@@ -17,7 +17,7 @@ The adaptive controller is theirs too (section 2.2): ``e = clip(KL / target - 1,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from torch import Tensor
@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
-KL_ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3", "abs")
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
 def kl_penalty(
@@ -73,7 +73,7 @@ def last_valid_index(mask: Tensor) -> Tensor:
     """Index of the last True position of each row of a ``[B, T]`` mask, ``-1`` for empty rows.
 
     Works from positions, not token ids, so a pad token equal to EOS cannot move it
-    (DESIGN.md section 8).
+    (docs/design.md section 8).
     """
     mask = mask.bool()
     positions = torch.arange(mask.shape[-1], device=mask.device).expand_as(mask)

@@ -12,11 +12,12 @@ in MOBA Games with Deep Reinforcement Learning", eq. 5):
 Every function returns **per-token** losses, zero at masked positions, and statistics as
 :class:`RunningMean` (token-weighted), so that micro-batches, mini-batches and ranks merge into
 exact means. Reduction to a scalar happens in :func:`aggregate_loss`, which returns a sum and a
-count instead of a mean: see DESIGN.md section 4 and :mod:`ppo_core.math.accumulation`.
+count instead of a mean: see docs/design.md section 4 and :mod:`ppo_core.math.accumulation`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import torch
@@ -61,7 +62,8 @@ class ValueLossOutput(NamedTuple):
     error: RunningMean  # mean of (V - R)^2, unclipped
 
 
-class LossParts(NamedTuple):
+@dataclass(frozen=True)
+class LossParts:
     """A micro-batch's share of a mini-batch objective, before normalisation.
 
     ``total`` is differentiable; ``count`` is the number of units (tokens or sequences, per
@@ -208,7 +210,7 @@ def aggregate_loss(
     - ``seq-mean-token-mean``: sum over sequences of each sequence's token mean; count = sequences.
     - ``seq-mean-token-sum``: sum over sequences of each sequence's token sum; count = sequences.
 
-    Sums are taken in float32 at least, whatever the model's dtype (DESIGN.md section 4).
+    Sums are taken in float32 at least, whatever the model's dtype (docs/design.md section 4).
     """
     mask = response_mask.bool()
     acc_dtype = torch.promote_types(token_losses.dtype, torch.float32)

@@ -1,6 +1,6 @@
 """Masked reductions and whitening.
 
-Mask convention (DESIGN.md section 3): ``True`` means the element counts. Masked positions may
+Mask convention (docs/design.md section 3): ``True`` means the element counts. Masked positions may
 hold any value, NaN and inf included; every function selects with ``torch.where`` so that such
 values never reach a result (multiplying by a 0/1 mask would turn ``inf * 0`` into NaN).
 
@@ -10,8 +10,13 @@ Formulas follow the minibatching pull request of TRL's PPO trainer (``masked_mea
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = [
     "masked_count",
@@ -91,7 +96,7 @@ def masked_var(values: Tensor, mask: Tensor, unbiased: bool = True) -> Tensor:
 
 
 def masked_moments(
-    values: Tensor, mask: Tensor, all_ranks: bool = False, group: object | None = None
+    values: Tensor, mask: Tensor, all_ranks: bool = False, group: ProcessGroup | None = None
 ) -> tuple[Tensor, Tensor]:
     """Mean and unbiased variance of the valid elements, over this process or over all ranks.
 
@@ -124,7 +129,7 @@ def masked_moments(
 
 def masked_whiten(
     values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
-    all_ranks: bool = False, group: object | None = None,
+    all_ranks: bool = False, group: ProcessGroup | None = None,
 ) -> Tensor:
     """Normalise the valid elements to zero mean and unit (unbiased) variance.
 

@@ -1,7 +1,7 @@
 """A numerically careful running mean, mergeable across micro-batches, mini-batches and ranks.
 
 Keeps the mean and the count instead of the sum and the count, as in Levanter's ``RunningMean``
-(the grad-accumulation pull request in ``shared/seeds``): adding many values near the same
+(Levanter's "Fix grad accum when using loss_mask", marin-community/levanter#842): adding many values near the same
 magnitude to a large sum loses low-order bits, the mean stays in range. Two running means merge
 with Chan et al.'s pairwise update ``mean += (x - mean) * n_x / (n + n_x)``.
 """
@@ -9,16 +9,20 @@ with Chan et al.'s pairwise update ``mean += (x - mean) * n_x / (n + n_x)``.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch.distributed import ProcessGroup
 
 __all__ = ["RunningMean"]
 
 _ACC_DTYPE = torch.float64
 
 
-def _scalar(value: Tensor | float | int, device: torch.device | None = None) -> Tensor:
+def _scalar(value: Tensor | float | int, device: torch.device | str | None = None) -> Tensor:
     tensor = torch.as_tensor(value, dtype=_ACC_DTYPE, device=device)
     if tensor.dim() != 0:
         raise ValueError(f"RunningMean takes scalars, got a tensor of shape {tuple(tensor.shape)}")
@@ -84,7 +88,7 @@ class RunningMean:
         """Merge in ``count`` units whose mean is ``value``."""
         return self.merge(RunningMean.of(value, count))
 
-    def all_reduce(self, group: object | None = None) -> RunningMean:
+    def all_reduce(self, group: ProcessGroup | None = None) -> RunningMean:
         """Merge this running mean over all ranks of ``group`` (identity without a process group).
 
         Reduces ``mean * count`` and ``count`` in float64; the sum form is fine here because it

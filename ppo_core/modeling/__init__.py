@@ -2,5 +2,5 @@
 
 Loading policy / value / reference / reward models, generation, scoring, checkpoints and the
 embedded tiny default (``ppo_core.modeling.tiny_default``). Submodules import transformers and
-other heavy libraries themselves, so importing this package stays cheap (DESIGN.md section 7).
+other heavy libraries themselves, so importing this package stays cheap (docs/design.md section 7).
 """

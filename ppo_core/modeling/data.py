@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -32,14 +33,17 @@ def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = Fa
         try:
             frame = pd.read_parquet(path)
         except Exception as exc:  # pyarrow raises many kinds for a damaged or foreign file
-            raise PromptFileError(f"{path}: not a readable parquet file ({type(exc).__name__}: "
-                                  f"{str(exc)[:200]})") from None
+            raise PromptFileError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
         if field not in frame.columns:
             raise PromptFileError(
                 f"{path}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
             )
+        try:
+            values = frame[field].tolist()
+        except Exception as exc:  # strings are decoded only here: invalid UTF-8 in a damaged file
+            raise PromptFileError(_unreadable_column(path, field, exc)) from None
         prompts = []
-        for row, value in enumerate(frame[field].tolist()):
+        for row, value in enumerate(values):
             if not isinstance(value, str) or not (value.strip() or allow_empty):
                 raise PromptFileError(f"{path}: row {row}: {field!r} is not a non-empty string")
             if len(value) > MAX_LINE_BYTES:
@@ -74,8 +78,11 @@ def _parse_line(path: Path, number: int, raw: bytes, field: str, allow_empty: bo
         record = json.loads(text)
     except json.JSONDecodeError as exc:
         raise PromptFileError(f"{path}:{number}: not valid JSON ({exc.msg})") from None
-    except RecursionError:
+    except RecursionError:  # caught before ValueError: deep nesting is its own message
         raise PromptFileError(f"{path}:{number}: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        reason = " ".join(str(exc).split(":")[0].split())
+        raise PromptFileError(f"{path}:{number}: not valid JSON ({reason})") from None
     if not isinstance(record, dict):
         raise PromptFileError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
     value = record.get(field)
@@ -87,6 +94,25 @@ def _parse_line(path: Path, number: int, raw: bytes, field: str, allow_empty: bo
         raise PromptFileError(f"{path}:{number}: field {field!r} holds a lone UTF-16 surrogate, "
                               "which is not text") from None
     return [value]
+
+
+def _one_line(exc: BaseException) -> str:
+    """``Kind: message`` of an exception on one line, at most 200 characters of the message."""
+    return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
+
+
+def _unreadable_column(path: Path, field: str, exc: BaseException) -> str:
+    """The message for a column that pyarrow read but cannot turn into Python strings, naming the
+    first row that fails (found on this error path only)."""
+    import pyarrow.parquet as pq
+
+    with contextlib.suppress(Exception):  # the reader failed again: report the first error
+        for row, value in enumerate(pq.read_table(path, columns=[field]).column(field)):
+            try:
+                value.as_py()
+            except UnicodeDecodeError:
+                return f"{path}: row {row}: {field!r} is not valid UTF-8"
+    return f"{path}: column {field!r} is not readable ({_one_line(exc)})"
 
 
 def read_manifest_hash(prompt_file: str | Path) -> str | None:

@@ -2,7 +2,7 @@
 
 Sampling settings are always passed explicitly (temperature, top-k, top-p), so a model's own
 generation config cannot add a hidden top-k and the logprobs computed later describe the
-distribution that was actually sampled (DESIGN.md section 8).
+distribution that was actually sampled (docs/design.md section 8).
 """
 
 from __future__ import annotations

@@ -7,16 +7,19 @@ safetensors, and a folder's own Python code runs only with ``trust_remote_code=T
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
 
 import torch
 from torch import Tensor, nn
 
+from ppo_core.files import first_line
 from ppo_core.math.losses import logprobs_from_logits
-from ppo_core.modeling.checkpoint import first_line
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 __all__ = [
     "ActorCritic",
@@ -103,7 +106,10 @@ def load_causal_lm(path: str | Path, role: str = "policy", trust_remote_code: bo
     return fuse_activations(model).eval()
 
 
-def fuse_activations(model: nn.Module) -> nn.Module:
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
+def fuse_activations(model: ModuleT) -> ModuleT:
     """Swap the tanh-approximated GELU written as Python tensor ops (``NewGELUActivation``, GPT-2's
     ``gelu_new``) for PyTorch's fused ``gelu(approximate="tanh")``, in place; returns ``model``.
 
@@ -124,7 +130,7 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0. ``[B, L] -> [B, L]``.
 
     Generation and scoring must use the same positions, or sampled and recomputed logprobs
-    disagree (DESIGN.md section 8).
+    disagree (docs/design.md section 8).
     """
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
@@ -136,7 +142,8 @@ class ActorCritic(nn.Module):
     from the state that ends at token ``t``.
     """
 
-    def __init__(self, policy: nn.Module, value_head: nn.Linear, critic: nn.Module | None = None):
+    def __init__(self, policy: PreTrainedModel, value_head: nn.Linear,
+                 critic: PreTrainedModel | None = None):
         super().__init__()
         self.policy = policy
         self.value_head = value_head
@@ -194,7 +201,7 @@ def load_actor_critic(
     folder = check_model_folder(path, "policy")
     policy = load_causal_lm(folder, "policy", trust_remote_code, dtype)
     hidden = _hidden_size(policy.config)
-    critic_trunk = None
+    critic_trunk: PreTrainedModel | None = None
     if critic == "separate":
         critic_folder = folder / CRITIC_DIR
         if critic_folder.is_dir():
@@ -306,6 +313,11 @@ def _keep_kwargs(model: nn.Module, logits_to_keep: int) -> dict[str, int]:
     return {"logits_to_keep": logits_to_keep}
 
 
-@functools.cache
+_TAKES_LOGITS_TO_KEEP: dict[type, bool] = {}
+
+
 def _takes_logits_to_keep(kind: type) -> bool:
-    return "logits_to_keep" in inspect.signature(kind.forward).parameters
+    if kind not in _TAKES_LOGITS_TO_KEEP:
+        forward = getattr(kind, "forward")  # noqa: B009 - any nn.Module subclass
+        _TAKES_LOGITS_TO_KEEP[kind] = "logits_to_keep" in inspect.signature(forward).parameters
+    return _TAKES_LOGITS_TO_KEEP[kind]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -106,7 +107,7 @@ class _RewardModel:
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model = fuse_activations(from_pretrained_checked(
+        self.model: Any = fuse_activations(from_pretrained_checked(
             AutoModelForSequenceClassification, path, "reward model",
             trust_remote_code=trust_remote_code,
         )).to(device).eval()

@@ -1,14 +1,14 @@
 """Rewards: functions that score whole texts, for rollouts and evaluation.
 
 A scorer is a callable ``scorer(prompts, responses) -> Tensor [B] float32``: one score per
-rollout, placed by the PPO loop on the last real response token (DESIGN.md section 5). Responses
+rollout, placed by the PPO loop on the last real response token (docs/design.md section 5). Responses
 must be decoded only up to their first EOS, without special tokens, and keep their leading space
 (byte-level BPE decodes " great." for the token "Ġgreat"), so that ``prompt + response`` is the
 review as a reader sees it.
 
 Built-in scorer: VADER sentiment (``vaderSentiment``), rule based and CPU only, so the embedded
 default runs with no download. Its known weak spots (stacked adjectives, a ", but ... great"
-clause that rescues a negative opening) are the ones PPO finds; DESIGN.md section 8.
+clause that rescues a negative opening) are the ones PPO finds; docs/design.md section 8.
 """
 
 from __future__ import annotations

@@ -33,6 +33,48 @@ def test_repro_then_nothing_then_only_what_a_param_touches(tiny_project):
 
     shown = dvc(tiny_project, "metrics", "show", "--json")
     assert shown.returncode == 0 and "candidate/score" in shown.stdout
+    assert not (tiny_project / ".dvc-storage").exists()  # so what is there below came from push
     push = dvc(tiny_project, "push")
     assert push.returncode == 0, push.stderr
-    assert (tiny_project / ".dvc-storage").is_dir()
+    assert any(p.is_file() for p in (tiny_project / ".dvc-storage").rglob("*"))
+    remote = dvc(tiny_project, "status", "--cloud")  # every tracked output is in the remote
+    assert remote.returncode == 0 and "in sync" in remote.stdout, remote.stdout + remote.stderr
+
+
+def test_dvc_yaml_names_the_configured_outputs():
+    """Every path dvc.yaml tracks is the one params.yaml configures (or a file the stage writes
+    inside it), and every code dependency exists."""
+    import yaml
+
+    from flows.loggers import metric_file
+    from ppo_core.config import load_config
+    from tests.flows.conftest import ROOT
+
+    config = load_config(ROOT / "params.yaml")
+    pipeline = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+    stages = pipeline["stages"]
+
+    def paths(stage: str, kind: str) -> set[str]:
+        return {next(iter(e)) if isinstance(e, dict) else e for e in stages[stage].get(kind, [])}
+
+    train_metrics, evals = config.train.metrics_dir, config.eval.output_dir
+    assert paths("prepare", "outs") == {config.data.interim_dir}
+    assert paths("base", "outs") == {config.model.policy}
+    assert paths("validate", "outs") == {config.data.prepared_dir}
+    assert paths("validate", "metrics") == {f"{config.validation.report_dir}/summary.json"}
+    assert paths("train", "outs") == {config.train.output_dir, config.train.checkpoint_dir}
+    assert paths("train", "metrics") == {f"{train_metrics}/metrics.json"}
+    assert paths("train", "plots") == {str(metric_file(train_metrics, "any").parent),
+                                       f"{train_metrics}/curves.png"}
+    assert paths("evaluate", "outs") == {f"{evals}/{name}" for name in
+                                         ("samples.json", "report.md", "models.json")}
+    assert paths("evaluate", "metrics") == {f"{evals}/metrics.json"}
+    assert paths("promote", "outs") == {config.promote.report}
+    assert {f"{evals}/metrics.json", config.train.output_dir} <= paths("promote", "deps")
+    assert {config.data.prepared_dir, config.model.policy} <= paths("train", "deps")
+    plotted = {file for plot in pipeline["plots"] for spec in plot.values() for file in spec["y"]}
+    assert plotted == {str(metric_file(train_metrics, key)) for key in ("rollout/score", "rollout/kl")}
+    for stage in stages:
+        for dep in paths(stage, "deps"):
+            if dep.startswith(("ppo_core", "flows")):
+                assert (ROOT / dep).exists(), f"dvc.yaml stage {stage} depends on missing {dep}"

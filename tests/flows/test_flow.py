@@ -76,7 +76,7 @@ def test_bad_data_stops_the_flow_at_validation(tiny_project, prefect_harness, mo
 
 def test_a_second_retraining_run_refuses_while_one_runs(tmp_path, prefect_harness):
     from flows.pipeline import retrain
-    from ppo_core.modeling.checkpoint import RunLockedError, exclusive_run
+    from ppo_core.files import RunLockedError, exclusive_run
 
     holder = exclusive_run(tmp_path / ".retrain.lock", "retraining run")  # e.g. the schedule's
     refused = pytest.raises(RunLockedError, match="another retraining run in this repository")

@@ -38,20 +38,27 @@ def test_clean_dedupe_split_and_manifest(tmp_path):
 
 
 def test_new_data_keeps_old_prompts_on_their_side(tmp_path):
+    def sides(out):
+        return tuple(set(pd.read_parquet(out / f"{split}.parquet")["prompt"]) for split in ("train", "eval"))
+
     write_raw(tmp_path, [f"Prompt {i}" for i in range(50)])
-    out = prepare(config_for(tmp_path))
-    before = set(pd.read_parquet(out / "eval.parquet")["prompt"])
-    write_raw(tmp_path, [f"Prompt {i}" for i in range(100)])
-    after = set(pd.read_parquet(prepare(config_for(tmp_path)) / "eval.parquet")["prompt"])
-    assert before <= after
+    train_before, eval_before = sides(prepare(config_for(tmp_path)))
+    # new prompts first: the split does not depend on a prompt's position in the files
+    write_raw(tmp_path, [f"Prompt {i}" for i in range(100, 50, -1)] + [f"Prompt {i}" for i in range(50)])
+    train_after, eval_after = sides(prepare(config_for(tmp_path)))
+    assert train_before < train_after and eval_before < eval_after  # both sides got new prompts
+    assert not train_after & eval_after
 
 
 def test_malformed_raw_data_fails_and_keeps_the_previous_version(tmp_path):
     write_raw(tmp_path, [f"Prompt {i}" for i in range(50)])
     out = prepare(config_for(tmp_path))
-    previous = (out / "manifest.json").read_text()
+    previous = {p.name: p.read_bytes() for p in out.iterdir()}
     with (tmp_path / "raw" / "a.jsonl").open("a") as handle:
         handle.write('{"prompt": "fine"}\n{broken\n')
-    with pytest.raises(PromptFileError, match=r"a.jsonl:52: not valid JSON"):
+    with pytest.raises(PromptFileError) as info:
         prepare(config_for(tmp_path))
-    assert (out / "manifest.json").read_text() == previous
+    raw = tmp_path / "raw" / "a.jsonl"
+    assert str(info.value) == f"{raw}:52: not valid JSON (Expecting property name enclosed in double quotes)"
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == previous
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "raw"]  # no temporary folder

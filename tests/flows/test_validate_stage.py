@@ -31,6 +31,8 @@ def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir
     write_version(tmp_path / "interim", train, evals)
     published = validate(config)
     before = {p.name: p.read_bytes() for p in published.iterdir()}
+    report = tmp_path / "report"
+    passing_docs = (report / "data_docs" / "index.html").read_bytes()
 
     bad_train, bad_eval = list(train), list(evals)
     if problem == "null":
@@ -44,12 +46,17 @@ def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir
     write_version(tmp_path / "interim", bad_train, bad_eval)
     with pytest.raises(DataValidationError) as caught:
         validate(config)
-    names = {f.expectation for f in caught.value.result.failures}
-    expected = {"null": "expect_column_values_to_not_be_null",
-                "duplicate": "expect_column_values_to_be_unique",
-                "too_long": "expect_column_values_to_be_between",
-                "leak": "expect_column_values_to_not_be_in_set"}[problem]
-    assert expected in names, caught.value
-    assert (tmp_path / "report" / "summary.json").is_file()
-    assert (tmp_path / "report" / "data_docs" / "index.html").is_file()
+    failures = {(f.expectation, f.split) for f in caught.value.result.failures}
+    expected = {  # a null prompt has no token count either, so its length check fails too
+        "null": {("expect_column_values_to_not_be_null", "train"),
+                 ("expect_column_values_to_be_between", "train")},
+        "duplicate": {("expect_column_values_to_be_unique", "train")},
+        "too_long": {("expect_column_values_to_be_between", "eval")},
+        "leak": {("expect_column_values_to_not_be_in_set", "eval")}}[problem]
+    assert failures == expected, caught.value
+    # this run's report, not the passing run's: it records the failures
+    summary = json.loads((report / "summary.json").read_text())
+    assert summary["success"] is False
+    assert {(f["expectation"], f["split"]) for f in summary["failures"]} == expected
+    assert (report / "data_docs" / "index.html").read_bytes() != passing_docs
     assert {p.name: p.read_bytes() for p in published.iterdir()} == before

@@ -1,4 +1,4 @@
-"""The exactness contract (DESIGN.md section 4): micro-batched gradients equal the full pass."""
+"""The exactness contract (docs/design.md section 4): micro-batched gradients equal the full pass."""
 
 from __future__ import annotations
 

@@ -3,28 +3,11 @@ import torch
 
 from ppo_core.modeling.checkpoint import (
     CheckpointError,
-    atomic_folder,
-    latest_checkpoint,
     list_checkpoints,
     load_checkpoint_state,
+    remove_partial,
     save_checkpoint,
 )
-
-
-def test_atomic_folder_keeps_the_old_version_on_failure(tmp_path):
-    target = tmp_path / "out"
-    atomic_folder(target, lambda tmp: (tmp / "a.txt").write_text("v1"))
-
-    def failing(tmp):
-        (tmp / "a.txt").write_text("v2-partial")
-        raise RuntimeError("crash while writing")
-
-    with pytest.raises(RuntimeError, match="crash"):
-        atomic_folder(target, failing)
-    assert (target / "a.txt").read_text() == "v1"
-    assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
-    atomic_folder(target, lambda tmp: (tmp / "b.txt").write_text("v2"))
-    assert sorted(p.name for p in target.iterdir()) == ["b.txt"]
 
 
 def _save(folder, iteration, keep=2):
@@ -44,7 +27,7 @@ def test_save_load_and_keep(tmp_path):
     for iteration in (2, 4, 6):
         _save(tmp_path, iteration)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000004", "step-000006"]
-    loaded = load_checkpoint_state(latest_checkpoint(tmp_path))
+    loaded = load_checkpoint_state(list_checkpoints(tmp_path)[-1])
     assert loaded["state"] == {"kl_coef": 0.1, "iteration": 6}
     assert loaded["optimizer"]["state"][0]["step"].item() == 1
 
@@ -58,3 +41,14 @@ def test_damaged_checkpoint_is_detected(tmp_path):
     (path / "checksums.json").unlink()
     with pytest.raises(CheckpointError, match="incomplete"):
         load_checkpoint_state(path)
+
+
+def test_partial_folders_of_killed_writers_are_removed(tmp_path):
+    good = _save(tmp_path, 2)
+    for name in (".step-000004.tmp-x1y2", ".step-000002.old-77", ".step-000000.discard-8"):
+        (tmp_path / name).mkdir()
+    (tmp_path / ".lock").write_text("")  # not a checkpoint writer's: left alone
+    assert remove_partial(tmp_path) == [".step-000000.discard-8", ".step-000002.old-77",
+                                        ".step-000004.tmp-x1y2"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", good.name]
+    assert remove_partial(tmp_path / "missing") == []

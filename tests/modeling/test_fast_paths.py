@@ -37,13 +37,16 @@ def test_fused_gelu_matches_the_python_one(tiny_model_dir):
     ids = torch.randint(4, 200, (2, 9))
     with torch.no_grad():
         diff = (plain(input_ids=ids).logits - fused(input_ids=ids).logits).abs().max().item()
-    assert 0 <= diff < 1e-4
+    assert diff < 1e-4  # False for NaN too
     assert fused.config.activation_function == plain.config.activation_function
 
 
 def test_response_only_logits_equal_full_logits(tiny_model_dir):
     model = load_actor_critic(tiny_model_dir)
     prompt_ids, prompt_mask, response_ids, response_mask = _batch(tiny_model_dir)
+    positions = []  # how many positions the LM head computes logits for, per call
+    hook = model.policy.lm_head.register_forward_hook(
+        lambda module, args, output: positions.append(output.shape[1]))
     with torch.no_grad():
         fast = score_sequences(model, prompt_ids, prompt_mask, response_ids, response_mask,
                                with_entropy=True)
@@ -52,10 +55,25 @@ def test_response_only_logits_equal_full_logits(tiny_model_dir):
         logits, values = model(input_ids, attention)  # every position
         p = prompt_ids.shape[1]
         full = torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, response_ids[..., None])[..., 0]
+    hook.remove()
+    # the shortcut was taken: logits for the last T + 1 positions only, then for all P + T
+    assert positions == [response_ids.shape[1] + 1, input_ids.shape[1]]
     assert torch.allclose(torch.where(response_mask, fast.logprobs, 0),
                           torch.where(response_mask, full, 0), atol=1e-6)
     assert torch.allclose(fast.values, values[:, p - 1 : -1], atol=1e-6)
-    assert not fast.entropy.requires_grad
+
+
+def test_entropy_carries_a_graph_only_for_an_entropy_bonus(tiny_model_dir):
+    """Outside ``no_grad`` (as in the update): the logprobs have a graph; the entropy metric has
+    none unless the loss uses it."""
+    model = load_actor_critic(tiny_model_dir)
+    batch = _batch(tiny_model_dir)
+    metric = score_sequences(model, *batch, with_entropy=True)
+    bonus = score_sequences(model, *batch, with_entropy=True, entropy_grad=True)
+    assert metric.logprobs.requires_grad and bonus.logprobs.requires_grad
+    assert not metric.entropy.requires_grad
+    assert bonus.entropy.requires_grad
+    torch.testing.assert_close(metric.entropy, bonus.entropy.detach(), rtol=0, atol=0)
 
 
 def _loss_and_grads(model, batch: RolloutBatch):

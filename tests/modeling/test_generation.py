@@ -52,12 +52,27 @@ def test_sampled_and_recomputed_logprobs_agree(tiny_model_dir):
 def test_generate_responses_shapes_and_decoding(tiny_model_dir):
     model = load_actor_critic(tiny_model_dir)
     tokenizer = load_tokenizer(tiny_model_dir)
-    torch.manual_seed(1)
-    batch = generate_responses(model.policy, tokenizer, ["The plot was", "I think"], max_new_tokens=6)
-    assert batch.response_ids.shape[0] == 2 and batch.response_ids.shape[1] <= 6
+    torch.manual_seed(0)
+    prompts = ["The plot was", "I think", "The movie was", "This film"]
+    batch = generate_responses(model.policy, tokenizer, prompts, max_new_tokens=12)
+    eos, pad = tokenizer.eos_token_id, tokenizer.pad_token_id
+    lengths = batch.response_mask.sum(dim=1)
+    assert batch.response_ids.shape == (4, int(lengths.max())) and lengths.max() <= 12
     assert (batch.response_mask[:, 0]).all()
-    # nothing after the first EOS counts, and padding is written there
-    for row, mask in zip(batch.response_ids, batch.response_mask, strict=True):
-        assert (row[~mask] == tokenizer.pad_token_id).all()
+    # the checks below need rows that ended with EOS and rows that did not (the warm-started
+    # model ends most reviews within 12 tokens; this seed gives both)
+    assert batch.has_eos.any() and not batch.has_eos.all(), batch.has_eos
     texts = decode_responses(tokenizer, batch.response_ids, batch.response_mask)
-    assert all("<|" not in t for t in texts)
+    for row, mask, ended, length, text in zip(batch.response_ids, batch.response_mask,
+                                              batch.has_eos, lengths.tolist(), texts, strict=True):
+        assert mask[:length].all() and not mask[length:].any()  # a prefix of the row
+        # nothing after the first EOS counts, and padding is written there
+        assert (row[~mask] == pad).all()
+        if ended:  # the first EOS is the last token that counts, and the text stops before it
+            assert row[length - 1] == eos and (row[: length - 1] != eos).all()
+            assert tokenizer.eos_token in tokenizer.decode(row[:length])
+            assert text == tokenizer.decode(row[: length - 1], skip_special_tokens=True)
+        else:
+            assert length == 12 and (row != eos).all()
+            assert text == tokenizer.decode(row, skip_special_tokens=True)
+        assert tokenizer.eos_token not in text and tokenizer.pad_token not in text
