@@ -52,10 +52,25 @@ def rows(data: dict, index: slice) -> dict:
 
 def micro_loss(model, mb: dict, objective: PPOObjective):
     """The trainer's objective (policy, clipped value and entropy terms) on one micro-batch."""
-    out = score_sequences(model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"],
-                          mb["response_mask"], with_entropy=True, entropy_grad=True)
-    return objective(out.logprobs, out.values, out.entropy, mb["old_logprobs"], mb["old_values"],
-                     mb["advantages"], mb["returns"], mb["response_mask"])
+    out = score_sequences(
+        model,
+        mb["prompt_ids"],
+        mb["prompt_mask"],
+        mb["response_ids"],
+        mb["response_mask"],
+        with_entropy=True,
+        entropy_grad=True,
+    )
+    return objective(
+        out.logprobs,
+        out.values,
+        out.entropy,
+        mb["old_logprobs"],
+        mb["old_values"],
+        mb["advantages"],
+        mb["returns"],
+        mb["response_mask"],
+    )
 
 
 def gradient(model) -> torch.Tensor:
@@ -72,8 +87,18 @@ def main() -> None:
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
 
-    config = GPT2Config(vocab_size=97, n_layer=2, n_embd=32, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    config = GPT2Config(
+        vocab_size=97,
+        n_layer=2,
+        n_embd=32,
+        n_head=4,
+        n_positions=64,
+        bos_token_id=0,
+        eos_token_id=0,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+    )
     torch.manual_seed(args.seed)
     model = ActorCritic(GPT2LMHeadModel(config), torch.nn.Linear(config.n_embd, 1)).to(dtype).eval()
     data = make_batch(args.batch, args.length, config.vocab_size, dtype, args.seed)
@@ -85,8 +110,9 @@ def main() -> None:
     table.add_column("mean of means", justify="right")
     results = []
     for mode in LOSS_AGG_MODES:
-        objective = PPOObjective(clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.5, entropy_coef=0.01,
-                                 loss_agg_mode=mode)
+        objective = PPOObjective(
+            clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.5, entropy_coef=0.01, loss_agg_mode=mode
+        )
         model.zero_grad()
         parts, _ = micro_loss(model, data, objective)
         (parts.total / parts.count).backward()
@@ -107,11 +133,15 @@ def main() -> None:
                 if p.count > 0:
                     (p.total / p.count / len(slices)).backward()
             naive = ((gradient(model) - reference).abs().max() / reference.abs().max()).item()
-            results.append({"mode": mode, "micro_batch_size": micro, "exact": exact, "mean_of_means": naive})
+            results.append(
+                {"mode": mode, "micro_batch_size": micro, "exact": exact, "mean_of_means": naive}
+            )
             table.add_row(mode, str(micro), f"{exact:.1e}", f"{naive:.1e}")
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"dtype": args.dtype, "batch": args.batch, "results": results}, indent=1))
+    args.out.write_text(
+        json.dumps({"dtype": args.dtype, "batch": args.batch, "results": results}, indent=1)
+    )
     worst = max(r["exact"] for r in results)
     print(f"worst exact relative error: {worst:.2e}; results in {args.out}")
 

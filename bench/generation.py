@@ -40,20 +40,29 @@ def main() -> None:
     model = load_causal_lm(args.model)
     tokenizer = load_tokenizer(args.model)
     prompts = default_prompts(args.batch, seed=0)
-    plain_config = GenerationConfig(do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
-                                    max_new_tokens=args.new_tokens,
-                                    eos_token_id=tokenizer.eos_token_id,
-                                    pad_token_id=tokenizer.pad_token_id)
+    plain_config = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=None,
+        top_p=1.0,
+        max_new_tokens=args.new_tokens,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
 
     def plain() -> int:
         encoded = tokenizer(prompts, padding=True, return_tensors="pt")
         with torch.no_grad():
             out = model.generate(**encoded, generation_config=plain_config)
-        mask, _ = response_mask_from_ids(out[:, encoded["input_ids"].shape[1]:], tokenizer.eos_token_id)
+        mask, _ = response_mask_from_ids(
+            out[:, encoded["input_ids"].shape[1] :], tokenizer.eos_token_id
+        )
         return int(mask.sum())
 
     def ours() -> int:
-        return int(generate_responses(model, tokenizer, prompts, args.new_tokens).response_mask.sum())
+        return int(
+            generate_responses(model, tokenizer, prompts, args.new_tokens).response_mask.sum()
+        )
 
     results = {}
     for name, call in (("plain generate", plain), ("generate_responses", ours)):
@@ -70,8 +79,16 @@ def main() -> None:
     ratio = results["generate_responses"] / results["plain generate"]
     print(f"ratio: {ratio:.2f}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"tokens_per_s": results, "ratio": ratio,
-                                    "settings": {k: str(v) for k, v in vars(args).items()}}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "tokens_per_s": results,
+                "ratio": ratio,
+                "settings": {k: str(v) for k, v in vars(args).items()},
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

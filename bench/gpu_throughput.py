@@ -57,8 +57,15 @@ def build(name: str, device: torch.device, dtype: torch.dtype):
 
     from ppo_core.modeling.policy import ActorCritic, fuse_activations
 
-    config = GPT2Config(**CONFIGS[name], resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    config = GPT2Config(
+        **CONFIGS[name],
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     torch.manual_seed(0)
     policy = fuse_activations(GPT2LMHeadModel(config)).to(device=device, dtype=dtype)
     policy.generation_config.pad_token_id = 0
@@ -70,10 +77,16 @@ def build(name: str, device: torch.device, dtype: torch.dtype):
 def measure_generation(model, config, args, device) -> dict[str, float]:
     from transformers import GenerationConfig
 
-    generation = GenerationConfig(do_sample=True, temperature=1.0, top_k=None, top_p=1.0,
-                                  max_new_tokens=args.response_length,
-                                  min_new_tokens=args.response_length, pad_token_id=0,
-                                  eos_token_id=2)
+    generation = GenerationConfig(
+        do_sample=True,
+        temperature=1.0,
+        top_k=None,
+        top_p=1.0,
+        max_new_tokens=args.response_length,
+        min_new_tokens=args.response_length,
+        pad_token_id=0,
+        eos_token_id=2,
+    )
     prompts = torch.randint(4, config.vocab_size, (args.batch, args.prompt_length), device=device)
     mask = torch.ones_like(prompts)
     times = []
@@ -81,7 +94,9 @@ def measure_generation(model, config, args, device) -> dict[str, float]:
         synchronize(device)
         start = time.perf_counter()
         with torch.no_grad():
-            model.policy.generate(input_ids=prompts, attention_mask=mask, generation_config=generation)
+            model.policy.generate(
+                input_ids=prompts, attention_mask=mask, generation_config=generation
+            )
         synchronize(device)
         if step:  # the first call is warm-up
             times.append(time.perf_counter() - start)
@@ -97,9 +112,12 @@ def measure_update(model, config, args, device, autocast) -> dict[str, float]:
     from ppo_core.modeling.policy import score_sequences
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-    prompt_ids = torch.randint(4, config.vocab_size, (args.batch, args.prompt_length), device=device)
-    response_ids = torch.randint(4, config.vocab_size, (args.batch, args.response_length),
-                                 device=device)
+    prompt_ids = torch.randint(
+        4, config.vocab_size, (args.batch, args.prompt_length), device=device
+    )
+    response_ids = torch.randint(
+        4, config.vocab_size, (args.batch, args.response_length), device=device
+    )
     prompt_mask = torch.ones_like(prompt_ids, dtype=torch.bool)
     response_mask = torch.ones_like(response_ids, dtype=torch.bool)
     micro = args.micro or args.batch
@@ -112,10 +130,24 @@ def measure_update(model, config, args, device, autocast) -> dict[str, float]:
 
     def loss_fn(rows: slice):
         with autocast():
-            out = score_sequences(model, prompt_ids[rows], prompt_mask[rows], response_ids[rows],
-                                  response_mask[rows], with_entropy=True)
-        return objective(out.logprobs, out.values, out.entropy, old_logprobs[rows],
-                         old_values[rows], advantages[rows], returns[rows], response_mask[rows])
+            out = score_sequences(
+                model,
+                prompt_ids[rows],
+                prompt_mask[rows],
+                response_ids[rows],
+                response_mask[rows],
+                with_entropy=True,
+            )
+        return objective(
+            out.logprobs,
+            out.values,
+            out.entropy,
+            old_logprobs[rows],
+            old_values[rows],
+            advantages[rows],
+            returns[rows],
+            response_mask[rows],
+        )
 
     times = []
     model.train()
@@ -123,8 +155,9 @@ def measure_update(model, config, args, device, autocast) -> dict[str, float]:
         synchronize(device)
         start = time.perf_counter()
         optimizer.zero_grad(set_to_none=True)
-        accumulate_gradients(micro_batches, loss_fn,
-                             count_fn=lambda rows: objective.count(response_mask[rows]))
+        accumulate_gradients(
+            micro_batches, loss_fn, count_fn=lambda rows: objective.count(response_mask[rows])
+        )
         optimizer.step()
         synchronize(device)
         if step:
@@ -132,7 +165,9 @@ def measure_update(model, config, args, device, autocast) -> dict[str, float]:
     seconds = statistics.median(times)
     tokens = args.batch * args.response_length
     all_tokens = args.batch * (args.prompt_length + args.response_length)
-    flops = 3 * model_flops_per_token(config, args.prompt_length + args.response_length) * all_tokens
+    flops = (
+        3 * model_flops_per_token(config, args.prompt_length + args.response_length) * all_tokens
+    )
     return {"seconds": seconds, "tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12}
 
 
@@ -147,7 +182,9 @@ def main() -> None:
     parser.add_argument("--response-length", type=int, default=128)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--peak-tflops", type=float, default=989.0)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "gpu_throughput.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "gpu_throughput.json"
+    )
     args = parser.parse_args()
     device = torch.device(args.device)
     # bf16 weights for generation; the update keeps fp32 master weights under bf16 autocast
@@ -159,7 +196,8 @@ def main() -> None:
         model = model.float()
         autocast = (
             (lambda: torch.autocast(device.type, dtype=torch.bfloat16))
-            if args.precision == "bf16" else contextlib.nullcontext
+            if args.precision == "bf16"
+            else contextlib.nullcontext
         )
         update = measure_update(model, config, args, device, autocast)
         params = sum(p.numel() for p in model.policy.parameters())
@@ -171,17 +209,29 @@ def main() -> None:
         del model
         if device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"{'config':>10} {'params':>8} {'gen tok/s':>10} {'gen MFU':>8} {'upd tok/s':>10} {'upd MFU':>8}")
+    print(
+        f"{'config':>10} {'params':>8} {'gen tok/s':>10} {'gen MFU':>8} {'upd tok/s':>10} {'upd MFU':>8}"
+    )
     for name, row in results.items():
         g, u = row["generation"], row["update"]
         mfu = {k: f"{v['mfu']:.2%}" if "mfu" in v else "-" for k, v in (("g", g), ("u", u))}
-        print(f"{name:>10} {row['parameters'] / 1e6:>7.1f}M {g['tokens_per_s']:>10.0f} "
-              f"{mfu['g']:>8} {u['tokens_per_s']:>10.0f} {mfu['u']:>8}")
+        print(
+            f"{name:>10} {row['parameters'] / 1e6:>7.1f}M {g['tokens_per_s']:>10.0f} "
+            f"{mfu['g']:>8} {u['tokens_per_s']:>10.0f} {mfu['u']:>8}"
+        )
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"device": device_name, "torch": torch.__version__,
-                                    "settings": {k: str(v) for k, v in vars(args).items()},
-                                    "results": results}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "device": device_name,
+                "torch": torch.__version__,
+                "settings": {k: str(v) for k, v in vars(args).items()},
+                "results": results,
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
 
 

@@ -33,35 +33,62 @@ def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[s
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
-    config = GPT2Config(vocab_size=942, n_layer=layers, n_embd=hidden, n_head=4, n_positions=64,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1,
-                        eos_token_id=2, pad_token_id=0)
+    config = GPT2Config(
+        vocab_size=942,
+        n_layer=layers,
+        n_embd=hidden,
+        n_head=4,
+        n_positions=64,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+    )
     model = ActorCritic(GPT2LMHeadModel(config), torch.nn.Linear(hidden, 1)).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
 
     def batch(rows: int) -> dict[str, torch.Tensor]:
         gen = torch.Generator().manual_seed(rows)
         mask = torch.rand(rows, 16, generator=gen) < 0.8
-        return {"prompt_ids": torch.randint(3, 942, (rows, 8), generator=gen),
-                "prompt_mask": torch.ones(rows, 8, dtype=torch.long),
-                "response_ids": torch.randint(3, 942, (rows, 16), generator=gen),
-                "response_mask": mask,
-                "old_logprobs": torch.full((rows, 16), -7.0), "advantages": torch.randn(rows, 16, generator=gen),
-                "old_values": torch.zeros(rows, 16), "returns": torch.randn(rows, 16, generator=gen)}
+        return {
+            "prompt_ids": torch.randint(3, 942, (rows, 8), generator=gen),
+            "prompt_mask": torch.ones(rows, 8, dtype=torch.long),
+            "response_ids": torch.randint(3, 942, (rows, 16), generator=gen),
+            "response_mask": mask,
+            "old_logprobs": torch.full((rows, 16), -7.0),
+            "advantages": torch.randn(rows, 16, generator=gen),
+            "old_values": torch.zeros(rows, 16),
+            "returns": torch.randn(rows, 16, generator=gen),
+        }
 
     objective = PPOObjective(clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.1)  # the defaults
 
     def loss_fn(mb):
-        out = score_sequences(model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"],
-                              mb["response_mask"])
-        return objective(out.logprobs, out.values, None, mb["old_logprobs"], mb["old_values"],
-                         mb["advantages"], mb["returns"], mb["response_mask"])
+        out = score_sequences(
+            model, mb["prompt_ids"], mb["prompt_mask"], mb["response_ids"], mb["response_mask"]
+        )
+        return objective(
+            out.logprobs,
+            out.values,
+            None,
+            mb["old_logprobs"],
+            mb["old_values"],
+            mb["advantages"],
+            mb["returns"],
+            mb["response_mask"],
+        )
 
     def update(data, micro_size):
         optimizer.zero_grad(set_to_none=True)
-        micro_batches = [{k: v[s] for k, v in data.items()}
-                         for s in micro_batch_slices(len(data["prompt_ids"]), micro_size)]
-        accumulate_gradients(micro_batches, loss_fn, lambda mb: objective.count(mb["response_mask"]))
+        micro_batches = [
+            {k: v[s] for k, v in data.items()}
+            for s in micro_batch_slices(len(data["prompt_ids"]), micro_size)
+        ]
+        accumulate_gradients(
+            micro_batches, loss_fn, lambda mb: objective.count(mb["response_mask"])
+        )
         optimizer.step()
 
     update(batch(1), 1)  # warm-up: optimizer state and allocator at a one-row shape
@@ -73,15 +100,33 @@ def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[s
         update(data, micro)
         times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"mini": mini, "micro": micro, "peak_growth_mb": (peak - before) / 1024,
-            "seconds_per_update": statistics.median(times)}
+    return {
+        "mini": mini,
+        "micro": micro,
+        "peak_growth_mb": (peak - before) / 1024,
+        "seconds_per_update": statistics.median(times),
+    }
 
 
 def measure(mini: int, micro: int, args) -> dict[str, float]:
     out = subprocess.run(
-        [sys.executable, __file__, "--child", str(mini), str(micro), "--layers", str(args.layers),
-         "--hidden", str(args.hidden), "--steps", str(args.steps)],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            __file__,
+            "--child",
+            str(mini),
+            str(micro),
+            "--layers",
+            str(args.layers),
+            "--hidden",
+            str(args.hidden),
+            "--steps",
+            str(args.steps),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -94,7 +139,9 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--child", type=int, nargs=2, metavar=("MINI", "MICRO"))
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "micro_batching.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "micro_batching.json"
+    )
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child, args.layers, args.hidden, args.steps)))
@@ -108,12 +155,17 @@ def main() -> None:
     split = measure(largest, largest // 8, args)
     whole = measure(largest, largest, args)
     overhead = split["seconds_per_update"] / whole["seconds_per_update"]
-    print(f"mini={largest}: micro={largest // 8} takes {split['seconds_per_update']:.3f} s, "
-          f"micro={largest} takes {whole['seconds_per_update']:.3f} s ({overhead:.2f}x); "
-          f"peak growth {split['peak_growth_mb']:.1f} vs {whole['peak_growth_mb']:.1f} MB")
+    print(
+        f"mini={largest}: micro={largest // 8} takes {split['seconds_per_update']:.3f} s, "
+        f"micro={largest} takes {whole['seconds_per_update']:.3f} s ({overhead:.2f}x); "
+        f"peak growth {split['peak_growth_mb']:.1f} vs {whole['peak_growth_mb']:.1f} MB"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"memory": memory, "split": split, "whole": whole,
-                                    "overhead": overhead}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {"memory": memory, "split": split, "whole": whole, "overhead": overhead}, indent=1
+        )
+    )
 
 
 if __name__ == "__main__":

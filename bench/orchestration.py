@@ -46,7 +46,9 @@ def timed(commands: list[list[str]], cwd: Path, env: dict[str, str]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "orchestration.json")
+    parser.add_argument(
+        "--out", type=Path, default=ROOT / "bench" / "results" / "orchestration.json"
+    )
     args = parser.parse_args()
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -57,18 +59,29 @@ def main() -> None:
                 project = fresh_clone(Path(tmp) / f"{side}-{repeat}")
                 commands = (
                     [[str(bin_dir / "ppo"), stage, "-c", "params.yaml"] for stage in STAGES]
-                    if side == "direct" else [[sys.executable, "-m", "flows.pipeline", "run"]]
+                    if side == "direct"
+                    else [[sys.executable, "-m", "flows.pipeline", "run"]]
                 )
                 runs[side].append(timed(commands, project, env))
                 print(f"repeat {repeat} {side}: {runs[side][-1]:.1f} s", flush=True)
     direct, flow = statistics.median(runs["direct"]), statistics.median(runs["flow"])
     overhead = flow - direct
-    print(f"direct {direct:.1f} s, flow {flow:.1f} s: overhead {overhead:.1f} s "
-          f"({overhead / flow:.1%} of the flow's total)")
+    print(
+        f"direct {direct:.1f} s, flow {flow:.1f} s: overhead {overhead:.1f} s "
+        f"({overhead / flow:.1%} of the flow's total)"
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"runs": runs, "median": {"direct": direct, "flow": flow},
-                                    "overhead_s": overhead, "overhead_share": overhead / flow},
-                                   indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "runs": runs,
+                "median": {"direct": direct, "flow": flow},
+                "overhead_s": overhead,
+                "overhead_share": overhead / flow,
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

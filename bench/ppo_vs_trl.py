@@ -38,9 +38,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 TRL_PYTHON = ROOT / "bench" / ".trl-venv" / "bin" / "python"
 SIDES = ("ours", "ours_shared", "trl")
-SIDE_NAMES = {"ours": "ppo_core, separate critic (same math as TRL)",
-              "ours_shared": "ppo_core, value head on the policy (default)", "trl": "TRL 1.12"}
-MODELS = {"2x128": dict(n_layer=2, n_embd=128, n_head=4), "4x256": dict(n_layer=4, n_embd=256, n_head=4)}
+SIDE_NAMES = {
+    "ours": "ppo_core, separate critic (same math as TRL)",
+    "ours_shared": "ppo_core, value head on the policy (default)",
+    "trl": "TRL 1.12",
+}
+MODELS = {
+    "2x128": dict(n_layer=2, n_embd=128, n_head=4),
+    "4x256": dict(n_layer=4, n_embd=256, n_head=4),
+}
 
 
 def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
@@ -58,10 +64,14 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
     policy.generation_config.pad_token_id = tokenizer.pad_token_id
     policy.generation_config.eos_token_id = tokenizer.eos_token_id
     torch.manual_seed(1)
-    reward = GPT2ForSequenceClassification(tiny_gpt2_config(len(tokenizer), n_positions=128,
-                                                            num_labels=1, **MODELS[name]))
-    paths = {"policy": work / name / "policy", "reward": work / name / "reward",
-             "prompts": work / "prompts.jsonl"}
+    reward = GPT2ForSequenceClassification(
+        tiny_gpt2_config(len(tokenizer), n_positions=128, num_labels=1, **MODELS[name])
+    )
+    paths = {
+        "policy": work / name / "policy",
+        "reward": work / name / "reward",
+        "prompts": work / "prompts.jsonl",
+    }
     for model, key in ((policy, "policy"), (reward, "reward")):
         model.save_pretrained(paths[key])
         tokenizer.save_pretrained(paths[key])
@@ -70,45 +80,95 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
     return {k: str(v) for k, v in paths.items()}
 
 
-def run_ours(assets: dict[str, str], batch: int, args: argparse.Namespace, work: Path,
-             critic: str = "separate") -> list[dict]:
+def run_ours(
+    assets: dict[str, str],
+    batch: int,
+    args: argparse.Namespace,
+    work: Path,
+    critic: str = "separate",
+) -> list[dict]:
     micro = min(batch, args.micro)
     overrides = [
-        f"model.policy={assets['policy']}", f"model.reward={assets['reward']}", f"model.critic={critic}",
-        f"data.train_file={assets['prompts']}", f"threads={args.threads}", f"seed={args.seed}",
-        f"train.output_dir={work / 'candidate'}", f"train.checkpoint_dir={work / 'ckpt'}",
-        f"train.metrics_dir={work / 'metrics'}", "train.resume=false",
-        f"train.iterations={args.iterations}", f"train.checkpoint_every={args.iterations}",
-        f"ppo.rollout_batch_size={batch}", f"ppo.mini_batch_size={batch}",
-        f"ppo.micro_batch_size={micro}", f"ppo.generation_batch_size={batch}",
+        f"model.policy={assets['policy']}",
+        f"model.reward={assets['reward']}",
+        f"model.critic={critic}",
+        f"data.train_file={assets['prompts']}",
+        f"threads={args.threads}",
+        f"seed={args.seed}",
+        f"train.output_dir={work / 'candidate'}",
+        f"train.checkpoint_dir={work / 'ckpt'}",
+        f"train.metrics_dir={work / 'metrics'}",
+        "train.resume=false",
+        f"train.iterations={args.iterations}",
+        f"train.checkpoint_every={args.iterations}",
+        f"ppo.rollout_batch_size={batch}",
+        f"ppo.mini_batch_size={batch}",
+        f"ppo.micro_batch_size={micro}",
+        f"ppo.generation_batch_size={batch}",
         f"ppo.scoring_batch_size={batch}",
-        f"ppo.epochs={args.epochs}", "ppo.max_grad_norm=null", "ppo.vf_coef=0.1",
-        "ppo.loss_agg_mode=token-mean", f"generation.max_new_tokens={args.response_length}",
-        f"kl.coef={args.kl_coef}", f"optim.lr={args.lr}", "optim.betas=[0.9,0.999]",
+        f"ppo.epochs={args.epochs}",
+        "ppo.max_grad_norm=null",
+        "ppo.vf_coef=0.1",
+        "ppo.loss_agg_mode=token-mean",
+        f"generation.max_new_tokens={args.response_length}",
+        f"kl.coef={args.kl_coef}",
+        f"optim.lr={args.lr}",
+        "optim.betas=[0.9,0.999]",
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    subprocess.run([str(Path(sys.executable).parent / "ppo"), "train", "--quiet", *overrides],
-                   cwd=ROOT, env=env, check=True, capture_output=True)
+    subprocess.run(
+        [str(Path(sys.executable).parent / "ppo"), "train", "--quiet", *overrides],
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
     series = {}
     for key in ("rollout_s", "update_s", "iteration_s"):
-        lines = (work / "metrics" / "plots" / "metrics" / "perf" / f"{key}.tsv").read_text().split("\n")[1:]
+        lines = (
+            (work / "metrics" / "plots" / "metrics" / "perf" / f"{key}.tsv")
+            .read_text()
+            .split("\n")[1:]
+        )
         series[key] = [float(line.split("\t")[1]) for line in lines if line.strip()]
     return [dict(zip(series, values, strict=True)) for values in zip(*series.values(), strict=True)]
 
 
-def run_trl(assets: dict[str, str], batch: int, args: argparse.Namespace,
-            work: Path) -> tuple[list[dict], dict]:
+def run_trl(
+    assets: dict[str, str], batch: int, args: argparse.Namespace, work: Path
+) -> tuple[list[dict], dict]:
     """TRL's per-iteration times, and what really reached its run (precision, checkpointing)."""
     work.mkdir(parents=True, exist_ok=True)
-    job = {**assets, "batch": batch, "mini": batch, "micro": min(batch, args.micro),
-           "forward_batch": batch, "iterations": args.iterations, "epochs": args.epochs,
-           "response_length": args.response_length, "kl_coef": args.kl_coef, "lr": args.lr,
-           "seed": args.seed, "threads": args.threads, "output_dir": str(work / "out")}
+    job = {
+        **assets,
+        "batch": batch,
+        "mini": batch,
+        "micro": min(batch, args.micro),
+        "forward_batch": batch,
+        "iterations": args.iterations,
+        "epochs": args.epochs,
+        "response_length": args.response_length,
+        "kl_coef": args.kl_coef,
+        "lr": args.lr,
+        "seed": args.seed,
+        "threads": args.threads,
+        "output_dir": str(work / "out"),
+    }
     (work / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), ACCELERATE_USE_CPU="true")
     completed = subprocess.run(
-        [str(TRL_PYTHON), str(ROOT / "bench" / "trl_side.py"), "--job", str(work / "job.json"),
-         "--out", str(work / "times.json")], env=env, capture_output=True, text=True)
+        [
+            str(TRL_PYTHON),
+            str(ROOT / "bench" / "trl_side.py"),
+            "--job",
+            str(work / "job.json"),
+            "--out",
+            str(work / "times.json"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     if completed.returncode:
         raise SystemExit(f"TRL side failed:\n{completed.stderr[-4000:]}")
     result = json.loads((work / "times.json").read_text())
@@ -133,8 +193,12 @@ def plot(results: dict, path: Path) -> None:
         labels = [key.replace("/", "\nbatch ") for key in results]
         xs = range(len(labels))
         for offset, (side, name) in zip((-0.27, 0.0, 0.27), SIDE_NAMES.items(), strict=True):
-            ax.bar([x + offset for x in xs],
-                   [row[side][f"{phase}_tokens_per_s"] for row in results.values()], 0.27, label=name)
+            ax.bar(
+                [x + offset for x in xs],
+                [row[side][f"{phase}_tokens_per_s"] for row in results.values()],
+                0.27,
+                label=name,
+            )
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.set_title(f"{phase}: response tokens / s")
     handles, names = axes[0].get_legend_handles_labels()
@@ -175,40 +239,68 @@ def main() -> None:
                 key = f"{name}/{batch}"
                 raw[key] = {side: [] for side in SIDES}
                 for repeat in range(args.repeats):  # alternate sides so drift hits all of them
-                    raw[key]["ours"].append(run_ours(assets, batch, args, work / f"ours-{key}-{repeat}"))
-                    raw[key]["ours_shared"].append(run_ours(
-                        assets, batch, args, work / f"shared-{key}-{repeat}", critic="shared"))
+                    raw[key]["ours"].append(
+                        run_ours(assets, batch, args, work / f"ours-{key}-{repeat}")
+                    )
+                    raw[key]["ours_shared"].append(
+                        run_ours(
+                            assets, batch, args, work / f"shared-{key}-{repeat}", critic="shared"
+                        )
+                    )
                     times, reached = run_trl(assets, batch, args, work / f"trl-{key}-{repeat}")
                     raw[key]["trl"].append(times)
-                    print(f"{key} repeat {repeat}: " + ", ".join(
-                        f"{side} {raw[key][side][-1][-1]['iteration_s']:.3f} s" for side in SIDES),
-                        flush=True)
+                    print(
+                        f"{key} repeat {repeat}: "
+                        + ", ".join(
+                            f"{side} {raw[key][side][-1][-1]['iteration_s']:.3f} s"
+                            for side in SIDES
+                        ),
+                        flush=True,
+                    )
     results = {}
-    print(f"\n{'model/batch':>12} {'side':>12} {'rollout tok/s':>14} {'update tok/s':>13} "
-          f"{'total tok/s':>12} {'speed-up':>9}")
+    print(
+        f"\n{'model/batch':>12} {'side':>12} {'rollout tok/s':>14} {'update tok/s':>13} "
+        f"{'total tok/s':>12} {'speed-up':>9}"
+    )
     for key, sides in raw.items():
         tokens = int(key.split("/")[1]) * args.response_length
         results[key] = {side: summarize(runs, tokens) for side, runs in sides.items()}
         for ours in ("ours", "ours_shared"):
             results[key][f"speedup_{ours}"] = {
                 phase: results[key]["trl"][f"{phase}_s"] / results[key][ours][f"{phase}_s"]
-                for phase in ("rollout", "update", "iteration")}
+                for phase in ("rollout", "update", "iteration")
+            }
         for side in SIDES:
             row = results[key][side]
             gain = results[key].get(f"speedup_{side}")
             speedup = f"{gain['iteration']:.2f}x" if gain else ""
-            print(f"{key:>12} {side:>12} {row['rollout_tokens_per_s']:>14.0f} "
-                  f"{row['update_tokens_per_s']:>13.0f} {row['iteration_tokens_per_s']:>12.0f} {speedup:>9}")
+            print(
+                f"{key:>12} {side:>12} {row['rollout_tokens_per_s']:>14.0f} "
+                f"{row['update_tokens_per_s']:>13.0f} {row['iteration_tokens_per_s']:>12.0f} {speedup:>9}"
+            )
     import torch
     import transformers
 
-    machine = {"python": platform.python_version(), "torch": torch.__version__,
-               "transformers": transformers.__version__, "cpus": os.cpu_count(),
-               "processor": platform.processor() or platform.machine()}
+    machine = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "cpus": os.cpu_count(),
+        "processor": platform.processor() or platform.machine(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()},
-                                    "machine": machine, "trl_reached": reached,
-                                    "median": results, "raw": raw}, indent=1))
+    args.out.write_text(
+        json.dumps(
+            {
+                "settings": {k: str(v) for k, v in vars(args).items()},
+                "machine": machine,
+                "trl_reached": reached,
+                "median": results,
+                "raw": raw,
+            },
+            indent=1,
+        )
+    )
     print(f"TRL ran with: {reached}")
     plot(results, args.plot)
     print(f"\nwrote {args.out} and {args.plot}")

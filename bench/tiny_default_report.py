@@ -52,8 +52,14 @@ def main() -> None:
     torch.manual_seed(args.seed)
     start = time.perf_counter()
     with torch.no_grad():
-        out = model.generate(**batch, do_sample=True, top_k=0, top_p=1.0, temperature=1.0,
-                             max_new_tokens=MAX_NEW_TOKENS)
+        out = model.generate(
+            **batch,
+            do_sample=True,
+            top_k=0,
+            top_p=1.0,
+            temperature=1.0,
+            max_new_tokens=MAX_NEW_TOKENS,
+        )
     gen_s = time.perf_counter() - start
     response_ids = out[:, batch["input_ids"].shape[1] :]
     eos = tokenizer.eos_token_id

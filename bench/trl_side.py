@@ -99,22 +99,33 @@ def main() -> None:
         seed=job["seed"],
     )
     trainer = PPOTrainer(
-        args=config, processing_class=tokenizer, model=policy, ref_model=reference,
-        reward_model=reward, value_model=value, train_dataset=tokenized(prompts),
-        eval_dataset=tokenized(prompts[:micro]), callbacks=[StepClock()],
+        args=config,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=reference,
+        reward_model=reward,
+        value_model=value,
+        train_dataset=tokenized(prompts),
+        eval_dataset=tokenized(prompts[:micro]),
+        callbacks=[StepClock()],
     )
     trainer.train()
     ends, whitened = marks["step_end"], marks["whitened"]
     iterations = [
-        {"rollout_s": whitened[i] - ends[i], "update_s": ends[i + 1] - whitened[i],
-         "iteration_s": ends[i + 1] - ends[i]}
+        {
+            "rollout_s": whitened[i] - ends[i],
+            "update_s": ends[i + 1] - whitened[i],
+            "iteration_s": ends[i + 1] - ends[i],
+        }
         for i in range(len(whitened))
     ]
     # What actually reached the run (PPOConfig's bf16 and gradient_checkpointing defaults do not:
     # PPOTrainer builds its own Accelerator and never enables checkpointing).
-    reached = {"accelerator_mixed_precision": str(trainer.accelerator.mixed_precision),
-               "gradient_checkpointing": bool(policy.is_gradient_checkpointing),
-               "parameter_dtype": str(next(policy.parameters()).dtype)}
+    reached = {
+        "accelerator_mixed_precision": str(trainer.accelerator.mixed_precision),
+        "gradient_checkpointing": bool(policy.is_gradient_checkpointing),
+        "parameter_dtype": str(next(policy.parameters()).dtype),
+    }
     args.out.write_text(json.dumps({"iterations": iterations, "reached": reached}))
 
 

@@ -37,8 +37,9 @@ ConfigOption = Annotated[
 ]
 Overrides = Annotated[
     list[str] | None,
-    typer.Argument(help="Config overrides as key=value, e.g. ppo.epochs=2 optim.lr=1e-4.",
-                   show_default=False),
+    typer.Argument(
+        help="Config overrides as key=value, e.g. ppo.epochs=2 optim.lr=1e-4.", show_default=False
+    ),
 ]
 
 
@@ -63,8 +64,17 @@ def _run(action):
 
     try:
         return action()
-    except (ConfigError, PromptFileError, ModelFolderError, RewardError, CheckpointError,
-            FileExistsError, FileNotFoundError, RunLockedError, RegistryError) as exc:
+    except (
+        ConfigError,
+        PromptFileError,
+        ModelFolderError,
+        RewardError,
+        CheckpointError,
+        FileExistsError,
+        FileNotFoundError,
+        RunLockedError,
+        RegistryError,
+    ) as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(code=2) from None
     except OSError as exc:
@@ -73,8 +83,10 @@ def _run(action):
         # disk full, read-only or forbidden folder: outputs are written atomically, so nothing
         # half-written is left behind and the previous versions stay in place
         where = f": {exc.filename}" if exc.filename else ""
-        console.print(f"[bold red]error:[/] {exc.strerror or exc}{where}; nothing was replaced",
-                      soft_wrap=True)
+        console.print(
+            f"[bold red]error:[/] {exc.strerror or exc}{where}; nothing was replaced",
+            soft_wrap=True,
+        )
         raise typer.Exit(code=2) from None
 
 
@@ -120,7 +132,9 @@ def validate(config: ConfigOption = None, overrides: Overrides = None) -> None:
     except DataValidationError as exc:
         console.print(f"[bold red]validation failed:[/] {exc}", soft_wrap=True)
         raise typer.Exit(code=1) from None
-    console.print(f"data valid; published to [bold]{path}[/] (report in {cfg.validation.report_dir})")
+    console.print(
+        f"data valid; published to [bold]{path}[/] (report in {cfg.validation.report_dir})"
+    )
 
 
 @app.command()
@@ -134,8 +148,11 @@ def base(config: ConfigOption = None, overrides: Overrides = None) -> None:
 
 
 @app.command()
-def train(config: ConfigOption = None, overrides: Overrides = None,
-          quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False) -> None:
+def train(
+    config: ConfigOption = None,
+    overrides: Overrides = None,
+    quiet: Annotated[bool, typer.Option(help="No progress bar.")] = False,
+) -> None:
     """Run PPO on model.policy with the prompts of data.train_file.
 
     Resumes from the newest checkpoint in train.checkpoint_dir (train.resume=false starts over).
@@ -163,8 +180,12 @@ def train(config: ConfigOption = None, overrides: Overrides = None,
 def evaluate(
     config: ConfigOption = None,
     overrides: Overrides = None,
-    candidate: Annotated[str | None, typer.Option(help="Model folder (default train.output_dir).")] = None,
-    baseline: Annotated[str | None, typer.Option(help="Model folder (default model.policy); '' for none.")] = None,
+    candidate: Annotated[
+        str | None, typer.Option(help="Model folder (default train.output_dir).")
+    ] = None,
+    baseline: Annotated[
+        str | None, typer.Option(help="Model folder (default model.policy); '' for none.")
+    ] = None,
 ) -> None:
     """Score a candidate and a baseline on held-out prompts (data.eval_file).
 
@@ -200,8 +221,11 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
 
     cfg = _run(lambda: _load(config, overrides))
     entry = _run(lambda: stages.promote(cfg))
-    verdict = (f"[bold green]promoted[/] as {entry['version']}" if entry["decision"] == "promoted"
-               else "[bold yellow]rejected[/]")
+    verdict = (
+        f"[bold green]promoted[/] as {entry['version']}"
+        if entry["decision"] == "promoted"
+        else "[bold yellow]rejected[/]"
+    )
     console.print(f"candidate {verdict}", soft_wrap=True)
     for reason in entry["reasons"]:
         console.print(f"  {reason}", soft_wrap=True)

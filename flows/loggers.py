@@ -41,7 +41,7 @@ def metric_group(flat: Mapping[str, float], group: str) -> dict[str, float]:
     """The metrics ``{group}/{name}`` of ``flat`` as ``{name: value}``, e.g. the ``candidate``
     side of the ``metrics.json`` written by ``ppo evaluate``."""
     prefix = f"{group}/"
-    return {key[len(prefix):]: value for key, value in flat.items() if key.startswith(prefix)}
+    return {key[len(prefix) :]: value for key, value in flat.items() if key.startswith(prefix)}
 
 
 class DVCLiveLogger:
@@ -58,8 +58,9 @@ class DVCLiveLogger:
         if self.live is None:
             from dvclive import Live
 
-            self.live = Live(dir=str(self.folder), resume=False, save_dvc_exp=False, dvcyaml=None,
-                             report=None)
+            self.live = Live(
+                dir=str(self.folder), resume=False, save_dvc_exp=False, dvcyaml=None, report=None
+            )
         self.live.step = iteration
         for name, value in metrics.items():
             self.live.log_metric(name, value, plot=True)
@@ -76,8 +77,13 @@ class ConsoleProgress:
     def __init__(self, total: int, console: Console | None = None):
         self.console = console or Console(stderr=True)
         self.progress = Progress(
-            TextColumn("[bold]PPO"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-            TextColumn("{task.fields[line]}"), console=self.console, transient=False,
+            TextColumn("[bold]PPO"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[line]}"),
+            console=self.console,
+            transient=False,
         )
         self.task = self.progress.add_task("train", total=total, line="")
         self.started = False

@@ -55,7 +55,11 @@ def run_stage(stage: str, repo_dir: str) -> str:
     logger = get_run_logger()
     process = subprocess.run(
         [str(Path(sys.executable).parent / "dvc"), "repro", "--single-item", stage],
-        cwd=repo_dir, env=_environment(), capture_output=True, text=True, check=False,
+        cwd=repo_dir,
+        env=_environment(),
+        capture_output=True,
+        text=True,
+        check=False,
     )
     output = (process.stdout + process.stderr).strip()
     for line in output.splitlines()[-40:]:
@@ -103,8 +107,9 @@ def _production_version(repo_dir: str) -> str | None:
 
 
 @flow(name="retrain", log_prints=True)
-def retrain(repo_dir: str = ".", from_production: bool = False,
-            params: dict[str, Any] | None = None) -> dict[str, Any]:
+def retrain(
+    repo_dir: str = ".", from_production: bool = False, params: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """Prepare, validate, train, evaluate and promote, each through `dvc repro`.
 
     Args:
@@ -151,15 +156,27 @@ def publish_results(repo_dir: str, status: dict[str, str]) -> dict[str, Any]:
     metrics = json.loads(metrics_file.read_text())
     promotion = json.loads((root / config.promote.report).read_text())
     decision = promotion["decision"]
-    header = (f"**Decision: {decision}**" + (f" as {promotion['version']}" if "version" in promotion else "")
-              + "\n\n" + "\n".join(f"- {r}" for r in promotion["reasons"]) + "\n\n")
-    create_markdown_artifact(markdown=header + report.read_text(), key="evaluation-report",
-                             description="Held-out evaluation and promotion decision")
+    header = (
+        f"**Decision: {decision}**"
+        + (f" as {promotion['version']}" if "version" in promotion else "")
+        + "\n\n"
+        + "\n".join(f"- {r}" for r in promotion["reasons"])
+        + "\n\n"
+    )
+    create_markdown_artifact(
+        markdown=header + report.read_text(),
+        key="evaluation-report",
+        description="Held-out evaluation and promotion decision",
+    )
     sides = {side: metric_group(metrics, side) for side in ("candidate", "baseline")}
     names = sorted(set().union(*sides.values()))
-    table = [{"metric": name, **{side: values.get(name) for side, values in sides.items()}}
-             for name in names]
-    create_table_artifact(table=table, key="evaluation-metrics", description="candidate vs baseline")
+    table = [
+        {"metric": name, **{side: values.get(name) for side, values in sides.items()}}
+        for name in names
+    ]
+    create_table_artifact(
+        table=table, key="evaluation-metrics", description="candidate vs baseline"
+    )
     outputs = {
         "stages": status,
         "decision": decision,
@@ -191,13 +208,15 @@ def deployments(repo_dir: str = ".") -> tuple[RunnerDeployment, RunnerDeployment
     config = _load_params(repo_dir)
     repo = str(Path(repo_dir).resolve())
     when = config.schedule
-    manual = retrain.to_deployment(name="manual", parameters={"repo_dir": repo},
-                                   description="Run the whole pipeline now.")
+    manual = retrain.to_deployment(
+        name="manual", parameters={"repo_dir": repo}, description="Run the whole pipeline now."
+    )
     scheduled = retrain.to_deployment(
-        name="scheduled", schedule=Cron(when.cron, timezone=when.timezone),
+        name="scheduled",
+        schedule=Cron(when.cron, timezone=when.timezone),
         parameters={"repo_dir": repo, "from_production": True},
         description=f"Retrain on new data from the production model ({when.cron}, "
-                    f"{when.timezone}).",
+        f"{when.timezone}).",
     )
     # to_deployment returns a coroutine only when it is called from async code.
     return cast("RunnerDeployment", manual), cast("RunnerDeployment", scheduled)
@@ -206,8 +225,9 @@ def deployments(repo_dir: str = ".") -> tuple[RunnerDeployment, RunnerDeployment
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m flows.pipeline",
-                                     description="Run or serve the Prefect flow 'retrain'.")
+    parser = argparse.ArgumentParser(
+        prog="python -m flows.pipeline", description="Run or serve the Prefect flow 'retrain'."
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run_parser = sub.add_parser("run", help="run the flow once now")
     run_parser.add_argument("--repo", default=".")
@@ -217,9 +237,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if args.command == "run":
         outputs = retrain(repo_dir=args.repo, from_production=args.from_production)
-        print(f"report: {outputs['report']}\nmetrics: {outputs['metrics']}\n"
-              f"model: {outputs['candidate']}\nregistry: {outputs['registry']} "
-              f"(decision: {outputs['decision']})")
+        print(
+            f"report: {outputs['report']}\nmetrics: {outputs['metrics']}\n"
+            f"model: {outputs['candidate']}\nregistry: {outputs['registry']} "
+            f"(decision: {outputs['decision']})"
+        )
     else:
         serve_deployments(args.repo)
 

@@ -94,8 +94,12 @@ def base(config: Config) -> Path:
     if config.base.source is None:
         from ppo_core.modeling.tiny_default import build_tiny_default
 
-        return build_tiny_default(target, seed=config.base.tiny_seed, steps=config.base.tiny_steps,
-                                  num_threads=config.threads or None)
+        return build_tiny_default(
+            target,
+            seed=config.base.tiny_seed,
+            steps=config.base.tiny_steps,
+            num_threads=config.threads or None,
+        )
     from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
 
     source = Path(config.base.source)
@@ -105,8 +109,14 @@ def base(config: Config) -> Path:
 
     def write(tmp: Path) -> None:
         shutil.copytree(source, tmp, dirs_exist_ok=True)
-        (tmp / "imported_from.json").write_text(json.dumps(
-            {"source": str(source.resolve()), "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+        (tmp / "imported_from.json").write_text(
+            json.dumps(
+                {
+                    "source": str(source.resolve()),
+                    "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                }
+            )
+        )
 
     return atomic_folder(target, write)
 
@@ -137,8 +147,11 @@ def evaluate(config: Config, candidate: str | None = None, baseline: str | None 
     ``eval.baseline``, else the current production version, else ``model.policy``)."""
     from ppo_core.evaluation import evaluate as run_evaluation
 
-    return run_evaluation(config, candidate or config.train.output_dir,
-                          baseline if baseline is not None else _evaluation_baseline(config))
+    return run_evaluation(
+        config,
+        candidate or config.train.output_dir,
+        baseline if baseline is not None else _evaluation_baseline(config),
+    )
 
 
 def validate(config: Config) -> Path:
@@ -169,9 +182,14 @@ def validate(config: Config) -> Path:
 
     rules = config.validation
     result = validate_prompt_splits(
-        frames["train"], frames["eval"], prompt_field=config.data.prompt_field,
-        count_tokens=count_tokens, min_tokens=rules.min_tokens, max_tokens=rules.max_tokens,
-        min_train_rows=rules.min_train_rows, min_eval_rows=rules.min_eval_rows,
+        frames["train"],
+        frames["eval"],
+        prompt_field=config.data.prompt_field,
+        count_tokens=count_tokens,
+        min_tokens=rules.min_tokens,
+        max_tokens=rules.max_tokens,
+        min_train_rows=rules.min_train_rows,
+        min_eval_rows=rules.min_eval_rows,
         report_dir=rules.report_dir,
     )
     if not result.success:
@@ -213,18 +231,31 @@ def promote(config: Config) -> dict:
     if candidate is None:
         raise ValueError(f"{metrics_file} has no candidate metrics")
     rules = config.promote
-    decision = gate(candidate, side("baseline"), min_improvement=rules.min_improvement,
-                    max_kl=rules.max_kl, min_eos_rate=rules.min_eos_rate)
+    decision = gate(
+        candidate,
+        side("baseline"),
+        min_improvement=rules.min_improvement,
+        max_kl=rules.max_kl,
+        min_eos_rate=rules.min_eos_rate,
+    )
     summary_file = Path(config.train.output_dir) / "training_summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     config_file = Path(config.train.output_dir) / "ppo_config.yaml"
     trained_with = config_file.read_text() if config_file.is_file() else None
     entry = record_decision(
-        registry_path=rules.registry, production_dir=rules.production_dir,
-        candidate_dir=config.train.output_dir, decision=decision,
-        lineage={"data_hash": summary.get("data_hash"), "base_model": summary.get("base_model"),
-                 "seed": summary.get("seed"), "config": trained_with, "metrics": candidate,
-                 "baseline_metrics": side("baseline"), "baseline": models.get("baseline")},
+        registry_path=rules.registry,
+        production_dir=rules.production_dir,
+        candidate_dir=config.train.output_dir,
+        decision=decision,
+        lineage={
+            "data_hash": summary.get("data_hash"),
+            "base_model": summary.get("base_model"),
+            "seed": summary.get("seed"),
+            "config": trained_with,
+            "metrics": candidate,
+            "baseline_metrics": side("baseline"),
+            "baseline": models.get("baseline"),
+        },
     )
     atomic_write_text(rules.report, json.dumps(entry, indent=1))
     return entry

@@ -72,9 +72,7 @@ class ValidationResult:
         ]
         for failure in self.failures:
             column = f" on '{failure.column}'" if failure.column is not None else ""
-            count = (
-                f", {failure.unexpected_count} row(s)" if failure.unexpected_count else ""
-            )
+            count = f", {failure.unexpected_count} row(s)" if failure.unexpected_count else ""
             line = f"  - [{failure.split}] {failure.expectation}{column}{count}: {failure.details}"
             if failure.examples:
                 line += "; e.g. " + " | ".join(failure.examples)
@@ -138,7 +136,12 @@ def validate_prompt_splits(
     for split in SPLITS:
         frame, tokens_column = _frame_for_ge(frames[split], prompt_field, count_tokens, split)
         expectations = _expectations(
-            gx, prompt_field, tokens_column, min_tokens, max_tokens, min_rows[split],
+            gx,
+            prompt_field,
+            tokens_column,
+            min_tokens,
+            max_tokens,
+            min_rows[split],
             leak_set=train_prompts if split == "eval" else None,
         )
         suite = context.suites.add(gx.ExpectationSuite(name=f"prompts_{split}"))
@@ -252,7 +255,9 @@ def _string_values(column: pd.Series) -> list[str]:
 
 
 def _frame_for_ge(
-    frame: pd.DataFrame, prompt_field: str, count_tokens: Callable[[list[str]], list[int]],
+    frame: pd.DataFrame,
+    prompt_field: str,
+    count_tokens: Callable[[list[str]], list[int]],
     split: str,
 ) -> tuple[pd.DataFrame, str]:
     """A copy of ``frame`` with prompts as objects and a derived token-count column; its name."""
@@ -279,20 +284,28 @@ def _frame_for_ge(
 
 
 def _expectations(
-    gx, prompt_field: str, tokens_column: str, min_tokens: int, max_tokens: int, min_rows: int,
+    gx,
+    prompt_field: str,
+    tokens_column: str,
+    min_tokens: int,
+    max_tokens: int,
+    min_rows: int,
     leak_set: list[str] | None,
 ) -> list:
     """The suite of one split (``leak_set``: the train prompts, checked on eval only)."""
     e = gx.expectations
     suite = [
         e.ExpectTableColumnsToMatchSet(
-            column_set=[prompt_field, tokens_column], exact_match=True,
+            column_set=[prompt_field, tokens_column],
+            exact_match=True,
             description=f"Columns are exactly `{prompt_field}` and the derived `{tokens_column}`",
         ),
         e.ExpectColumnValuesToBeOfType(column=prompt_field, type_="str"),
         e.ExpectColumnValuesToNotBeNull(column=prompt_field),
         e.ExpectColumnValuesToBeBetween(
-            column=tokens_column, min_value=min_tokens, max_value=max_tokens,
+            column=tokens_column,
+            min_value=min_tokens,
+            max_value=max_tokens,
             description=(
                 f"Prompt length in tokens (`{tokens_column}`, -1 for a null or non-string prompt) "
                 f"is between {min_tokens} and {max_tokens}"
@@ -305,7 +318,8 @@ def _expectations(
         # The description keeps the docs from listing every train prompt.
         suite.append(
             e.ExpectColumnValuesToNotBeInSet(
-                column=prompt_field, value_set=leak_set,
+                column=prompt_field,
+                value_set=leak_set,
                 description=f"No eval prompt is one of the {len(leak_set)} train prompts",
             )
         )
@@ -313,7 +327,11 @@ def _expectations(
 
 
 def _read_result(
-    result: dict[str, Any], split: str, frame: pd.DataFrame, prompt_field: str, tokens_column: str,
+    result: dict[str, Any],
+    split: str,
+    frame: pd.DataFrame,
+    prompt_field: str,
+    tokens_column: str,
 ) -> dict[str, Any]:
     """One expectation's GE result (its JSON form) as a flat record for the summary."""
     config = result["expectation_config"]
@@ -387,7 +405,10 @@ def _column_details(kind: str, details: dict[str, Any], kwargs: dict[str, Any], 
 
 
 def _examples(
-    details: dict[str, Any], frame: pd.DataFrame, prompt_field: str, tokens_column: str,
+    details: dict[str, Any],
+    frame: pd.DataFrame,
+    prompt_field: str,
+    tokens_column: str,
     column: str | None,
 ) -> list[str]:
     """Up to three offending rows, as ``row <i>: <repr of the prompt>`` (plus its token count)."""

@@ -47,6 +47,7 @@ if TYPE_CHECKING:
     _T = TypeVar("_T")
     Choice = Annotated[_T, "choice"]
 else:
+
     class _ChoiceOfStr:
         def __getitem__(self, choices: Any) -> type:
             return str
@@ -350,11 +351,14 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
             try:
                 loaded = OmegaConf.load(path)
             except (yaml.YAMLError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"config file {str(path)!r} is not valid YAML: "
-                                  f"{first_line(exc)}") from None
+                raise ConfigError(
+                    f"config file {str(path)!r} is not valid YAML: {first_line(exc)}"
+                ) from None
             if not isinstance(loaded, DictConfig):
-                raise ConfigError(f"config file {str(path)!r} must hold a mapping of keys, "
-                                  f"not a {type(loaded).__name__}")
+                raise ConfigError(
+                    f"config file {str(path)!r} must hold a mapping of keys, "
+                    f"not a {type(loaded).__name__}"
+                )
             merged = OmegaConf.merge(merged, loaded)
     except OmegaConfBaseException as exc:
         raise ConfigError(_explain(exc, f" (in {path})")) from None
@@ -364,8 +368,9 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         try:
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
         except yaml.YAMLError as exc:
-            raise ConfigError(f"override {item!r}: the value is not valid YAML "
-                              f"({first_line(exc)})") from None
+            raise ConfigError(
+                f"override {item!r}: the value is not valid YAML ({first_line(exc)})"
+            ) from None
         except OmegaConfBaseException as exc:
             raise ConfigError(_explain(exc, f" (override {item!r})")) from None
     try:
@@ -406,15 +411,18 @@ def _explain(exc: OmegaConfBaseException, where: str) -> str:
     if "not in" in first or "Key" in type(exc).__name__:
         close = difflib.get_close_matches(key, _all_keys(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
-        return f"unknown config key {key!r}{where}: {first}.{hint} Run `ppo config` to list the keys."
+        return (
+            f"unknown config key {key!r}{where}: {first}.{hint} Run `ppo config` to list the keys."
+        )
     return f"bad value for config key {key!r}{where}: {first}"
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     """A config (dataclass, DictConfig or YAML-loaded dict) as ``{"ppo.epochs": 4, ...}``."""
     if not isinstance(node, dict):
-        node = OmegaConf.to_container(OmegaConf.structured(node) if not isinstance(node, DictConfig)
-                                      else node)
+        node = OmegaConf.to_container(
+            OmegaConf.structured(node) if not isinstance(node, DictConfig) else node
+        )
     out: dict[str, Any] = {}
     for key, value in node.items():
         name = f"{prefix}{key}"
@@ -438,9 +446,18 @@ def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
 
 
 # Folders and files a run writes or replaces, by config key.
-WRITE_KEYS = ("data.interim_dir", "data.prepared_dir", "validation.report_dir", "train.output_dir",
-              "train.checkpoint_dir", "train.metrics_dir", "eval.output_dir",
-              "promote.production_dir", "promote.registry", "promote.report")
+WRITE_KEYS = (
+    "data.interim_dir",
+    "data.prepared_dir",
+    "validation.report_dir",
+    "train.output_dir",
+    "train.checkpoint_dir",
+    "train.metrics_dir",
+    "eval.output_dir",
+    "promote.production_dir",
+    "promote.registry",
+    "promote.report",
+)
 # Inputs a run must never replace (model.policy is written by the base stage only).
 READ_KEYS = ("model.policy", "model.reference", "base.source")
 
@@ -457,8 +474,10 @@ def check_write_paths(flat: dict[str, Any]) -> None:
     writes = {key: Path(flat[key]) for key in WRITE_KEYS}
     for key, path in writes.items():
         if not path.is_absolute() and os.path.normpath(path).split(os.sep)[0] == "..":
-            raise ConfigError(f"{key}={str(path)!r} leaves the working folder through '..'; "
-                              "keep outputs inside the project or give an absolute path")
+            raise ConfigError(
+                f"{key}={str(path)!r} leaves the working folder through '..'; "
+                "keep outputs inside the project or give an absolute path"
+            )
 
     def inside(a: Path, b: Path) -> bool:
         a, b = Path(os.path.abspath(a)), Path(os.path.abspath(b))
@@ -466,11 +485,13 @@ def check_write_paths(flat: dict[str, Any]) -> None:
 
     keys = list(writes)
     for i, first in enumerate(keys):
-        for second in keys[i + 1:]:
+        for second in keys[i + 1 :]:
             if inside(writes[first], writes[second]) or inside(writes[second], writes[first]):
-                raise ConfigError(f"{first}={str(writes[first])!r} and {second}="
-                                  f"{str(writes[second])!r} overlap; each output needs a folder "
-                                  "of its own")
+                raise ConfigError(
+                    f"{first}={str(writes[first])!r} and {second}="
+                    f"{str(writes[second])!r} overlap; each output needs a folder "
+                    "of its own"
+                )
     for read_key in READ_KEYS:
         if flat.get(read_key) is None or ":" in str(flat[read_key]):
             continue
@@ -478,8 +499,10 @@ def check_write_paths(flat: dict[str, Any]) -> None:
             if inside(path, Path(flat[read_key])) or inside(Path(flat[read_key]), path):
                 if read_key == "base.source" and key == "promote.production_dir":
                     continue  # scheduled retraining starts from a production version: read only
-                raise ConfigError(f"{key}={str(path)!r} would write over {read_key}="
-                                  f"{flat[read_key]!r}; choose another folder")
+                raise ConfigError(
+                    f"{key}={str(path)!r} would write over {read_key}="
+                    f"{flat[read_key]!r}; choose another folder"
+                )
 
 
 def validate_config(config: Config) -> None:
@@ -494,12 +517,18 @@ def validate_config(config: Config) -> None:
     try:
         zoneinfo.ZoneInfo(config.schedule.timezone)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError):
-        raise ConfigError(f"schedule.timezone={config.schedule.timezone!r} is not an IANA time "
-                          "zone name; use e.g. UTC or Europe/Berlin") from None
+        raise ConfigError(
+            f"schedule.timezone={config.schedule.timezone!r} is not an IANA time "
+            "zone name; use e.g. UTC or Europe/Berlin"
+        ) from None
     ppo = config.ppo
     try:
-        check_batch_sizes(ppo.rollout_batch_size, ppo.mini_batch_size, ppo.micro_batch_size,
-                          drop_last=ppo.drop_last)
+        check_batch_sizes(
+            ppo.rollout_batch_size,
+            ppo.mini_batch_size,
+            ppo.micro_batch_size,
+            drop_last=ppo.drop_last,
+        )
     except ValueError as exc:
         raise ConfigError(f"ppo batch sizes: {exc}") from None
     for key, value in {
@@ -533,10 +562,12 @@ def validate_config(config: Config) -> None:
         "validation.min_eval_rows": config.validation.min_eval_rows,
     }.items():
         _positive(key, value, allow_zero=True)
-    for key, value in {"ppo.clip_eps_high": ppo.clip_eps_high,
-                       "ppo.clip_eps_value": ppo.clip_eps_value,
-                       "ppo.target_kl": ppo.target_kl,
-                       "ppo.max_grad_norm": ppo.max_grad_norm}.items():
+    for key, value in {
+        "ppo.clip_eps_high": ppo.clip_eps_high,
+        "ppo.clip_eps_value": ppo.clip_eps_value,
+        "ppo.target_kl": ppo.target_kl,
+        "ppo.max_grad_norm": ppo.max_grad_norm,
+    }.items():
         if value is not None:
             _positive(key, value)
     if ppo.generation_batch_size is not None and (
@@ -547,7 +578,9 @@ def validate_config(config: Config) -> None:
             f"ppo.rollout_batch_size={ppo.rollout_batch_size}"
         )
     if ppo.scoring_batch_size is not None and ppo.scoring_batch_size < 1:
-        raise ConfigError(f"ppo.scoring_batch_size must be >= 1 (or null), got {ppo.scoring_batch_size}")
+        raise ConfigError(
+            f"ppo.scoring_batch_size must be >= 1 (or null), got {ppo.scoring_batch_size}"
+        )
     if ppo.dual_clip is not None and ppo.dual_clip <= 1.0:
         raise ConfigError(f"ppo.dual_clip must be > 1 (or null), got {ppo.dual_clip}")
     if not 0.0 <= ppo.gamma <= 1.0:
@@ -555,7 +588,9 @@ def validate_config(config: Config) -> None:
     if not 0.0 <= ppo.lam <= 1.0:
         raise ConfigError(f"ppo.lam must be in [0, 1], got {ppo.lam}")
     if not 0.0 <= config.promote.min_eos_rate <= 1.0:
-        raise ConfigError(f"promote.min_eos_rate must be in [0, 1], got {config.promote.min_eos_rate}")
+        raise ConfigError(
+            f"promote.min_eos_rate must be in [0, 1], got {config.promote.min_eos_rate}"
+        )
     _positive("promote.max_kl", config.promote.max_kl)
     if not 0.0 < config.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {config.data.eval_fraction}")

@@ -73,12 +73,15 @@ def evaluate_model(
     batch_size = config.ppo.rollout_batch_size
     temperature = config.generation.temperature
     torch.manual_seed(config.eval.seed)
-    generated = sample_responses(model, tokenizer, expanded, config.generation, runtime,
-                                 chunk_size=batch_size)
-    logprobs = score_in_chunks(model, generated, temperature, runtime, batch_size,
-                               with_values=False).logprobs
-    ref_logprobs = score_in_chunks(reference, generated, temperature, runtime, batch_size,
-                                   with_values=False).logprobs
+    generated = sample_responses(
+        model, tokenizer, expanded, config.generation, runtime, chunk_size=batch_size
+    )
+    logprobs = score_in_chunks(
+        model, generated, temperature, runtime, batch_size, with_values=False
+    ).logprobs
+    ref_logprobs = score_in_chunks(
+        reference, generated, temperature, runtime, batch_size, with_values=False
+    ).logprobs
     del model
     responses, score = score_responses(reward_fn, tokenizer, expanded, generated)
     mask = generated.response_mask
@@ -96,44 +99,63 @@ def evaluate_model(
     }
     samples = [
         {"prompt": p, "response": r, "score": round(float(s), 4)}
-        for p, r, s in list(zip(expanded, responses, score.tolist(), strict=True))
-        [: config.eval.num_examples]
+        for p, r, s in list(zip(expanded, responses, score.tolist(), strict=True))[
+            : config.eval.num_examples
+        ]
     ]
     return ModelReport(name=name, path=str(path), metrics=metrics, samples=samples)
 
 
-def evaluate(config: Config, candidate: str | Path, baseline: str | Path | None = None,
-             output_dir: str | Path | None = None) -> dict[str, ModelReport]:
+def evaluate(
+    config: Config,
+    candidate: str | Path,
+    baseline: str | Path | None = None,
+    output_dir: str | Path | None = None,
+) -> dict[str, ModelReport]:
     """Evaluate ``candidate`` (and ``baseline``, when given) and write ``metrics.json``,
     ``samples.json`` and ``report.md`` to ``output_dir`` (default ``eval.output_dir``)."""
     runtime = setup_runtime(config, distributed=False)
-    prompts = load_prompts(config.data.eval_file, config.data.prompt_field)[: config.eval.num_prompts]
+    prompts = load_prompts(config.data.eval_file, config.data.prompt_field)[
+        : config.eval.num_prompts
+    ]
     tokenizer = load_tokenizer(candidate, config.model.trust_remote_code)
     reference = load_reference(config.model, runtime.device)
     reward_fn = build_reward(config.model, runtime.device)
-    models = {"candidate": candidate} if baseline is None else {"candidate": candidate,
-                                                                "baseline": baseline}
-    reports = {name: evaluate_model(name, path, reference, tokenizer, prompts, reward_fn, config,
-                                    runtime)
-               for name, path in models.items()}
+    models = (
+        {"candidate": candidate}
+        if baseline is None
+        else {"candidate": candidate, "baseline": baseline}
+    )
+    reports = {
+        name: evaluate_model(name, path, reference, tokenizer, prompts, reward_fn, config, runtime)
+        for name, path in models.items()
+    }
     write_reports(reports, Path(output_dir or config.eval.output_dir), config, len(prompts))
     return reports
 
 
-def write_reports(reports: dict[str, ModelReport], folder: Path, config: Config,
-                  num_prompts: int) -> None:
+def write_reports(
+    reports: dict[str, ModelReport], folder: Path, config: Config, num_prompts: int
+) -> None:
     """``metrics.json`` (flat, for ``dvc metrics``), ``models.json`` (which folders were
     compared), ``samples.json`` and a Markdown report."""
 
     def write(tmp: Path) -> None:
-        flat = {f"{name}/{key}": value for name, r in reports.items() for key, value in r.metrics.items()}
+        flat = {
+            f"{name}/{key}": value
+            for name, r in reports.items()
+            for key, value in r.metrics.items()
+        }
         if "baseline" in reports:
-            flat["delta/score"] = reports["candidate"].metrics["score"] - reports["baseline"].metrics["score"]
+            flat["delta/score"] = (
+                reports["candidate"].metrics["score"] - reports["baseline"].metrics["score"]
+            )
         flat["num_prompts"] = num_prompts
         (tmp / "metrics.json").write_text(json.dumps(flat, indent=1, sort_keys=True))
         (tmp / "models.json").write_text(json.dumps({n: r.path for n, r in reports.items()}))
-        (tmp / "samples.json").write_text(json.dumps(
-            {name: r.samples for name, r in reports.items()}, indent=1))
+        (tmp / "samples.json").write_text(
+            json.dumps({name: r.samples for name, r in reports.items()}, indent=1)
+        )
         (tmp / "report.md").write_text(markdown_report(reports, num_prompts, config))
 
     atomic_folder(folder, write)
@@ -154,9 +176,13 @@ def markdown_report(reports: dict[str, ModelReport], num_prompts: int, config: C
         "|---|" + "---:|" * len(names),
     ]
     for key in keys:
-        lines.append(f"| {key} | " + " | ".join(f"{reports[n].metrics[key]:.4g}" for n in names) + " |")
+        lines.append(
+            f"| {key} | " + " | ".join(f"{reports[n].metrics[key]:.4g}" for n in names) + " |"
+        )
     for name in names:
         lines += ["", f"## Samples: {name} (`{reports[name].path}`)", ""]
-        lines += [f"- {s['prompt']} → **{str(s['response']).strip()}** ({s['score']:+.3f})"
-                  for s in reports[name].samples]
+        lines += [
+            f"- {s['prompt']} → **{str(s['response']).strip()}** ({s['score']:+.3f})"
+            for s in reports[name].samples
+        ]
     return "\n".join(lines) + "\n"

@@ -225,13 +225,17 @@ def exclusive_run(lock_file: str | Path, what: str) -> Iterator[None]:
     except OSError as exc:
         if exc.errno != errno.ELOOP:
             raise
-        raise FileExistsError(f"lock file {path} is a symbolic link; remove it (it is not a "
-                              "lock this project made), then start again") from None
+        raise FileExistsError(
+            f"lock file {path} is a symbolic link; remove it (it is not a "
+            "lock this project made), then start again"
+        ) from None
     try:
         info = os.fstat(fd)
         if not stat.S_ISREG(info.st_mode) or info.st_nlink != 1:
-            raise FileExistsError(f"lock file {path} is not a plain file of its own (a hard "
-                                  "link or a special file); remove it, then start again")
+            raise FileExistsError(
+                f"lock file {path} is not a plain file of its own (a hard "
+                "link or a special file); remove it, then start again"
+            )
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

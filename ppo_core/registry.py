@@ -35,21 +35,40 @@ class GateDecision:
     reasons: list[str]
 
 
-def gate(candidate: dict[str, float], baseline: dict[str, float] | None, *,
-         min_improvement: float, max_kl: float, min_eos_rate: float) -> GateDecision:
+def gate(
+    candidate: dict[str, float],
+    baseline: dict[str, float] | None,
+    *,
+    min_improvement: float,
+    max_kl: float,
+    min_eos_rate: float,
+) -> GateDecision:
     """Apply the promotion rules to held-out metrics (as written by ``ppo evaluate``)."""
     rules: list[tuple[bool, str]] = []
     if baseline is not None:
         gain = candidate["score"] - baseline["score"]
-        rules.append((gain >= min_improvement,
-                      f"score {candidate['score']:.4f} vs baseline {baseline['score']:.4f}: gain "
-                      f"{gain:+.4f} (needs >= {min_improvement:+.4f})"))
-    rules.append((candidate["kl_to_reference"] <= max_kl,
-                  f"KL to reference {candidate['kl_to_reference']:.3f} nats (budget {max_kl})"))
-    rules.append((candidate["eos_rate"] >= min_eos_rate,
-                  f"EOS rate {candidate['eos_rate']:.3f} (needs >= {min_eos_rate})"))
-    return GateDecision(all(ok for ok, _ in rules),
-                        [("pass: " if ok else "FAIL: ") + text for ok, text in rules])
+        rules.append(
+            (
+                gain >= min_improvement,
+                f"score {candidate['score']:.4f} vs baseline {baseline['score']:.4f}: gain "
+                f"{gain:+.4f} (needs >= {min_improvement:+.4f})",
+            )
+        )
+    rules.append(
+        (
+            candidate["kl_to_reference"] <= max_kl,
+            f"KL to reference {candidate['kl_to_reference']:.3f} nats (budget {max_kl})",
+        )
+    )
+    rules.append(
+        (
+            candidate["eos_rate"] >= min_eos_rate,
+            f"EOS rate {candidate['eos_rate']:.3f} (needs >= {min_eos_rate})",
+        )
+    )
+    return GateDecision(
+        all(ok for ok, _ in rules), [("pass: " if ok else "FAIL: ") + text for ok, text in rules]
+    )
 
 
 def load_registry(path: str | Path) -> dict[str, Any]:
@@ -60,18 +79,23 @@ def load_registry(path: str | Path) -> dict[str, Any]:
     try:
         registry = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise RegistryError(f"model registry {path} is not valid JSON ({exc.msg}); restore it from "
-                         "git or DVC before promoting") from None
+        raise RegistryError(
+            f"model registry {path} is not valid JSON ({exc.msg}); restore it from "
+            "git or DVC before promoting"
+        ) from None
     if not isinstance(registry, dict) or not isinstance(registry.get("entries"), list):
         raise RegistryError(f"model registry {path} has no 'entries' list")
     # Version names become folder names under promote.production_dir: only vNNNN is accepted, so
     # an edited registry cannot point a run at (or make it write to) a folder outside it.
-    names = [registry.get("current")] + [e.get("version") for e in registry["entries"]
-                                         if isinstance(e, dict)]
+    names = [registry.get("current")] + [
+        e.get("version") for e in registry["entries"] if isinstance(e, dict)
+    ]
     for name in names:
         if name is not None and not (isinstance(name, str) and VERSION_PATTERN.fullmatch(name)):
-            raise RegistryError(f"model registry {path} names version {name!r}; versions are "
-                                "v0001, v0002, ...; restore the registry from git or DVC")
+            raise RegistryError(
+                f"model registry {path} names version {name!r}; versions are "
+                "v0001, v0002, ...; restore the registry from git or DVC"
+            )
     return registry
 
 
@@ -82,14 +106,21 @@ def current_production(registry_path: str | Path, production_dir: str | Path) ->
         return None
     folder = Path(production_dir) / current
     if not (folder / "config.json").is_file():
-        raise FileNotFoundError(f"the registry names production version {current} but {folder} "
-                                "is missing; restore it (e.g. `dvc pull`) before going on")
+        raise FileNotFoundError(
+            f"the registry names production version {current} but {folder} "
+            "is missing; restore it (e.g. `dvc pull`) before going on"
+        )
     return folder
 
 
-def record_decision(*, registry_path: str | Path, production_dir: str | Path,
-                    candidate_dir: str | Path, decision: GateDecision,
-                    lineage: dict[str, Any]) -> dict[str, Any]:
+def record_decision(
+    *,
+    registry_path: str | Path,
+    production_dir: str | Path,
+    candidate_dir: str | Path,
+    decision: GateDecision,
+    lineage: dict[str, Any],
+) -> dict[str, Any]:
     """Append the decision to the registry; on promotion, first copy the candidate to a new
     version folder. Returns the registry entry."""
     registry_path = Path(registry_path)
@@ -99,8 +130,13 @@ def record_decision(*, registry_path: str | Path, production_dir: str | Path,
         return _record(registry_path, production_dir, candidate_dir, decision, lineage)
 
 
-def _record(registry_path: Path, production_dir: str | Path, candidate_dir: str | Path,
-            decision: GateDecision, lineage: dict[str, Any]) -> dict[str, Any]:
+def _record(
+    registry_path: Path,
+    production_dir: str | Path,
+    candidate_dir: str | Path,
+    decision: GateDecision,
+    lineage: dict[str, Any],
+) -> dict[str, Any]:
     registry = load_registry(registry_path)
     promoted = [e for e in registry["entries"] if e.get("version")]
     entry: dict[str, Any] = {
@@ -114,8 +150,10 @@ def _record(registry_path: Path, production_dir: str | Path, candidate_dir: str 
         version = f"v{len(promoted) + 1:04d}"
         target = Path(production_dir) / version
         if target.exists():
-            raise FileExistsError(f"{target} exists but the registry does not know it; refusing "
-                                  "to overwrite a production version")
+            raise FileExistsError(
+                f"{target} exists but the registry does not know it; refusing "
+                "to overwrite a production version"
+            )
         atomic_folder(target, lambda tmp: shutil.copytree(candidate_dir, tmp, dirs_exist_ok=True))
         entry["version"] = version
         entry["path"] = str(target)

@@ -93,8 +93,9 @@ class RolloutBatch:
 
 def load_reference(model: ModelConfig, device: torch.device) -> torch.nn.Module:
     """The frozen KL reference: ``model.reference``, else the starting policy folder."""
-    reference = load_causal_lm(model.reference or model.policy, "reference",
-                               model.trust_remote_code)
+    reference = load_causal_lm(
+        model.reference or model.policy, "reference", model.trust_remote_code
+    )
     reference.requires_grad_(False)
     return reference.to(device)
 
@@ -122,18 +123,27 @@ def sample_responses(
     """
     starts = range(0, len(prompts), chunk_size)
     if chunk_seeds is not None and len(chunk_seeds) != len(starts):
-        raise ValueError(f"{len(prompts)} prompts in chunks of {chunk_size} need {len(starts)} "
-                         f"seeds, got {len(chunk_seeds)}")
+        raise ValueError(
+            f"{len(prompts)} prompts in chunks of {chunk_size} need {len(starts)} "
+            f"seeds, got {len(chunk_seeds)}"
+        )
     pieces = []
     for index, start in enumerate(starts):
         if chunk_seeds is not None:
             torch.manual_seed(chunk_seeds[index])
         with runtime.autocast():
-            pieces.append(generate_responses(
-                policy, tokenizer, prompts[start : start + chunk_size],
-                max_new_tokens=generation.max_new_tokens, temperature=generation.temperature,
-                top_k=generation.top_k, top_p=generation.top_p, device=runtime.device,
-            ))
+            pieces.append(
+                generate_responses(
+                    policy,
+                    tokenizer,
+                    prompts[start : start + chunk_size],
+                    max_new_tokens=generation.max_new_tokens,
+                    temperature=generation.temperature,
+                    top_k=generation.top_k,
+                    top_p=generation.top_p,
+                    device=runtime.device,
+                )
+            )
     return concat_generated(pieces, tokenizer.pad_token_id)
 
 
@@ -152,19 +162,25 @@ def score_in_chunks(
     for rows in micro_batch_slices(len(generated.response_ids), chunk_size):
         with runtime.autocast():
             out = score_sequences(
-                model, generated.prompt_ids[rows], generated.prompt_mask[rows],
-                generated.response_ids[rows], generated.response_mask[rows],
-                temperature=temperature, with_values=with_values,
+                model,
+                generated.prompt_ids[rows],
+                generated.prompt_mask[rows],
+                generated.response_ids[rows],
+                generated.response_mask[rows],
+                temperature=temperature,
+                with_values=with_values,
             )
         logprobs.append(out.logprobs)
         if out.values is not None:
             values.append(out.values)
-    return ScoredBatch(logprobs=torch.cat(logprobs),
-                       values=torch.cat(values) if values else None, entropy=None)
+    return ScoredBatch(
+        logprobs=torch.cat(logprobs), values=torch.cat(values) if values else None, entropy=None
+    )
 
 
-def score_responses(reward_fn: RewardFn, tokenizer, prompts: list[str],
-                    generated: GeneratedBatch) -> tuple[list[str], Tensor]:
+def score_responses(
+    reward_fn: RewardFn, tokenizer, prompts: list[str], generated: GeneratedBatch
+) -> tuple[list[str], Tensor]:
     """Decode each response up to EOS and score it: ``(texts, scores [B] float32 on CPU)``; a
     reward that returns the wrong shape or a non-finite number is a ``RewardError``."""
     texts = decode_responses(tokenizer, generated.response_ids, generated.response_mask)
@@ -195,14 +211,22 @@ def collect_rollout(
         the batch, its ``rollout/*`` metrics, and the decoded responses.
     """
     all_ranks = runtime.parallel.active
-    generated = sample_responses(actor_critic.policy, tokenizer, prompts, generation, runtime,
-                                 chunk_size=ppo.generation_batch_size or len(prompts),
-                                 chunk_seeds=chunk_seeds)
+    generated = sample_responses(
+        actor_critic.policy,
+        tokenizer,
+        prompts,
+        generation,
+        runtime,
+        chunk_size=ppo.generation_batch_size or len(prompts),
+        chunk_seeds=chunk_seeds,
+    )
     scoring_size = ppo.scoring_batch_size or ppo.micro_batch_size
-    policy_scored = score_in_chunks(actor_critic, generated, generation.temperature, runtime,
-                                    scoring_size, with_values=True)
-    reference_scored = score_in_chunks(reference, generated, generation.temperature, runtime,
-                                       scoring_size, with_values=False)
+    policy_scored = score_in_chunks(
+        actor_critic, generated, generation.temperature, runtime, scoring_size, with_values=True
+    )
+    reference_scored = score_in_chunks(
+        reference, generated, generation.temperature, runtime, scoring_size, with_values=False
+    )
     old_values = policy_scored.values
     assert old_values is not None  # an ActorCritic always has values
     mask = generated.response_mask
@@ -220,10 +244,16 @@ def collect_rollout(
         advantages = whiten_advantages(advantages, mask, all_ranks=all_ranks)
 
     batch = RolloutBatch(
-        prompt_ids=generated.prompt_ids, prompt_mask=generated.prompt_mask,
-        response_ids=generated.response_ids, response_mask=mask,
-        old_logprobs=policy_scored.logprobs, ref_logprobs=reference_scored.logprobs,
-        old_values=old_values, scores=scores, rewards=rewards, advantages=advantages,
+        prompt_ids=generated.prompt_ids,
+        prompt_mask=generated.prompt_mask,
+        response_ids=generated.response_ids,
+        response_mask=mask,
+        old_logprobs=policy_scored.logprobs,
+        ref_logprobs=reference_scored.logprobs,
+        old_values=old_values,
+        scores=scores,
+        rewards=rewards,
+        advantages=advantages,
         returns=returns,
     )
     per_sequence = {
@@ -240,7 +270,8 @@ def collect_rollout(
     every_row = torch.ones_like(raw_scores, dtype=torch.bool)
     metrics["rollout/score_std"] = (
         float(masked_moments(raw_scores, every_row, all_ranks=all_ranks)[1]) ** 0.5
-        if len(prompts) > 1 or all_ranks else 0.0
+        if len(prompts) > 1 or all_ranks
+        else 0.0
     )
     metrics["rollout/kl_coef"] = float(kl_coef)
     return batch, metrics, responses

@@ -101,11 +101,13 @@ def stream_seed(seed: int, iteration: int, stream: RandomStream, chunk: int = 0)
     return (seed * 1_000_003 + iteration * 7_919 + code * 104_729) % (2**63 - 1)
 
 
-def draw_prompts(train_prompts: Sequence[str], config: Config, iteration: int,
-                 parallel: DataParallel) -> list[str]:
+def draw_prompts(
+    train_prompts: Sequence[str], config: Config, iteration: int, parallel: DataParallel
+) -> list[str]:
     """This rank's rows of the iteration's global prompt batch (drawn with replacement)."""
     draw = torch.Generator().manual_seed(
-        stream_seed(config.seed, iteration, RandomStream.PROMPT_DRAW))
+        stream_seed(config.seed, iteration, RandomStream.PROMPT_DRAW)
+    )
     global_size = config.ppo.rollout_batch_size * parallel.world_size
     picks = torch.randint(len(train_prompts), (global_size,), generator=draw)
     first, last = parallel.rows(config.ppo.rollout_batch_size)
@@ -119,8 +121,10 @@ def sampling_seeds(config: Config, iteration: int, parallel: DataParallel) -> li
     per_rank = config.ppo.rollout_batch_size
     chunk = config.ppo.generation_batch_size or per_rank
     chunks = -(-per_rank // chunk)
-    return [stream_seed(config.seed, iteration, RandomStream.SAMPLING, parallel.rank * chunks + k)
-            for k in range(chunks)]
+    return [
+        stream_seed(config.seed, iteration, RandomStream.SAMPLING, parallel.rank * chunks + k)
+        for k in range(chunks)
+    ]
 
 
 # -- setup ----------------------------------------------------------------------------------------
@@ -151,9 +155,18 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
 
 
 # Keys that may change between a run and its resumption without changing what it computes.
-RESUME_FREE_KEYS = ("train.iterations", "train.checkpoint_every", "train.keep_checkpoints",
-                    "train.resume", "threads", "ppo.scoring_batch_size",
-                    "eval.", "promote.", "schedule.", "validation.")
+RESUME_FREE_KEYS = (
+    "train.iterations",
+    "train.checkpoint_every",
+    "train.keep_checkpoints",
+    "train.resume",
+    "threads",
+    "ppo.scoring_batch_size",
+    "eval.",
+    "promote.",
+    "schedule.",
+    "validation.",
+)
 
 
 def resume_mismatch(config: Config, state: dict[str, Any], data_hash: str | None) -> str | None:
@@ -164,11 +177,15 @@ def resume_mismatch(config: Config, state: dict[str, Any], data_hash: str | None
 
     before = flatten(OmegaConf.create(state.get("config", "{}")))
     now = flatten(config)
-    changed = sorted(k for k in before.keys() | now.keys()
-                     if before.get(k) != now.get(k) and not k.startswith(RESUME_FREE_KEYS))
+    changed = sorted(
+        k
+        for k in before.keys() | now.keys()
+        if before.get(k) != now.get(k) and not k.startswith(RESUME_FREE_KEYS)
+    )
     if changed:
         return "its config differs in " + ", ".join(
-            f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:5])
+            f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:5]
+        )
     if int(state["iteration"]) > config.train.iterations:
         return f"it is at iteration {state['iteration']}, past train.iterations={config.train.iterations}"
     return None
@@ -184,7 +201,9 @@ def set_aside_checkpoints(checkpoint_dir: str | Path) -> Path:
     return stale
 
 
-def resolve_resume(config: Config, runtime: Runtime, data_hash: str | None) -> dict[str, Any] | None:
+def resolve_resume(
+    config: Config, runtime: Runtime, data_hash: str | None
+) -> dict[str, Any] | None:
     """The newest good checkpoint that continues this run (same config and data), or None.
 
     Called under the run lock. What a killed run left half-written is removed first; a damaged
@@ -208,8 +227,11 @@ def resolve_resume(config: Config, runtime: Runtime, data_hash: str | None) -> d
     parallel.barrier()  # every rank has read the checkpoint list before it moves
     if parallel.is_main:
         stale = set_aside_checkpoints(config.train.checkpoint_dir)
-        warnings.warn(f"not resuming from {folder}: {reason}; starting over (the old "
-                      f"checkpoints were moved to {stale})", stacklevel=3)
+        warnings.warn(
+            f"not resuming from {folder}: {reason}; starting over (the old "
+            f"checkpoints were moved to {stale})",
+            stacklevel=3,
+        )
     return None
 
 
@@ -228,32 +250,44 @@ class Models:
 def build_models(config: Config, runtime: Runtime, start_folder: str | Path) -> Models:
     """The actor-critic from ``start_folder`` (the base or a checkpoint) and the reference."""
     torch.manual_seed(config.seed)
-    actor_critic = load_actor_critic(start_folder, config.model.critic,
-                                     config.model.trust_remote_code).to(runtime.device)
+    actor_critic = load_actor_critic(
+        start_folder, config.model.critic, config.model.trust_remote_code
+    ).to(runtime.device)
     update_model: torch.nn.Module = actor_critic
     if runtime.parallel.active:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         update_model = DistributedDataParallel(actor_critic, device_ids=device_ids)
-    return Models(actor_critic=actor_critic, update_model=update_model,
-                  reference=load_reference(config.model, runtime.device))
+    return Models(
+        actor_critic=actor_critic,
+        update_model=update_model,
+        reference=load_reference(config.model, runtime.device),
+    )
 
 
-def build_optimizer(parameters: Iterable[torch.nn.Parameter],
-                    optim: OptimConfig) -> torch.optim.Optimizer:
+def build_optimizer(
+    parameters: Iterable[torch.nn.Parameter], optim: OptimConfig
+) -> torch.optim.Optimizer:
     params = [p for p in parameters if p.requires_grad]
     if optim.name == "adamw":
-        return torch.optim.AdamW(params, lr=optim.lr, weight_decay=optim.weight_decay,
-                                 betas=(optim.betas[0], optim.betas[1]), eps=optim.eps)
+        return torch.optim.AdamW(
+            params,
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            betas=(optim.betas[0], optim.betas[1]),
+            eps=optim.eps,
+        )
     if optim.name == "sgd":
-        return torch.optim.SGD(params, lr=optim.lr, momentum=optim.momentum,
-                               weight_decay=optim.weight_decay)
+        return torch.optim.SGD(
+            params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay
+        )
     raise ValueError(f"unknown optimizer {optim.name!r}; choose adamw or sgd")
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, optim: OptimConfig,
-                    total_iterations: int) -> torch.optim.lr_scheduler.LambdaLR:
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_iterations: int
+) -> torch.optim.lr_scheduler.LambdaLR:
     """Linear warm-up over ``optim.warmup_iterations``, then constant or a linear decay to 0."""
     warmup = optim.warmup_iterations
 
@@ -289,12 +323,22 @@ class TrainState:
         self.kl_controller.value = float(state["kl_coef"])
         self.history = list(state.get("history", []))
 
-    def save(self, checkpoint_dir: str | Path, save_model: Callable[[Path], None],
-             lineage: dict[str, Any], keep: int) -> Path:
+    def save(
+        self,
+        checkpoint_dir: str | Path,
+        save_model: Callable[[Path], None],
+        lineage: dict[str, Any],
+        keep: int,
+    ) -> Path:
         """Write checkpoint ``step-{iteration}`` atomically with the weights and ``lineage``."""
         return save_checkpoint(
-            checkpoint_dir, self.iteration, save_model, self.optimizer, self.scheduler,
-            {"kl_coef": self.kl_controller.value, "history": self.history, **lineage}, keep=keep,
+            checkpoint_dir,
+            self.iteration,
+            save_model,
+            self.optimizer,
+            self.scheduler,
+            {"kl_coef": self.kl_controller.value, "history": self.history, **lineage},
+            keep=keep,
         )
 
 
@@ -305,8 +349,11 @@ def build_train_state(config: Config, actor_critic: ActorCritic) -> TrainState:
     return TrainState(
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, config.optim, config.train.iterations),
-        kl_controller=(AdaptiveKLController(kl.coef, kl.target, kl.horizon) if kl.adaptive
-                       else FixedKLController(kl.coef)),
+        kl_controller=(
+            AdaptiveKLController(kl.coef, kl.target, kl.horizon)
+            if kl.adaptive
+            else FixedKLController(kl.coef)
+        ),
     )
 
 
@@ -320,8 +367,9 @@ class IterationResult:
     responses: list[str]
 
 
-def run_iteration(config: Config, runtime: Runtime, inputs: RunInputs, models: Models,
-                  state: TrainState) -> IterationResult:
+def run_iteration(
+    config: Config, runtime: Runtime, inputs: RunInputs, models: Models, state: TrainState
+) -> IterationResult:
     """One PPO iteration; advances ``state`` by one and appends its metrics to the history."""
     iteration, parallel = state.iteration, runtime.parallel
     started = time.perf_counter()
@@ -329,36 +377,56 @@ def run_iteration(config: Config, runtime: Runtime, inputs: RunInputs, models: M
     prompts = draw_prompts(inputs.train_prompts, config, iteration, parallel)
     # 2. Rollout: sample responses, score them, per-token rewards with KL, GAE advantages.
     batch, metrics, responses = collect_rollout(
-        models.actor_critic, models.reference, inputs.tokenizer, prompts, inputs.reward_fn,
-        ppo=config.ppo, generation=config.generation, kl=config.kl,
-        kl_coef=state.kl_controller.value, runtime=runtime,
+        models.actor_critic,
+        models.reference,
+        inputs.tokenizer,
+        prompts,
+        inputs.reward_fn,
+        ppo=config.ppo,
+        generation=config.generation,
+        kl=config.kl,
+        kl_coef=state.kl_controller.value,
+        runtime=runtime,
         chunk_seeds=sampling_seeds(config, iteration, parallel),
     )
     rollout_done = time.perf_counter()
     # 3. PPO epochs over shuffled mini-batches, each step the exact mini-batch gradient.
-    shuffle = torch.Generator().manual_seed(stream_seed(config.seed, iteration, RandomStream.SHUFFLE))
-    metrics.update(ppo_update(models.update_model, state.optimizer, batch, ppo=config.ppo,
-                              temperature=config.generation.temperature, generator=shuffle,
-                              runtime=runtime))
+    shuffle = torch.Generator().manual_seed(
+        stream_seed(config.seed, iteration, RandomStream.SHUFFLE)
+    )
+    metrics.update(
+        ppo_update(
+            models.update_model,
+            state.optimizer,
+            batch,
+            ppo=config.ppo,
+            temperature=config.generation.temperature,
+            generator=shuffle,
+            runtime=runtime,
+        )
+    )
     # 4. Adapt the KL coefficient and the learning rate.
     state.kl_controller.update(metrics["rollout/kl"], len(batch) * parallel.world_size)
     metrics["optim/lr"] = float(state.scheduler.get_last_lr()[0])
     state.scheduler.step()
     finished = time.perf_counter()
     tokens = float(batch.response_mask.sum()) * parallel.world_size
-    metrics.update({
-        "perf/rollout_s": rollout_done - started,
-        "perf/update_s": finished - rollout_done,
-        "perf/iteration_s": finished - started,
-        "perf/tokens_per_s": tokens / max(finished - started, 1e-9),
-    })
+    metrics.update(
+        {
+            "perf/rollout_s": rollout_done - started,
+            "perf/update_s": finished - rollout_done,
+            "perf/iteration_s": finished - started,
+            "perf/tokens_per_s": tokens / max(finished - started, 1e-9),
+        }
+    )
     state.iteration += 1
     state.history.append({"iteration": float(state.iteration), **metrics})
     return IterationResult(metrics, prompts, responses)
 
 
-def train(config: Config, loggers: Sequence[MetricsLogger] = (),
-          on_samples: SampleCallback | None = None) -> TrainSummary:
+def train(
+    config: Config, loggers: Sequence[MetricsLogger] = (), on_samples: SampleCallback | None = None
+) -> TrainSummary:
     """Run ``config.train.iterations`` PPO iterations, resuming from the newest checkpoint.
 
     Writes checkpoints to ``train.checkpoint_dir`` and the final policy, with its config and
@@ -373,12 +441,15 @@ def train(config: Config, loggers: Sequence[MetricsLogger] = (),
         return _run(config, loggers, on_samples)
 
 
-def _run(config: Config, loggers: Sequence[MetricsLogger],
-         on_samples: SampleCallback | None) -> TrainSummary:
+def _run(
+    config: Config, loggers: Sequence[MetricsLogger], on_samples: SampleCallback | None
+) -> TrainSummary:
     runtime = setup_runtime(config)
     inputs = check_inputs(config, runtime)
     checkpoint = resolve_resume(config, runtime, inputs.data_hash)
-    models = build_models(config, runtime, checkpoint["model_dir"] if checkpoint else config.model.policy)
+    models = build_models(
+        config, runtime, checkpoint["model_dir"] if checkpoint else config.model.policy
+    )
     state = build_train_state(config, models.actor_critic)
     if checkpoint is not None:
         state.restore(checkpoint)
@@ -397,27 +468,51 @@ def _run(config: Config, loggers: Sequence[MetricsLogger],
             logger.log(state.iteration, metrics)
         if on_samples is not None and is_main:
             on_samples(state.iteration, result.prompts[:4], result.responses[:4])
-        if (state.iteration % config.train.checkpoint_every == 0
-                or state.iteration == config.train.iterations):
+        if (
+            state.iteration % config.train.checkpoint_every == 0
+            or state.iteration == config.train.iterations
+        ):
             if is_main:
-                state.save(config.train.checkpoint_dir,
-                           lambda folder: models.actor_critic.save(folder, inputs.tokenizer),
-                           lineage, keep=config.train.keep_checkpoints)
+                state.save(
+                    config.train.checkpoint_dir,
+                    lambda folder: models.actor_critic.save(folder, inputs.tokenizer),
+                    lineage,
+                    keep=config.train.keep_checkpoints,
+                )
             runtime.parallel.barrier()  # no rank runs ahead of a checkpoint it may resume from
-    output_dir = save_output(config, runtime, models.actor_critic, inputs.tokenizer,
-                             {**lineage, "final_metrics": metrics, "resumed_from": resumed_from})
-    return TrainSummary(output_dir=output_dir, iterations=config.train.iterations,
-                        resumed_from=resumed_from, final_metrics=metrics, history=state.history)
+    output_dir = save_output(
+        config,
+        runtime,
+        models.actor_critic,
+        inputs.tokenizer,
+        {**lineage, "final_metrics": metrics, "resumed_from": resumed_from},
+    )
+    return TrainSummary(
+        output_dir=output_dir,
+        iterations=config.train.iterations,
+        resumed_from=resumed_from,
+        final_metrics=metrics,
+        history=state.history,
+    )
 
 
 def run_lineage(config: Config, data_hash: str | None) -> dict[str, Any]:
     """What made a checkpoint: the data version and file, the base model and the config."""
-    return {"data_hash": data_hash, "train_file": config.data.train_file,
-            "base_model": str(config.model.policy), "config": to_yaml(config)}
+    return {
+        "data_hash": data_hash,
+        "train_file": config.data.train_file,
+        "base_model": str(config.model.policy),
+        "config": to_yaml(config),
+    }
 
 
-def save_output(config: Config, runtime: Runtime, actor_critic: ActorCritic, tokenizer: Any,
-                summary: dict[str, Any]) -> Path:
+def save_output(
+    config: Config,
+    runtime: Runtime,
+    actor_critic: ActorCritic,
+    tokenizer: Any,
+    summary: dict[str, Any],
+) -> Path:
     """Write the trained policy, ``ppo_config.yaml`` and ``training_summary.json`` to
     ``train.output_dir`` atomically (rank 0 writes, every rank waits)."""
     output_dir = Path(config.train.output_dir)
@@ -426,8 +521,11 @@ def save_output(config: Config, runtime: Runtime, actor_critic: ActorCritic, tok
         actor_critic.save(folder, tokenizer)
         save_config(config, folder / "ppo_config.yaml")
         described = {k: v for k, v in summary.items() if k != "config"}
-        (folder / "training_summary.json").write_text(json.dumps(
-            {"iterations": config.train.iterations, "seed": config.seed, **described}, indent=1))
+        (folder / "training_summary.json").write_text(
+            json.dumps(
+                {"iterations": config.train.iterations, "seed": config.seed, **described}, indent=1
+            )
+        )
 
     if runtime.parallel.is_main:
         atomic_folder(output_dir, write)

@@ -32,8 +32,12 @@ class NonFiniteError(FloatingPointError):
 def objective_from(ppo: PPOConfig) -> PPOObjective:
     """The PPO objective with the coefficients of the ``ppo`` config section."""
     return PPOObjective(
-        clip_eps=ppo.clip_eps, clip_eps_high=ppo.clip_eps_high, dual_clip=ppo.dual_clip,
-        clip_eps_value=ppo.clip_eps_value, vf_coef=ppo.vf_coef, entropy_coef=ppo.entropy_coef,
+        clip_eps=ppo.clip_eps,
+        clip_eps_high=ppo.clip_eps_high,
+        dual_clip=ppo.dual_clip,
+        clip_eps_value=ppo.clip_eps_value,
+        vf_coef=ppo.vf_coef,
+        entropy_coef=ppo.entropy_coef,
         loss_agg_mode=ppo.loss_agg_mode,
     )
 
@@ -79,28 +83,48 @@ def ppo_update(
     def loss_fn(micro: RolloutBatch) -> tuple[LossParts, dict[str, RunningMean]]:
         with runtime.autocast():
             out = score_sequences(
-                model, micro.prompt_ids, micro.prompt_mask, micro.response_ids,
-                micro.response_mask, temperature=temperature, with_entropy=True,
+                model,
+                micro.prompt_ids,
+                micro.prompt_mask,
+                micro.response_ids,
+                micro.response_mask,
+                temperature=temperature,
+                with_entropy=True,
                 entropy_grad=objective.entropy_coef > 0,
             )
         assert out.values is not None
-        parts, stats = objective(out.logprobs, out.values, out.entropy, micro.old_logprobs,
-                                 micro.old_values, micro.advantages, micro.returns,
-                                 micro.response_mask)
+        parts, stats = objective(
+            out.logprobs,
+            out.values,
+            out.entropy,
+            micro.old_logprobs,
+            micro.old_values,
+            micro.advantages,
+            micro.returns,
+            micro.response_mask,
+        )
         return parts, {f"ppo/{name}": value for name, value in stats.items()}
 
     totals: dict[str, RunningMean] = {}
     steps = 0
     early_stopped = False
     for _epoch in range(ppo.epochs):
-        for indices in minibatch_indices(len(batch) * world_size, ppo.mini_batch_size * world_size,
-                                         generator, drop_last=ppo.drop_last):
+        for indices in minibatch_indices(
+            len(batch) * world_size,
+            ppo.mini_batch_size * world_size,
+            generator,
+            drop_last=ppo.drop_last,
+        ):
             mini_batch = _rows_of_this_rank(batch, indices, runtime.parallel.rank)
-            micro_batches = [mini_batch.rows(rows).trimmed()
-                             for rows in micro_batch_slices(len(mini_batch), ppo.micro_batch_size)]
+            micro_batches = [
+                mini_batch.rows(rows).trimmed()
+                for rows in micro_batch_slices(len(mini_batch), ppo.micro_batch_size)
+            ]
             optimizer.zero_grad(set_to_none=True)
             result = accumulate_gradients(
-                micro_batches, loss_fn, count_fn=lambda micro: objective.count(micro.response_mask),
+                micro_batches,
+                loss_fn,
+                count_fn=lambda micro: objective.count(micro.response_mask),
                 no_sync=getattr(model, "no_sync", None),
             )
             # One check per mini-batch, on the loss every rank sees, before the step (a check per
@@ -128,7 +152,9 @@ def ppo_update(
     return metrics
 
 
-def _rows_of_this_rank(batch: RolloutBatch, global_indices: torch.Tensor, rank: int) -> RolloutBatch:
+def _rows_of_this_rank(
+    batch: RolloutBatch, global_indices: torch.Tensor, rank: int
+) -> RolloutBatch:
     """The rows of a global mini-batch that this rank holds; an all-masked row when it holds
     none, so that its backward pass (and DDP's all-reduce) still happens with zero weight."""
     first_row = rank * len(batch)
@@ -144,11 +170,16 @@ def _rows_of_this_rank(batch: RolloutBatch, global_indices: torch.Tensor, rank: 
 def _raise_non_finite_loss(stats: dict[str, RunningMean], mini_batch: RolloutBatch) -> None:
     """Name which loss term, and which rollout input under the mask, is not finite on this rank;
     called before the optimizer step, so none is taken."""
-    bad_terms = [name for name in ("policy", "value")
-                 if not torch.isfinite(stats[f"ppo/{name}_loss"].mean)]
-    bad_inputs = [name for name in ("old_logprobs", "advantages", "returns", "old_values")
-                  if not torch.isfinite(select(getattr(mini_batch, name).float(),
-                                               mini_batch.response_mask)).all()]
+    bad_terms = [
+        name for name in ("policy", "value") if not torch.isfinite(stats[f"ppo/{name}_loss"].mean)
+    ]
+    bad_inputs = [
+        name
+        for name in ("old_logprobs", "advantages", "returns", "old_values")
+        if not torch.isfinite(
+            select(getattr(mini_batch, name).float(), mini_batch.response_mask)
+        ).all()
+    ]
     terms = " and ".join(bad_terms) or "another rank's"
     raise NonFiniteError(
         f"the PPO loss is not finite ({terms} loss term{'s' if len(bad_terms) > 1 else ''}; "
@@ -158,16 +189,19 @@ def _raise_non_finite_loss(stats: dict[str, RunningMean], mini_batch: RolloutBat
     )
 
 
-def clip_and_check_gradients(parameters: Sequence[torch.nn.Parameter],
-                             max_grad_norm: float | None,
-                             names: dict[int, str] | None = None) -> float:
+def clip_and_check_gradients(
+    parameters: Sequence[torch.nn.Parameter],
+    max_grad_norm: float | None,
+    names: dict[int, str] | None = None,
+) -> float:
     """Clip the global gradient norm; refuse to step on a non-finite gradient, naming the first
     parameter whose gradient holds a NaN or inf."""
     limit = max_grad_norm if max_grad_norm is not None else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parameters, limit)
     if not torch.isfinite(norm):
-        culprit = next((p for p in parameters
-                        if p.grad is not None and not torch.isfinite(p.grad).all()), None)
+        culprit = next(
+            (p for p in parameters if p.grad is not None and not torch.isfinite(p.grad).all()), None
+        )
         where = (names or {}).get(id(culprit), "a parameter") if culprit is not None else "?"
         raise NonFiniteError(
             f"the gradient norm is {norm.item()} (first non-finite gradient: {where}): a NaN or "

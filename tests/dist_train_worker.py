@@ -6,8 +6,15 @@ import os
 
 
 def run(rank: int, world_size: int, port: int, overrides: list[str]) -> None:
-    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
-                       "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size)})
+    os.environ.update(
+        {
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+        }
+    )
     import torch.distributed as dist
 
     from ppo_core.config import load_config

@@ -11,7 +11,9 @@ from ppo_core.math.losses import LOSS_AGG_MODES
 def test_defaults_load_and_nest():
     config = load_config()
     assert isinstance(config, Config)
-    assert config.ppo.rollout_batch_size >= config.ppo.mini_batch_size >= config.ppo.micro_batch_size
+    assert (
+        config.ppo.rollout_batch_size >= config.ppo.mini_batch_size >= config.ppo.micro_batch_size
+    )
     assert config.generation.top_k == 0 and config.generation.top_p == 1.0
 
 
@@ -25,7 +27,10 @@ def test_file_then_overrides(tmp_path):
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["ppo.micro_bach_size=4"], r"unknown config key 'ppo.micro_bach_size'.*Did you mean 'ppo.micro_batch_size'"),
+        (
+            ["ppo.micro_bach_size=4"],
+            r"unknown config key 'ppo.micro_bach_size'.*Did you mean 'ppo.micro_batch_size'",
+        ),
         (["optim.lr=fast"], r"bad value for config key 'optim.lr'.*'fast'"),
         (["seed=1.5"], r"config key 'seed'"),
         (["ppo.micro_batch_size=6"], r"micro_batch_size=6 does not divide mini_batch_size=16"),
@@ -37,13 +42,19 @@ def test_file_then_overrides(tmp_path):
         (["ppo.lam=1.5"], r"ppo.lam must be in \[0, 1\], got 1.5"),
         (["generation.top_p=0"], r"generation.top_p must be in \(0, 1\]"),
         (["device=tpu"], r"device='tpu' is not one of auto, cpu, cuda"),
-        (["ppo.loss_agg_mode=mean"], r"not one of token-mean, seq-mean-token-mean, seq-mean-token-sum"),
+        (
+            ["ppo.loss_agg_mode=mean"],
+            r"not one of token-mean, seq-mean-token-mean, seq-mean-token-sum",
+        ),
         (["optim.scheduler=cosine"], r"optim.scheduler='cosine' is not one of constant, linear"),
         (["precision=fp16"], r"precision='fp16' is not one of fp32, bf16"),
         (["model.critic=none"], r"model.critic='none' is not one of shared, separate"),
         (["device=[1]"], r"bad value for config key 'device'"),
         (["schedule.timezone=Mars/Olympus"], r"schedule.timezone='Mars/Olympus' is not an IANA"),
-        (["promote.report=reports/eval/promotion.json"], r"eval.output_dir=.* and promote.report=.* overlap"),
+        (
+            ["promote.report=reports/eval/promotion.json"],
+            r"eval.output_dir=.* and promote.report=.* overlap",
+        ),
         (["train.log_every=1"], r"unknown config key 'train.log_every'"),
         (["optim.betas=${seed}"], r"optim.betas must be a list, got 0"),
         (["optim.betas=${data}"], r"optim.betas must be a list, got DataConfig"),

@@ -18,18 +18,21 @@ def test_default_run_makes_reviews_positive_within_budget(tmp_path):
     from ppo_core.evaluation import evaluate
 
     out = tmp_path
-    config = load_config(ROOT / "params.yaml", [
-        f"data.raw_dir={ROOT / 'data' / 'raw'}",
-        f"data.interim_dir={out / 'interim'}",
-        f"data.prepared_dir={out / 'prepared'}",
-        f"data.train_file={out / 'interim' / 'train.parquet'}",
-        f"data.eval_file={out / 'interim' / 'eval.parquet'}",
-        f"model.policy={out / 'base'}",
-        f"train.output_dir={out / 'candidate'}",
-        f"train.checkpoint_dir={out / 'checkpoints'}",
-        f"train.metrics_dir={out / 'metrics'}",
-        f"eval.output_dir={out / 'eval'}",
-    ])
+    config = load_config(
+        ROOT / "params.yaml",
+        [
+            f"data.raw_dir={ROOT / 'data' / 'raw'}",
+            f"data.interim_dir={out / 'interim'}",
+            f"data.prepared_dir={out / 'prepared'}",
+            f"data.train_file={out / 'interim' / 'train.parquet'}",
+            f"data.eval_file={out / 'interim' / 'eval.parquet'}",
+            f"model.policy={out / 'base'}",
+            f"train.output_dir={out / 'candidate'}",
+            f"train.checkpoint_dir={out / 'checkpoints'}",
+            f"train.metrics_dir={out / 'metrics'}",
+            f"eval.output_dir={out / 'eval'}",
+        ],
+    )
     stages.prepare(config)
     stages.base(config)
     from ppo_core.trainer import train

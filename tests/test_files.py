@@ -119,8 +119,9 @@ def test_a_second_run_is_refused_naming_the_holder(tmp_path):
     with exclusive_run(lock, "training run"):
         holder = lock.read_text()
         assert holder.startswith(f"pid {os.getpid()} since ")
-        refused = pytest.raises(RunLockedError,
-                                match=rf"another training run is running \(pid {os.getpid()}")
+        refused = pytest.raises(
+            RunLockedError, match=rf"another training run is running \(pid {os.getpid()}"
+        )
         with refused, exclusive_run(lock, "training run"):
             pass
         assert lock.read_text() == holder  # the refused run truncated nothing
@@ -132,11 +133,15 @@ def test_the_lock_never_writes_through_a_link(tmp_path):
     victim = tmp_path / "params.yaml"
     victim.write_text("seed: 0\n")
     (tmp_path / "sym.lock").symlink_to(victim)
-    with pytest.raises(FileExistsError, match="symbolic link"), \
-            exclusive_run(tmp_path / "sym.lock", "training run"):
+    with (
+        pytest.raises(FileExistsError, match="symbolic link"),
+        exclusive_run(tmp_path / "sym.lock", "training run"),
+    ):
         pass
     os.link(victim, tmp_path / "hard.lock")
-    with pytest.raises(FileExistsError, match="hard link"), \
-            exclusive_run(tmp_path / "hard.lock", "training run"):
+    with (
+        pytest.raises(FileExistsError, match="hard link"),
+        exclusive_run(tmp_path / "hard.lock", "training run"),
+    ):
         pass
     assert victim.read_text() == "seed: 0\n"

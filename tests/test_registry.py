@@ -35,25 +35,34 @@ def candidate(tmp_path, name: str, content: str):
 def test_better_is_promoted_worse_is_rejected(tmp_path):
     registry, production = tmp_path / "models" / "registry.json", tmp_path / "models" / "production"
     assert current_production(registry, production) is None
-    first = record_decision(registry_path=registry, production_dir=production,
-                            candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-                            decision=gate(GOOD, {"score": 0.1}, **RULES),
-                            lineage={"data_hash": "abc"})
+    first = record_decision(
+        registry_path=registry,
+        production_dir=production,
+        candidate_dir=candidate(tmp_path, "c1", "weights-1"),
+        decision=gate(GOOD, {"score": 0.1}, **RULES),
+        lineage={"data_hash": "abc"},
+    )
     assert first["decision"] == "promoted" and first["version"] == "v0001"
     assert current_production(registry, production) == production / "v0001"
 
-    worse = record_decision(registry_path=registry, production_dir=production,
-                            candidate_dir=candidate(tmp_path, "c2", "weights-2"),
-                            decision=gate({**GOOD, "score": 0.7}, GOOD, **RULES),
-                            lineage={"data_hash": "def"})
+    worse = record_decision(
+        registry_path=registry,
+        production_dir=production,
+        candidate_dir=candidate(tmp_path, "c2", "weights-2"),
+        decision=gate({**GOOD, "score": 0.7}, GOOD, **RULES),
+        lineage={"data_hash": "def"},
+    )
     assert worse["decision"] == "rejected" and "version" not in worse
     assert (production / "v0001" / "model.safetensors").read_text() == "weights-1"
     assert sorted(p.name for p in production.iterdir()) == ["v0001"]
 
-    better = record_decision(registry_path=registry, production_dir=production,
-                             candidate_dir=candidate(tmp_path, "c3", "weights-3"),
-                             decision=gate({**GOOD, "score": 0.9}, GOOD, **RULES),
-                             lineage={"data_hash": "ghi"})
+    better = record_decision(
+        registry_path=registry,
+        production_dir=production,
+        candidate_dir=candidate(tmp_path, "c3", "weights-3"),
+        decision=gate({**GOOD, "score": 0.9}, GOOD, **RULES),
+        lineage={"data_hash": "ghi"},
+    )
     assert better["version"] == "v0002"
     book = load_registry(registry)
     assert book["current"] == "v0002"
@@ -77,7 +86,11 @@ def test_a_second_promotion_at_once_refuses_and_changes_nothing(tmp_path):
     registry, production = tmp_path / "models" / "registry.json", tmp_path / "models" / "production"
     other_run = exclusive_run(registry.with_name(".registry.json.lock"), "promotion")
     with other_run, pytest.raises(RunLockedError, match="another promotion"):
-        record_decision(registry_path=registry, production_dir=production,
-                        candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-                        decision=gate(GOOD, {"score": 0.1}, **RULES), lineage={})
+        record_decision(
+            registry_path=registry,
+            production_dir=production,
+            candidate_dir=candidate(tmp_path, "c1", "weights-1"),
+            decision=gate(GOOD, {"score": 0.1}, **RULES),
+            lineage={},
+        )
     assert not registry.exists() and not production.exists()

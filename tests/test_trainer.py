@@ -18,27 +18,31 @@ from ppo_core.trainer import train
 
 
 def small_config(tmp: Path, model: Path, prompts: tuple[Path, Path], *extra: str):
-    return load_config(overrides=[
-        f"model.policy={model}",
-        f"data.train_file={prompts[0]}",
-        f"data.eval_file={prompts[1]}",
-        f"train.output_dir={tmp / 'candidate'}",
-        f"train.checkpoint_dir={tmp / 'checkpoints'}",
-        f"train.metrics_dir={tmp / 'metrics'}",
-        "ppo.rollout_batch_size=16",
-        "ppo.mini_batch_size=8",
-        "ppo.micro_batch_size=8",
-        "ppo.epochs=2",
-        "generation.max_new_tokens=6",
-        "train.iterations=2",
-        "train.checkpoint_every=1",
-        *extra,
-    ])
+    return load_config(
+        overrides=[
+            f"model.policy={model}",
+            f"data.train_file={prompts[0]}",
+            f"data.eval_file={prompts[1]}",
+            f"train.output_dir={tmp / 'candidate'}",
+            f"train.checkpoint_dir={tmp / 'checkpoints'}",
+            f"train.metrics_dir={tmp / 'metrics'}",
+            "ppo.rollout_batch_size=16",
+            "ppo.mini_batch_size=8",
+            "ppo.micro_batch_size=8",
+            "ppo.epochs=2",
+            "generation.max_new_tokens=6",
+            "train.iterations=2",
+            "train.checkpoint_every=1",
+            *extra,
+        ]
+    )
 
 
 def parameters(folder: Path) -> dict[str, torch.Tensor]:
     weights = load_file(str(folder / "model.safetensors"))
-    weights.update({f"value_head.{k}": v for k, v in load_file(str(folder / "value_head.safetensors")).items()})
+    weights.update(
+        {f"value_head.{k}": v for k, v in load_file(str(folder / "value_head.safetensors")).items()}
+    )
     return weights
 
 
@@ -60,9 +64,16 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_dir, p
     results = {}
     for micro in (1, 8):
         folder = tmp_path / f"micro{micro}"
-        config = small_config(folder, tiny_model_dir, prompt_files, f"ppo.micro_batch_size={micro}",
-                              "optim.name=sgd", "optim.lr=0.5", "train.iterations=1",
-                              "ppo.max_grad_norm=null")
+        config = small_config(
+            folder,
+            tiny_model_dir,
+            prompt_files,
+            f"ppo.micro_batch_size={micro}",
+            "optim.name=sgd",
+            "optim.lr=0.5",
+            "train.iterations=1",
+            "ppo.max_grad_norm=null",
+        )
         train(config)
         results[micro] = parameters(folder / "candidate")
     base = load_file(str(tiny_model_dir / "model.safetensors"))
@@ -81,7 +92,10 @@ def test_same_seed_same_metrics(tmp_path, tiny_model_dir, prompt_files):
         recorder = Recorder()
         train(small_config(tmp_path / name, tiny_model_dir, prompt_files), loggers=[recorder])
         runs.append(recorder.rows)
-    strip = [[(i, {k: v for k, v in m.items() if not k.startswith("perf/")}) for i, m in run] for run in runs]
+    strip = [
+        [(i, {k: v for k, v in m.items() if not k.startswith("perf/")}) for i, m in run]
+        for run in runs
+    ]
     assert strip[0] == strip[1]
     assert len(strip[0]) == 2
 
@@ -93,11 +107,17 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prompt_fi
     train(small_config(part, tiny_model_dir, prompt_files, "train.iterations=1"))
     # the run is "interrupted" after iteration 1; a rerun with the full length resumes from it
     recorder = Recorder()
-    summary = train(small_config(part, tiny_model_dir, prompt_files, "train.iterations=3"),
-                    loggers=[recorder])
+    summary = train(
+        small_config(part, tiny_model_dir, prompt_files, "train.iterations=3"), loggers=[recorder]
+    )
     assert summary.resumed_from == 1
     assert [i for i, _ in recorder.rows] == [1, 2, 3]  # history replayed, then iterations 2 and 3
-    assert max_relative_difference(parameters(part / "candidate"), parameters(tmp_path / "full" / "candidate")) == 0.0
+    assert (
+        max_relative_difference(
+            parameters(part / "candidate"), parameters(tmp_path / "full" / "candidate")
+        )
+        == 0.0
+    )
     state = json.loads((part / "checkpoints" / "step-000003" / "trainer_state.json").read_text())
     assert state["iteration"] == 3 and "config" in state
 
@@ -108,8 +128,15 @@ def test_outputs_carry_config_and_lineage(tmp_path, tiny_model_dir, prompt_files
     assert (out / "ppo_config.yaml").is_file() and (out / "tokenizer.json").is_file()
     info = json.loads((out / "training_summary.json").read_text())
     assert info["train_file"] == str(prompt_files[0]) and info["iterations"] == 1
-    for key in ("rollout/score", "rollout/kl", "ppo/approx_kl", "ppo/clipfrac", "ppo/entropy",
-                "ppo/value_loss", "perf/tokens_per_s"):
+    for key in (
+        "rollout/score",
+        "rollout/kl",
+        "ppo/approx_kl",
+        "ppo/clipfrac",
+        "ppo/entropy",
+        "ppo/value_loss",
+        "perf/tokens_per_s",
+    ):
         assert key in summary.final_metrics
 
 
@@ -122,7 +149,9 @@ def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, tiny_model_dir, pr
             small_config(tmp_path, tiny_model_dir, prompt_files, "ppo.epoch=3")
         return
     if case == "micro":
-        with pytest.raises(ConfigError, match="micro_batch_size=3 does not divide mini_batch_size=8"):
+        with pytest.raises(
+            ConfigError, match="micro_batch_size=3 does not divide mini_batch_size=8"
+        ):
             small_config(tmp_path, tiny_model_dir, prompt_files, "ppo.micro_batch_size=3")
         return
     overrides = {
@@ -130,11 +159,16 @@ def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, tiny_model_dir, pr
         "malformed_prompts": (f"data.train_file={bad_prompts}",),
         "reward": ("model.reward=tests.test_trainer:wrong_length_reward",),
     }[case]
-    error = {"missing_model": ModelFolderError, "malformed_prompts": PromptFileError,
-             "reward": RewardError}[case]
-    message = {"missing_model": "model.policy folder .*nope.* does not exist",
-               "malformed_prompts": r"bad.jsonl:2: not valid JSON",
-               "reward": r"wrong_length_reward.*returned shape \(3,\) for 16 responses"}[case]
+    error = {
+        "missing_model": ModelFolderError,
+        "malformed_prompts": PromptFileError,
+        "reward": RewardError,
+    }[case]
+    message = {
+        "missing_model": "model.policy folder .*nope.* does not exist",
+        "malformed_prompts": r"bad.jsonl:2: not valid JSON",
+        "reward": r"wrong_length_reward.*returned shape \(3,\) for 16 responses",
+    }[case]
     with pytest.raises(error, match=message):
         train(small_config(tmp_path, tiny_model_dir, prompt_files, *overrides))
     assert not (tmp_path / "candidate").exists()
@@ -145,7 +179,9 @@ def wrong_length_reward(prompts, responses):
     return [0.0, 1.0, 2.0]
 
 
-def test_a_changed_config_starts_over_and_keeps_the_old_checkpoints(tmp_path, tiny_model_dir, prompt_files):
+def test_a_changed_config_starts_over_and_keeps_the_old_checkpoints(
+    tmp_path, tiny_model_dir, prompt_files
+):
     train(small_config(tmp_path, tiny_model_dir, prompt_files, "train.iterations=1"))
     with pytest.warns(UserWarning, match=r"config differs in ppo.epochs \(2 -> 1\)"):
         summary = train(small_config(tmp_path, tiny_model_dir, prompt_files, "ppo.epochs=1"))
@@ -156,10 +192,21 @@ def test_a_changed_config_starts_over_and_keeps_the_old_checkpoints(tmp_path, ti
 
 def test_separate_critic_adaptive_kl_and_dual_clip_run(tmp_path, tiny_model_dir, prompt_files):
     recorder = Recorder()
-    summary = train(small_config(tmp_path, tiny_model_dir, prompt_files, "model.critic=separate",
-                                 "kl.adaptive=true", "kl.target=1.0", "kl.horizon=100",
-                                 "ppo.dual_clip=3.0", "ppo.missing_eos_penalty=1.0",
-                                 "ppo.loss_agg_mode=seq-mean-token-mean"), loggers=[recorder])
+    summary = train(
+        small_config(
+            tmp_path,
+            tiny_model_dir,
+            prompt_files,
+            "model.critic=separate",
+            "kl.adaptive=true",
+            "kl.target=1.0",
+            "kl.horizon=100",
+            "ppo.dual_clip=3.0",
+            "ppo.missing_eos_penalty=1.0",
+            "ppo.loss_agg_mode=seq-mean-token-mean",
+        ),
+        loggers=[recorder],
+    )
     assert (summary.output_dir / "critic" / "model.safetensors").is_file()
     coefs = [m["rollout/kl_coef"] for _, m in recorder.rows]
     assert coefs[0] == pytest.approx(0.1) and coefs[1] != coefs[0]  # adapted after iteration 1
@@ -171,15 +218,30 @@ def test_reward_model_folder(tmp_path, tiny_model_dir, prompt_files):
     from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    config = GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=16, n_head=2, n_positions=64,
-                        num_labels=1, pad_token_id=tokenizer.pad_token_id)
+    config = GPT2Config(
+        vocab_size=len(tokenizer),
+        n_layer=1,
+        n_embd=16,
+        n_head=2,
+        n_positions=64,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(0)
     reward_dir = tmp_path / "reward-model"
     GPT2ForSequenceClassification(config).save_pretrained(reward_dir)
     tokenizer.save_pretrained(reward_dir)
     recorder = Recorder()
-    train(small_config(tmp_path, tiny_model_dir, prompt_files, f"model.reward={reward_dir}",
-                       "train.iterations=1"), loggers=[recorder])
+    train(
+        small_config(
+            tmp_path,
+            tiny_model_dir,
+            prompt_files,
+            f"model.reward={reward_dir}",
+            "train.iterations=1",
+        ),
+        loggers=[recorder],
+    )
     score = recorder.rows[0][1]["rollout/score"]
     assert score == score and score != 0.0  # a real, finite, model-made number
 
@@ -189,9 +251,17 @@ def raising_reward(prompts, responses):
 
 
 def test_a_reward_that_raises_is_named(tmp_path, tiny_model_dir, prompt_files):
-    with pytest.raises(RewardError, match=r"raising_reward.*raised RuntimeError: scorer backend is down"):
-        train(small_config(tmp_path, tiny_model_dir, prompt_files,
-                           "model.reward=tests.test_trainer:raising_reward"))
+    with pytest.raises(
+        RewardError, match=r"raising_reward.*raised RuntimeError: scorer backend is down"
+    ):
+        train(
+            small_config(
+                tmp_path,
+                tiny_model_dir,
+                prompt_files,
+                "model.reward=tests.test_trainer:raising_reward",
+            )
+        )
     assert not (tmp_path / "checkpoints").exists()
 
 
@@ -201,12 +271,17 @@ def nan_reward(prompts, responses):
 
 def test_a_nan_reward_stops_before_any_update(tmp_path, tiny_model_dir, prompt_files):
     with pytest.raises(RewardError, match=r"nan_reward.*returned NaN or inf for responses \[0, 1"):
-        train(small_config(tmp_path, tiny_model_dir, prompt_files,
-                           "model.reward=tests.test_trainer:nan_reward"))
+        train(
+            small_config(
+                tmp_path, tiny_model_dir, prompt_files, "model.reward=tests.test_trainer:nan_reward"
+            )
+        )
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
 
 
-def test_a_damaged_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, tiny_model_dir, prompt_files):
+def test_a_damaged_checkpoint_is_skipped_for_the_previous_good_one(
+    tmp_path, tiny_model_dir, prompt_files
+):
     reference = tmp_path / "reference"
     train(small_config(reference, tiny_model_dir, prompt_files))
     run = tmp_path / "run"
@@ -217,7 +292,10 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_good_one(tmp_path, tin
     with pytest.warns(UserWarning, match=r"skipping damaged checkpoint step-000002: .*damaged"):
         summary = train(small_config(run, tiny_model_dir, prompt_files))
     assert summary.resumed_from == 1
-    assert max_relative_difference(parameters(run / "candidate"), parameters(reference / "candidate")) == 0.0
+    assert (
+        max_relative_difference(parameters(run / "candidate"), parameters(reference / "candidate"))
+        == 0.0
+    )
 
 
 def test_a_non_finite_gradient_stops_the_step_and_names_the_parameter():
@@ -228,15 +306,21 @@ def test_a_non_finite_gradient_stops_the_step_and_names_the_parameter():
     layer.bias.grad = torch.zeros(2)
     before = layer.weight.detach().clone()
     with pytest.raises(NonFiniteError, match=r"first non-finite gradient: weight"):
-        clip_and_check_gradients(list(layer.parameters()), 1.0, {id(p): n for n, p in layer.named_parameters()})
+        clip_and_check_gradients(
+            list(layer.parameters()), 1.0, {id(p): n for n, p in layer.named_parameters()}
+        )
     assert torch.equal(layer.weight.detach(), before)
 
 
-def test_a_second_run_on_the_same_checkpoints_refuses_to_start(tmp_path, tiny_model_dir, prompt_files):
+def test_a_second_run_on_the_same_checkpoints_refuses_to_start(
+    tmp_path, tiny_model_dir, prompt_files
+):
     from ppo_core.files import RunLockedError, exclusive_run
 
     first_run = exclusive_run(tmp_path / ".checkpoints.lock", "training run")
-    refused = pytest.raises(RunLockedError, match=r"another training run on .*checkpoints is running \(pid \d+")
+    refused = pytest.raises(
+        RunLockedError, match=r"another training run on .*checkpoints is running \(pid \d+"
+    )
     with first_run, refused:
         train(small_config(tmp_path, tiny_model_dir, prompt_files))
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
@@ -256,12 +340,30 @@ def test_a_non_finite_loss_is_named_before_the_optimizer_step(tiny_model_dir):
     zeros = torch.zeros(2, 5)
     advantages = torch.zeros(2, 5)
     advantages[1, 2] = float("inf")  # a valid position: the loss cannot be finite
-    batch = RolloutBatch(prompt_ids, prompt_mask, response, torch.ones(2, 5, dtype=torch.bool),
-                         zeros, zeros, zeros, torch.zeros(2), zeros, advantages, zeros)
+    batch = RolloutBatch(
+        prompt_ids,
+        prompt_mask,
+        response,
+        torch.ones(2, 5, dtype=torch.bool),
+        zeros,
+        zeros,
+        zeros,
+        torch.zeros(2),
+        zeros,
+        advantages,
+        zeros,
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     before = [p.detach().clone() for p in model.parameters()]
-    with pytest.raises(NonFiniteError, match=r"policy loss term; non-finite rollout inputs: advantages"):
-        ppo_update(model, optimizer, batch,
-                   ppo=PPOConfig(epochs=1, mini_batch_size=2, micro_batch_size=1),
-                   temperature=1.0, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(
+        NonFiniteError, match=r"policy loss term; non-finite rollout inputs: advantages"
+    ):
+        ppo_update(
+            model,
+            optimizer,
+            batch,
+            ppo=PPOConfig(epochs=1, mini_batch_size=2, micro_batch_size=1),
+            temperature=1.0,
+            generator=torch.Generator().manual_seed(0),
+        )
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))

@@ -122,7 +122,9 @@ def accumulate_gradients(
             f"count_fn counted {local_count} units but loss_fn reported {int(loss.count)}; "
             "they must use the same mask and aggregation mode"
         )
-    return AccumulationResult(loss=loss, global_count=global_count, local_count=local_count, stats=stats)
+    return AccumulationResult(
+        loss=loss, global_count=global_count, local_count=local_count, stats=stats
+    )
 
 
 def _mark_last(items: Sequence[MicroBatch]) -> Iterator[tuple[bool, MicroBatch]]:

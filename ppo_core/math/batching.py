@@ -109,7 +109,10 @@ def micro_batch_slices(size: int, micro_batch_size: int) -> list[slice]:
     """
     if micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    return [slice(start, min(start + micro_batch_size, size)) for start in range(0, size, micro_batch_size)]
+    return [
+        slice(start, min(start + micro_batch_size, size))
+        for start in range(0, size, micro_batch_size)
+    ]
 
 
 def _largest_divisor_at_most(n: int, limit: int) -> int:

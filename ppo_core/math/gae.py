@@ -61,13 +61,18 @@ def compute_gae(
 
 
 @torch.no_grad()
-def whiten_advantages(advantages: Tensor, response_mask: Tensor, all_ranks: bool = False,
-                      group: ProcessGroup | None = None) -> Tensor:
+def whiten_advantages(
+    advantages: Tensor,
+    response_mask: Tensor,
+    all_ranks: bool = False,
+    group: ProcessGroup | None = None,
+) -> Tensor:
     """Whiten advantages once per rollout batch (masked, Bessel-corrected); ``[B, T]`` in and out.
 
     Whitening per mini-batch instead would give each mini-batch its own scale, which breaks the
     equality between the micro-batched and the full update (docs/design.md section 4); for the same
     reason, under data parallelism the moments are those of the rollout batch of all ranks.
     """
-    return masked_whiten(advantages, response_mask, shift_mean=True, all_ranks=all_ranks,
-                         group=group)
+    return masked_whiten(
+        advantages, response_mask, shift_mean=True, all_ranks=all_ranks, group=group
+    )

@@ -39,7 +39,10 @@ KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
 def kl_penalty(
-    logprobs: Tensor, ref_logprobs: Tensor, estimator: KLEstimator = "k1", mask: Tensor | None = None
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    estimator: KLEstimator = "k1",
+    mask: Tensor | None = None,
 ) -> Tensor:
     """Per-token KL estimate between the sampling policy and the reference.
 

@@ -177,7 +177,9 @@ def value_loss(
         losses = 0.5 * error
         clipped_larger = torch.zeros_like(mask)
     else:
-        values_clipped = old_values + torch.clamp(values - old_values, -clip_eps_value, clip_eps_value)
+        values_clipped = old_values + torch.clamp(
+            values - old_values, -clip_eps_value, clip_eps_value
+        )
         error_clipped = (values_clipped - returns) ** 2
         losses = 0.5 * torch.maximum(error, error_clipped)
         clipped_larger = error_clipped > error

@@ -36,7 +36,9 @@ def select(values: Tensor, mask: Tensor, fill: float = 0.0) -> Tensor:
     gradient either (``0 * nan`` in a backward pass is still NaN).
     """
     mask = _as_bool(mask, values)
-    return torch.where(mask, values, torch.as_tensor(fill, dtype=values.dtype, device=values.device))
+    return torch.where(
+        mask, values, torch.as_tensor(fill, dtype=values.dtype, device=values.device)
+    )
 
 
 def masked_sum(values: Tensor, mask: Tensor, dim: int | tuple[int, ...] | None = None) -> Tensor:
@@ -128,8 +130,12 @@ def masked_moments(
 
 
 def masked_whiten(
-    values: Tensor, mask: Tensor, shift_mean: bool = True, eps: float = 1e-8,
-    all_ranks: bool = False, group: ProcessGroup | None = None,
+    values: Tensor,
+    mask: Tensor,
+    shift_mean: bool = True,
+    eps: float = 1e-8,
+    all_ranks: bool = False,
+    group: ProcessGroup | None = None,
 ) -> Tensor:
     """Normalise the valid elements to zero mean and unit (unbiased) variance.
 

@@ -82,8 +82,15 @@ class PPOObjective:
         """
         if self.entropy_coef > 0 and entropy is None:
             raise ValueError(f"entropy_coef={self.entropy_coef} needs the per-token entropy")
-        pg = policy_loss(logprobs, old_logprobs, advantages, response_mask, self.clip_eps,
-                         self.clip_eps_high, self.dual_clip)
+        pg = policy_loss(
+            logprobs,
+            old_logprobs,
+            advantages,
+            response_mask,
+            self.clip_eps,
+            self.clip_eps_high,
+            self.dual_clip,
+        )
         vf = value_loss(values, old_values, returns, response_mask, self.clip_eps_value)
         token_losses = pg.token_losses + self.vf_coef * vf.token_losses
         if self.entropy_coef > 0 and entropy is not None:

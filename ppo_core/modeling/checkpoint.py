@@ -113,8 +113,9 @@ def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
     return sorted(found, key=lambda p: p.name)
 
 
-def load_latest_good(checkpoint_dir: str | Path) -> tuple[Path | None, dict[str, Any] | None,
-                                                       list[str]]:
+def load_latest_good(
+    checkpoint_dir: str | Path,
+) -> tuple[Path | None, dict[str, Any] | None, list[str]]:
     """The newest checkpoint that verifies, its state, and one line per damaged newer one.
 
     A damaged checkpoint (a truncated or changed file) is skipped, never deleted, so that it can
@@ -137,8 +138,12 @@ def load_checkpoint_state(folder: str | Path) -> dict[str, Any]:
     optimizer = _load_tensors(folder / "optimizer.pt")
     scheduler_file = folder / "scheduler.pt"
     scheduler = _load_tensors(scheduler_file) if scheduler_file.is_file() else None
-    return {"state": state, "optimizer": optimizer, "scheduler": scheduler,
-            "model_dir": folder / MODEL_DIR}
+    return {
+        "state": state,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "model_dir": folder / MODEL_DIR,
+    }
 
 
 def _save_tensors(obj: Any, path: Path) -> None:

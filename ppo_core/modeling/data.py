@@ -33,7 +33,9 @@ def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = Fa
         try:
             frame = pd.read_parquet(path)
         except Exception as exc:  # pyarrow raises many kinds for a damaged or foreign file
-            raise PromptFileError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
+            raise PromptFileError(
+                f"{path}: not a readable parquet file ({_one_line(exc)})"
+            ) from None
         if field not in frame.columns:
             raise PromptFileError(
                 f"{path}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
@@ -47,8 +49,10 @@ def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = Fa
             if not isinstance(value, str) or not (value.strip() or allow_empty):
                 raise PromptFileError(f"{path}: row {row}: {field!r} is not a non-empty string")
             if len(value) > MAX_LINE_BYTES:
-                raise PromptFileError(f"{path}: row {row}: {field!r} is {len(value)} characters "
-                                      f"long, over the limit of {MAX_LINE_BYTES}")
+                raise PromptFileError(
+                    f"{path}: row {row}: {field!r} is {len(value)} characters "
+                    f"long, over the limit of {MAX_LINE_BYTES}"
+                )
             prompts.append(value)
     elif path.suffix in (".jsonl", ".json"):
         prompts = []
@@ -57,11 +61,14 @@ def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = Fa
             while raw := handle.readline(MAX_LINE_BYTES + 1):
                 number += 1
                 if len(raw) > MAX_LINE_BYTES:
-                    raise PromptFileError(f"{path}:{number}: line longer than the limit of "
-                                          f"{MAX_LINE_BYTES} bytes")
+                    raise PromptFileError(
+                        f"{path}:{number}: line longer than the limit of {MAX_LINE_BYTES} bytes"
+                    )
                 prompts.extend(_parse_line(path, number, raw, field, allow_empty))
     else:
-        raise PromptFileError(f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet")
+        raise PromptFileError(
+            f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet"
+        )
     if not prompts and not allow_empty:
         raise PromptFileError(f"{path}: no prompts")
     return prompts
@@ -84,15 +91,20 @@ def _parse_line(path: Path, number: int, raw: bytes, field: str, allow_empty: bo
         reason = " ".join(str(exc).split(":")[0].split())
         raise PromptFileError(f"{path}:{number}: not valid JSON ({reason})") from None
     if not isinstance(record, dict):
-        raise PromptFileError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+        raise PromptFileError(
+            f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
+        )
     value = record.get(field)
     if not isinstance(value, str) or not (value.strip() or allow_empty):
-        raise PromptFileError(f"{path}:{number}: field {field!r} is missing or not a non-empty string")
+        raise PromptFileError(
+            f"{path}:{number}: field {field!r} is missing or not a non-empty string"
+        )
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:  # a JSON escape of a lone surrogate, e.g. "\\ud800"
-        raise PromptFileError(f"{path}:{number}: field {field!r} holds a lone UTF-16 surrogate, "
-                              "which is not text") from None
+        raise PromptFileError(
+            f"{path}:{number}: field {field!r} holds a lone UTF-16 surrogate, which is not text"
+        ) from None
     return [value]
 
 

@@ -33,7 +33,9 @@ class GeneratedBatch:
     has_eos: Tensor  # [B] whether the response ended with EOS before max_new_tokens
 
 
-def encode_prompts(tokenizer, prompts: list[str], device: torch.device | str = "cpu") -> tuple[Tensor, Tensor]:
+def encode_prompts(
+    tokenizer, prompts: list[str], device: torch.device | str = "cpu"
+) -> tuple[Tensor, Tensor]:
     """Tokenise prompts, left-padded: ``(ids [B, P], mask [B, P])``."""
     tokenizer.padding_side = "left"
     encoded = tokenizer(prompts, padding=True, return_tensors="pt")
@@ -101,7 +103,9 @@ def decode_responses(tokenizer, response_ids: Tensor, response_mask: Tensor) -> 
     """Text of each response up to (not including) EOS, special tokens removed."""
     texts = []
     for ids, mask in zip(response_ids.tolist(), response_mask.tolist(), strict=True):
-        kept = [t for t, keep in zip(ids, mask, strict=True) if keep and t != tokenizer.eos_token_id]
+        kept = [
+            t for t, keep in zip(ids, mask, strict=True) if keep and t != tokenizer.eos_token_id
+        ]
         texts.append(tokenizer.decode(kept, skip_special_tokens=True))
     return texts
 
@@ -122,7 +126,9 @@ def concat_generated(batches: list[GeneratedBatch], pad_token_id: int) -> Genera
     return GeneratedBatch(
         prompt_ids=torch.cat([left(b.prompt_ids, prompt_len, pad_token_id) for b in batches]),
         prompt_mask=torch.cat([left(b.prompt_mask, prompt_len, 0) for b in batches]),
-        response_ids=torch.cat([right(b.response_ids, response_len, pad_token_id) for b in batches]),
+        response_ids=torch.cat(
+            [right(b.response_ids, response_len, pad_token_id) for b in batches]
+        ),
         response_mask=torch.cat([right(b.response_mask, response_len, False) for b in batches]),
         has_eos=torch.cat([b.has_eos for b in batches]),
     )

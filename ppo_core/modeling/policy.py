@@ -58,7 +58,8 @@ def check_model_folder(path: str | Path, role: str = "model") -> Path:
         )
     if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.safetensors.index.json")):
         pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(
-            p.name for p in folder.glob("*.pt*"))
+            p.name for p in folder.glob("*.pt*")
+        )
         found = f" (found {', '.join(pickled)}: pickle files are never loaded)" if pickled else ""
         raise ModelFolderError(
             f"{role} folder {str(folder)!r} has no safetensors weights{found}; save the model "
@@ -74,8 +75,9 @@ def from_pretrained_checked(loader, folder: Path, role: str, **kwargs):
     try:
         return loader.from_pretrained(folder, use_safetensors=True, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
-        raise ModelFolderError(f"cannot load {role} from {str(folder)!r}: "
-                               f"{first_line(exc)}") from None
+        raise ModelFolderError(
+            f"cannot load {role} from {str(folder)!r}: {first_line(exc)}"
+        ) from None
 
 
 def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
@@ -95,14 +97,19 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     return tokenizer
 
 
-def load_causal_lm(path: str | Path, role: str = "policy", trust_remote_code: bool = False,
-                   dtype: torch.dtype = torch.float32):
+def load_causal_lm(
+    path: str | Path,
+    role: str = "policy",
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+):
     """An ``AutoModelForCausalLM`` from a local folder, in eval mode (dropout off)."""
     from transformers import AutoModelForCausalLM
 
     folder = check_model_folder(path, role)
-    model = from_pretrained_checked(AutoModelForCausalLM, folder, role, dtype=dtype,
-                                    trust_remote_code=trust_remote_code)
+    model = from_pretrained_checked(
+        AutoModelForCausalLM, folder, role, dtype=dtype, trust_remote_code=trust_remote_code
+    )
     return fuse_activations(model).eval()
 
 
@@ -142,15 +149,17 @@ class ActorCritic(nn.Module):
     from the state that ends at token ``t``.
     """
 
-    def __init__(self, policy: PreTrainedModel, value_head: nn.Linear,
-                 critic: PreTrainedModel | None = None):
+    def __init__(
+        self, policy: PreTrainedModel, value_head: nn.Linear, critic: PreTrainedModel | None = None
+    ):
         super().__init__()
         self.policy = policy
         self.value_head = value_head
         self.critic = critic
 
-    def forward(self, input_ids: Tensor, attention_mask: Tensor,
-                logits_to_keep: int = 0) -> tuple[Tensor, Tensor]:
+    def forward(
+        self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0
+    ) -> tuple[Tensor, Tensor]:
         """With ``logits_to_keep=n > 0`` only the last ``n`` positions get logits (``[B, n, V]``);
         values always cover all ``L`` positions."""
         position_ids = position_ids_from_mask(attention_mask)
@@ -166,7 +175,9 @@ class ActorCritic(nn.Module):
             hidden = out.hidden_states[-1]
         else:
             hidden = self.critic(
-                input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
                 use_cache=False,
             ).last_hidden_state
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
@@ -180,8 +191,10 @@ class ActorCritic(nn.Module):
         self.policy.save_pretrained(folder, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        save_file({k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
-                  str(folder / VALUE_HEAD_FILE))
+        save_file(
+            {k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
+            str(folder / VALUE_HEAD_FILE),
+        )
         if self.critic is not None:
             self.critic.save_pretrained(folder / CRITIC_DIR, safe_serialization=True)
 
@@ -208,9 +221,11 @@ def load_actor_critic(
             check_model_folder(critic_folder, "critic")
         else:  # a fresh critic starts from the policy's weights (already checked)
             critic_folder = folder
-        critic_trunk = fuse_activations(from_pretrained_checked(
-            AutoModel, critic_folder, "critic", dtype=dtype, trust_remote_code=trust_remote_code
-        )).eval()
+        critic_trunk = fuse_activations(
+            from_pretrained_checked(
+                AutoModel, critic_folder, "critic", dtype=dtype, trust_remote_code=trust_remote_code
+            )
+        ).eval()
         hidden = _hidden_size(critic_trunk.config)
     value_head = nn.Linear(hidden, 1, dtype=torch.float32)
     head_file = folder / VALUE_HEAD_FILE
@@ -279,8 +294,10 @@ def score_sequences(
         logits, values = model(input_ids, attention_mask, logits_to_keep=length + 1)
     else:
         logits = model(
-            input_ids=input_ids, attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask), use_cache=False,
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids_from_mask(attention_mask),
+            use_cache=False,
             **_keep_kwargs(model, length + 1),
         ).logits
         values = None

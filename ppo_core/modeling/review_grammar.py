@@ -20,58 +20,205 @@ __all__ = ["default_prompts", "generate_review_corpus"]
 
 # (noun phrase, is_plural)
 _SUBJECTS: tuple[tuple[str, bool], ...] = (
-    ("movie", False), ("film", False), ("story", False), ("plot", False), ("acting", False),
-    ("cast", False), ("script", False), ("dialogue", False), ("soundtrack", False),
-    ("music", False), ("score", False), ("ending", False), ("opening", False),
-    ("director", False), ("lead actor", False), ("lead actress", False),
-    ("cinematography", False), ("camera work", False), ("pacing", False), ("editing", False),
-    ("sequel", False), ("premise", False), ("twist", False), ("final scene", False),
-    ("first half", False), ("second act", False), ("set design", False), ("writing", False),
-    ("screenplay", False), ("finale", False), ("tone", False), ("lighting", False),
-    ("atmosphere", False), ("animation", False), ("chemistry", False), ("narrator", False),
-    ("action", False), ("visuals", True), ("effects", True), ("characters", True),
-    ("costumes", True), ("performances", True), ("songs", True),
+    ("movie", False),
+    ("film", False),
+    ("story", False),
+    ("plot", False),
+    ("acting", False),
+    ("cast", False),
+    ("script", False),
+    ("dialogue", False),
+    ("soundtrack", False),
+    ("music", False),
+    ("score", False),
+    ("ending", False),
+    ("opening", False),
+    ("director", False),
+    ("lead actor", False),
+    ("lead actress", False),
+    ("cinematography", False),
+    ("camera work", False),
+    ("pacing", False),
+    ("editing", False),
+    ("sequel", False),
+    ("premise", False),
+    ("twist", False),
+    ("final scene", False),
+    ("first half", False),
+    ("second act", False),
+    ("set design", False),
+    ("writing", False),
+    ("screenplay", False),
+    ("finale", False),
+    ("tone", False),
+    ("lighting", False),
+    ("atmosphere", False),
+    ("animation", False),
+    ("chemistry", False),
+    ("narrator", False),
+    ("action", False),
+    ("visuals", True),
+    ("effects", True),
+    ("characters", True),
+    ("costumes", True),
+    ("performances", True),
+    ("songs", True),
 )
 # Subjects that read naturally after "this" (a whole work rather than a part of one).
 _WORKS = ("movie", "film", "story", "sequel", "script", "screenplay", "soundtrack")
 _PEOPLE = ("director", "lead actor", "lead actress", "cast", "narrator")
 
 _POSITIVE = (
-    "great", "good", "wonderful", "excellent", "brilliant", "amazing", "beautiful", "fantastic",
-    "superb", "delightful", "charming", "enjoyable", "fun", "funny", "clever", "powerful",
-    "impressive", "stunning", "lovely", "fresh", "perfect", "smart", "inspiring", "gorgeous",
-    "entertaining", "thrilling", "strong", "sweet", "magnificent", "engaging", "outstanding",
-    "terrific", "pleasant", "hilarious", "heartfelt", "elegant", "exciting", "creative",
-    "original", "splendid", "fascinating", "satisfying", "nice", "warm", "compelling",
+    "great",
+    "good",
+    "wonderful",
+    "excellent",
+    "brilliant",
+    "amazing",
+    "beautiful",
+    "fantastic",
+    "superb",
+    "delightful",
+    "charming",
+    "enjoyable",
+    "fun",
+    "funny",
+    "clever",
+    "powerful",
+    "impressive",
+    "stunning",
+    "lovely",
+    "fresh",
+    "perfect",
+    "smart",
+    "inspiring",
+    "gorgeous",
+    "entertaining",
+    "thrilling",
+    "strong",
+    "sweet",
+    "magnificent",
+    "engaging",
+    "outstanding",
+    "terrific",
+    "pleasant",
+    "hilarious",
+    "heartfelt",
+    "elegant",
+    "exciting",
+    "creative",
+    "original",
+    "splendid",
+    "fascinating",
+    "satisfying",
+    "nice",
+    "warm",
+    "compelling",
 )
 _NEGATIVE = (
-    "bad", "terrible", "awful", "boring", "dull", "weak", "poor", "horrible", "dreadful",
-    "stupid", "messy", "ugly", "lame", "painful", "annoying", "disappointing", "awkward",
-    "pathetic", "confusing", "ridiculous", "dumb", "weird", "lazy", "sad", "miserable",
-    "frustrating", "irritating", "worthless", "useless", "empty", "forced", "sluggish",
-    "depressing", "offensive",
+    "bad",
+    "terrible",
+    "awful",
+    "boring",
+    "dull",
+    "weak",
+    "poor",
+    "horrible",
+    "dreadful",
+    "stupid",
+    "messy",
+    "ugly",
+    "lame",
+    "painful",
+    "annoying",
+    "disappointing",
+    "awkward",
+    "pathetic",
+    "confusing",
+    "ridiculous",
+    "dumb",
+    "weird",
+    "lazy",
+    "sad",
+    "miserable",
+    "frustrating",
+    "irritating",
+    "worthless",
+    "useless",
+    "empty",
+    "forced",
+    "sluggish",
+    "depressing",
+    "offensive",
 )
 _NEUTRAL = (
-    "long", "short", "slow", "simple", "quiet", "dark", "loud", "fast", "ordinary", "typical",
-    "unusual", "subtle", "familiar", "plain", "modern", "quick", "quirky", "straightforward",
-    "small", "big", "dense", "minimal", "predictable", "different",
+    "long",
+    "short",
+    "slow",
+    "simple",
+    "quiet",
+    "dark",
+    "loud",
+    "fast",
+    "ordinary",
+    "typical",
+    "unusual",
+    "subtle",
+    "familiar",
+    "plain",
+    "modern",
+    "quick",
+    "quirky",
+    "straightforward",
+    "small",
+    "big",
+    "dense",
+    "minimal",
+    "predictable",
+    "different",
 )
 # Degree adverbs: absent from the VADER lexicon, though VADER's booster rule scales what follows.
 _ADVERBS = ("really", "very", "quite", "rather", "somewhat", "extremely", "fairly", "so", "a bit")
 # Sentence openers before a lowercase subject; none of them carries VADER sentiment.
 _NEGATED_ADVERBS = ("really", "very", "so")
-_INTROS = ("Overall, ", "Frankly, ", "Personally, ", "In my opinion, ", "To me, ", "In the end, ",
-           "At first, ", "All in all, ")
+_INTROS = (
+    "Overall, ",
+    "Frankly, ",
+    "Personally, ",
+    "In my opinion, ",
+    "To me, ",
+    "In the end, ",
+    "At first, ",
+    "All in all, ",
+)
 _WORK_NOUNS = ("movie", "film", "story", "sequel", "show")
 
 # Short second sentences of two-sentence reviews, by sentiment.
 _CLOSERS = {
-    "pos": ("I loved it.", "I enjoyed it.", "I would recommend it.", "I liked it a lot.",
-            "A great time.", "Worth a watch.", "What a treat."),
-    "neg": ("I hated it.", "What a waste of time.", "I was bored.", "I disliked it.",
-            "Skip this one.", "I regret watching it."),
-    "neu": ("I watched it twice.", "It ran long.", "I saw it last week.",
-            "I watched it at home.", "I saw it with friends."),
+    "pos": (
+        "I loved it.",
+        "I enjoyed it.",
+        "I would recommend it.",
+        "I liked it a lot.",
+        "A great time.",
+        "Worth a watch.",
+        "What a treat.",
+    ),
+    "neg": (
+        "I hated it.",
+        "What a waste of time.",
+        "I was bored.",
+        "I disliked it.",
+        "Skip this one.",
+        "I regret watching it.",
+    ),
+    "neu": (
+        "I watched it twice.",
+        "It ran long.",
+        "I saw it last week.",
+        "I watched it at home.",
+        "I saw it with friends.",
+    ),
 }
 
 # Sentiment mix of reviews: slightly more positive than negative so that the compound score of
@@ -169,8 +316,9 @@ class _ReviewGrammar:
         return f"{subj} {_be(pl, past)} {first}, but the {noun2} {_be(pl2, past)} {second}."
 
     def review(self) -> str:
-        polarity = self.rng.choices(list(_POLARITY_WEIGHTS),
-                                    weights=list(_POLARITY_WEIGHTS.values()))[0]
+        polarity = self.rng.choices(
+            list(_POLARITY_WEIGHTS), weights=list(_POLARITY_WEIGHTS.values())
+        )[0]
         first = self.sentence(polarity)
         # A short second sentence after a short first one: the continuation of a prompt must
         # fit in 16 new tokens, EOS included.
@@ -227,7 +375,9 @@ def default_prompts(n: int, seed: int) -> list[str]:
     """
     pool = _prompt_pool()
     if not 0 <= n <= len(pool):
-        raise ValueError(f"default_prompts: asked for n={n} prompts but the pool holds "
-                         f"{len(pool)} distinct ones; ask for at most {len(pool)}.")
+        raise ValueError(
+            f"default_prompts: asked for n={n} prompts but the pool holds "
+            f"{len(pool)} distinct ones; ask for at most {len(pool)}."
+        )
     random.Random(seed).shuffle(pool)
     return pool[:n]

@@ -30,15 +30,18 @@ class RewardError(ValueError):
     """The reward source is unknown, cannot be loaded, or returned something unusable."""
 
 
-def build_reward_fn(spec: str, device: torch.device | str = "cpu",
-                    trust_remote_code: bool = False) -> RewardFn:
+def build_reward_fn(
+    spec: str, device: torch.device | str = "cpu", trust_remote_code: bool = False
+) -> RewardFn:
     """The reward function described by ``spec`` (see the module docstring)."""
     if spec == "builtin:sentiment":
         from ppo_core.modeling.rewards import SentimentScorer
 
         return _checked(SentimentScorer(), spec)
     if spec.startswith("builtin:"):
-        raise RewardError(f"unknown built-in reward {spec!r}; the built-in one is builtin:sentiment")
+        raise RewardError(
+            f"unknown built-in reward {spec!r}; the built-in one is builtin:sentiment"
+        )
     if Path(spec).is_dir():
         return _checked(_RewardModel(spec, device, trust_remote_code), spec)
     if ":" in spec:
@@ -46,10 +49,14 @@ def build_reward_fn(spec: str, device: torch.device | str = "cpu",
         try:
             module = importlib.import_module(module_name)
         except ImportError as exc:
-            raise RewardError(f"model.reward={spec!r}: cannot import module {module_name!r} ({exc})") from None
+            raise RewardError(
+                f"model.reward={spec!r}: cannot import module {module_name!r} ({exc})"
+            ) from None
         function = getattr(module, function_name, None)
         if not callable(function):
-            raise RewardError(f"model.reward={spec!r}: {module_name} has no callable {function_name!r}")
+            raise RewardError(
+                f"model.reward={spec!r}: {module_name} has no callable {function_name!r}"
+            )
         return _checked(function, spec)
     raise RewardError(
         f"model.reward={spec!r} is neither builtin:sentiment, a module:function, nor an existing "
@@ -107,10 +114,18 @@ class _RewardModel:
         self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model: Any = fuse_activations(from_pretrained_checked(
-            AutoModelForSequenceClassification, path, "reward model",
-            trust_remote_code=trust_remote_code,
-        )).to(device).eval()
+        self.model: Any = (
+            fuse_activations(
+                from_pretrained_checked(
+                    AutoModelForSequenceClassification,
+                    path,
+                    "reward model",
+                    trust_remote_code=trust_remote_code,
+                )
+            )
+            .to(device)
+            .eval()
+        )
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device = device

@@ -40,7 +40,9 @@ class SentimentScorer:
     def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
         """Return scores [B] float32 of the reviews ``prompts[i] + responses[i]``."""
         if len(prompts) != len(responses):
-            raise ValueError(f"SentimentScorer: got {len(prompts)} prompts but {len(responses)} "
-                             "responses; pass one response per prompt.")
+            raise ValueError(
+                f"SentimentScorer: got {len(prompts)} prompts but {len(responses)} "
+                "responses; pass one response per prompt."
+            )
         texts = [p + r for p, r in zip(prompts, responses, strict=True)]
         return torch.tensor(self.score_texts(texts), dtype=torch.float32)

@@ -116,8 +116,10 @@ def _encode_corpus(tokenizer, texts: list[str], n_positions: int) -> tuple[torch
     rows = [[*enc.ids, eos_id] for enc in encodings]
     longest = max(len(r) for r in rows)
     if longest > n_positions:
-        raise ValueError(f"a training review is {longest} tokens long but n_positions is "
-                         f"{n_positions}; raise n_positions or shorten the grammar.")
+        raise ValueError(
+            f"a training review is {longest} tokens long but n_positions is "
+            f"{n_positions}; raise n_positions or shorten the grammar."
+        )
     ids = torch.full((len(rows), longest), tokenizer.pad_token_id, dtype=torch.long)
     mask = torch.zeros((len(rows), longest), dtype=torch.long)
     for i, row in enumerate(rows):
@@ -188,8 +190,9 @@ def build_tiny_default(
         config = tiny_gpt2_config(len(tokenizer), n_layer, n_embd, n_head, n_positions)
         model = GPT2LMHeadModel(config)
         model.train()  # dropout is 0.0, so train and eval modes compute the same function
-        optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01,
-                                      betas=(0.9, 0.98))
+        optimizer = torch.optim.AdamW(
+            model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98)
+        )
 
         def lr_factor(step: int) -> float:
             if step < warmup_steps:
@@ -207,8 +210,11 @@ def build_tiny_default(
             idx = order[cursor : cursor + batch_size]
             cursor += batch_size
             width = int(mask[idx].sum(dim=1).max())  # trim the batch to its longest row
-            out = model(input_ids=ids[idx, :width], attention_mask=mask[idx, :width],
-                        labels=labels[idx, :width])
+            out = model(
+                input_ids=ids[idx, :width],
+                attention_mask=mask[idx, :width],
+                labels=labels[idx, :width],
+            )
             optimizer.zero_grad(set_to_none=True)
             out.loss.backward()
             torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -234,8 +240,12 @@ def build_tiny_default(
             "n_positions": n_positions,
             "n_params": sum(p.numel() for p in model.parameters()),
             "max_train_tokens": int(mask.sum(dim=1).max()),
-            "token_ids": {"pad": tokenizer.pad_token_id, "bos": tokenizer.bos_token_id,
-                          "eos": tokenizer.eos_token_id, "unk": tokenizer.unk_token_id},
+            "token_ids": {
+                "pad": tokenizer.pad_token_id,
+                "bos": tokenizer.bos_token_id,
+                "eos": tokenizer.eos_token_id,
+                "unk": tokenizer.unk_token_id,
+            },
             "format": "bos + review + eos; tokenizer prepends bos, pads left",
             "final_loss": sum(tail) / len(tail),
             "num_threads": torch.get_num_threads(),

@@ -39,9 +39,16 @@ def project_files() -> list[str]:
     """Files git would check out (tracked plus untracked-but-not-ignored)."""
     listing = subprocess.run(
         ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
-        cwd=ROOT, capture_output=True, text=True, check=True,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout.split()
-    return [f for f in listing if (ROOT / f).is_file() and not f.startswith(("tests/", "bench/", "docs/"))]
+    return [
+        f
+        for f in listing
+        if (ROOT / f).is_file() and not f.startswith(("tests/", "bench/", "docs/"))
+    ]
 
 
 def environment() -> dict[str, str]:
@@ -76,8 +83,14 @@ def tiny_project(tmp_path) -> Path:
 
 
 def dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([str(BIN / "dvc"), *args], cwd=project, env=environment(),
-                          capture_output=True, text=True, check=False)
+    return subprocess.run(
+        [str(BIN / "dvc"), *args],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
 
 
 def read_json(path: Path) -> dict:

@@ -12,10 +12,16 @@ from ppo_core.modeling.policy import ModelFolderError, load_actor_critic
 
 
 def test_import_a_local_model_folder(tmp_path, tiny_model_dir):
-    config = load_config(overrides=[f"base.source={tiny_model_dir}", f"model.policy={tmp_path / 'base'}"])
+    config = load_config(
+        overrides=[f"base.source={tiny_model_dir}", f"model.policy={tmp_path / 'base'}"]
+    )
     path = base(config)
-    assert json.loads((path / "imported_from.json").read_text())["source"] == str(tiny_model_dir.resolve())
-    assert (path / "model.safetensors").read_bytes() == (tiny_model_dir / "model.safetensors").read_bytes()
+    assert json.loads((path / "imported_from.json").read_text())["source"] == str(
+        tiny_model_dir.resolve()
+    )
+    assert (path / "model.safetensors").read_bytes() == (
+        tiny_model_dir / "model.safetensors"
+    ).read_bytes()
     load_actor_critic(path)  # loads as a policy
 
 
@@ -23,7 +29,9 @@ def test_a_folder_that_is_not_a_model_writes_nothing(tmp_path):
     not_a_model = tmp_path / "notes"
     not_a_model.mkdir()
     (not_a_model / "readme.txt").write_text("hello")
-    config = load_config(overrides=[f"base.source={not_a_model}", f"model.policy={tmp_path / 'base'}"])
+    config = load_config(
+        overrides=[f"base.source={not_a_model}", f"model.policy={tmp_path / 'base'}"]
+    )
     with pytest.raises(ModelFolderError, match="no config.json"):
         base(config)
     assert not (tmp_path / "base").exists()

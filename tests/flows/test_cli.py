@@ -45,5 +45,7 @@ def test_a_missing_model_folder_is_one_clear_error(tmp_path):
     result = runner.invoke(app, ["train", f"model.policy={tmp_path / 'missing'}"])
     assert result.exit_code == 2
     message = " ".join(result.output.split())  # the console wraps long lines
-    assert message.startswith(f"error: model.policy folder '{tmp_path / 'missing'}' does not exist;")
+    assert message.startswith(
+        f"error: model.policy folder '{tmp_path / 'missing'}' does not exist;"
+    )
     assert "Traceback" not in result.output

@@ -56,13 +56,18 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
     set_params(str(tiny_project), {"schedule.cron": "* * * * *"})
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    env = environment() | {"PREFECT_API_URL": api, "PREFECT_HOME": str(tmp_path / "prefect-home"),
-                           "PREFECT_SERVER_ANALYTICS_ENABLED": "false"}
+    env = environment() | {
+        "PREFECT_API_URL": api,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    }
     logs = tmp_path / "logs"
     logs.mkdir()
     server = subprocess.Popen(
         [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env, stdout=(logs / "server.log").open("w"), stderr=subprocess.STDOUT,
+        env=env,
+        stdout=(logs / "server.log").open("w"),
+        stderr=subprocess.STDOUT,
         start_new_session=True,
     )
     served = None
@@ -70,24 +75,41 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         wait_for(lambda: healthy(api), 120, "the Prefect server")
         served = subprocess.Popen(
             [sys.executable, "-m", "flows.pipeline", "serve", "--repo", str(tiny_project)],
-            env=env, cwd=Path(__file__).resolve().parents[2],
-            stdout=(logs / "serve.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+            env=env,
+            cwd=Path(__file__).resolve().parents[2],
+            stdout=(logs / "serve.log").open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
         )
 
         def deployed() -> bool:
-            probe = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", "retrain/manual"],
-                                   env=env, capture_output=True, text=True, check=False)
+            probe = subprocess.run(
+                [str(BIN / "prefect"), "deployment", "inspect", "retrain/manual"],
+                env=env,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             return probe.returncode == 0
 
         wait_for(deployed, 120, "the served deployments")
-        scheduled = subprocess.run([str(BIN / "prefect"), "deployment", "inspect", "retrain/scheduled"],
-                                   env=env, capture_output=True, text=True, check=False)
+        scheduled = subprocess.run(
+            [str(BIN / "prefect"), "deployment", "inspect", "retrain/scheduled"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
         assert scheduled.returncode == 0 and "* * * * *" in scheduled.stdout
 
         def scheduled_run_completed() -> bool:
             listing = subprocess.run(
                 [str(BIN / "prefect"), "flow-run", "ls", "--state-type", "COMPLETED", "-o", "json"],
-                env=env, capture_output=True, text=True, check=False)
+                env=env,
+                capture_output=True,
+                text=True,
+                check=False,
+            )
             if listing.returncode != 0 or not listing.stdout.strip().startswith("["):
                 return False
             runs = json.loads(listing.stdout)
@@ -96,11 +118,24 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         wait_for(scheduled_run_completed, 240, "a run started by the schedule to complete")
         assert read_json(tiny_project / "models" / "registry.json")["current"] == "v0001"
         run = subprocess.run(
-            [str(BIN / "prefect"), "deployment", "run", "retrain/manual", "--watch",
-             "--watch-timeout", "400"],
-            env=env, capture_output=True, text=True, check=False, timeout=460,
+            [
+                str(BIN / "prefect"),
+                "deployment",
+                "run",
+                "retrain/manual",
+                "--watch",
+                "--watch-timeout",
+                "400",
+            ],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=460,
         )
-        assert run.returncode == 0, run.stdout + run.stderr + (logs / "serve.log").read_text()[-3000:]
+        assert run.returncode == 0, (
+            run.stdout + run.stderr + (logs / "serve.log").read_text()[-3000:]
+        )
         assert "Completed" in run.stdout
     finally:
         if served is not None:

@@ -8,7 +8,9 @@ from tests.flows.conftest import dvc, read_json
 
 
 def ran(output: str) -> set[str]:
-    return {line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")}
+    return {
+        line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")
+    }
 
 
 @pytest.mark.slow
@@ -64,16 +66,21 @@ def test_dvc_yaml_names_the_configured_outputs():
     assert paths("validate", "metrics") == {f"{config.validation.report_dir}/summary.json"}
     assert paths("train", "outs") == {config.train.output_dir, config.train.checkpoint_dir}
     assert paths("train", "metrics") == {f"{train_metrics}/metrics.json"}
-    assert paths("train", "plots") == {str(metric_file(train_metrics, "any").parent),
-                                       f"{train_metrics}/curves.png"}
-    assert paths("evaluate", "outs") == {f"{evals}/{name}" for name in
-                                         ("samples.json", "report.md", "models.json")}
+    assert paths("train", "plots") == {
+        str(metric_file(train_metrics, "any").parent),
+        f"{train_metrics}/curves.png",
+    }
+    assert paths("evaluate", "outs") == {
+        f"{evals}/{name}" for name in ("samples.json", "report.md", "models.json")
+    }
     assert paths("evaluate", "metrics") == {f"{evals}/metrics.json"}
     assert paths("promote", "outs") == {config.promote.report}
     assert {f"{evals}/metrics.json", config.train.output_dir} <= paths("promote", "deps")
     assert {config.data.prepared_dir, config.model.policy} <= paths("train", "deps")
     plotted = {file for plot in pipeline["plots"] for spec in plot.values() for file in spec["y"]}
-    assert plotted == {str(metric_file(train_metrics, key)) for key in ("rollout/score", "rollout/kl")}
+    assert plotted == {
+        str(metric_file(train_metrics, key)) for key in ("rollout/score", "rollout/kl")
+    }
     for stage in stages:
         for dep in paths(stage, "deps"):
             if dep.startswith(("ppo_core", "flows")):

@@ -18,15 +18,18 @@ def prefect_harness():
 
 
 @pytest.mark.slow
-def test_retrain_flow_runs_every_stage_and_publishes_artifacts(tiny_project, prefect_harness, monkeypatch):
+def test_retrain_flow_runs_every_stage_and_publishes_artifacts(
+    tiny_project, prefect_harness, monkeypatch
+):
     from prefect.client.orchestration import get_client
 
     from flows.pipeline import retrain
 
     monkeypatch.setenv("PATH", environment()["PATH"])
     outputs = retrain(repo_dir=str(tiny_project))
-    assert outputs["stages"] == {stage: "ran" for stage in
-                                 ("prepare", "base", "validate", "train", "evaluate", "promote")}
+    assert outputs["stages"] == {
+        stage: "ran" for stage in ("prepare", "base", "validate", "train", "evaluate", "promote")
+    }
     assert outputs["decision"] == "promoted"
     assert (tiny_project / "reports" / "eval" / "report.md").is_file()
 
@@ -40,7 +43,9 @@ def test_retrain_flow_runs_every_stage_and_publishes_artifacts(tiny_project, pre
 
     # Scheduled retraining: new raw data, start from production, promote or reject.
     raw = tiny_project / "data" / "raw" / "more.jsonl"
-    raw.write_text("".join(json.dumps({"prompt": f"The sequel number {i} was"}) + "\n" for i in range(30)))
+    raw.write_text(
+        "".join(json.dumps({"prompt": f"The sequel number {i} was"}) + "\n" for i in range(30))
+    )
     again = retrain(repo_dir=str(tiny_project), from_production=True)
     assert again["stages"]["prepare"] == "ran" and again["stages"]["train"] == "ran"
     params = (tiny_project / "params.yaml").read_text()
@@ -57,12 +62,16 @@ def test_bad_data_stops_the_flow_at_validation(tiny_project, prefect_harness, mo
     first = retrain(repo_dir=str(tiny_project))
     prepared = tiny_project / "data" / "prepared"
     before = {p.name: p.read_bytes() for p in prepared.iterdir()}
-    production = (tiny_project / "models" / "production" / "v0001" / "model.safetensors").read_bytes()
+    production = (
+        tiny_project / "models" / "production" / "v0001" / "model.safetensors"
+    ).read_bytes()
     registry = (tiny_project / "models" / "registry.json").read_text()
     assert first["decision"] == "promoted"
 
     long_prompt = " ".join(["great"] * 60)
-    (tiny_project / "data" / "raw" / "bad.jsonl").write_text(json.dumps({"prompt": long_prompt}) + "\n")
+    (tiny_project / "data" / "raw" / "bad.jsonl").write_text(
+        json.dumps({"prompt": long_prompt}) + "\n"
+    )
     with pytest.raises(StageFailed, match="validate"):
         retrain(repo_dir=str(tiny_project))
     report = tiny_project / "reports" / "validation"
@@ -70,7 +79,9 @@ def test_bad_data_stops_the_flow_at_validation(tiny_project, prefect_harness, mo
     assert summary["success"] is False
     assert (report / "data_docs" / "index.html").is_file()
     assert {p.name: p.read_bytes() for p in prepared.iterdir()} == before
-    assert (tiny_project / "models" / "production" / "v0001" / "model.safetensors").read_bytes() == production
+    assert (
+        tiny_project / "models" / "production" / "v0001" / "model.safetensors"
+    ).read_bytes() == production
     assert (tiny_project / "models" / "registry.json").read_text() == registry
 
 

@@ -14,15 +14,23 @@ def test_dvclive_writes_each_metric_where_metric_file_says(tmp_path):
     logger.log(2, {"rollout/score": 0.75, "ppo/approx_kl": 0.02})
     logger.close()
     assert metric_file(folder, "rollout/score").read_text().splitlines() == [
-        "step\tscore", "1\t0.5", "2\t0.75"]
+        "step\tscore",
+        "1\t0.5",
+        "2\t0.75",
+    ]
     assert metric_file(folder, "ppo/approx_kl").is_file()
     summary = json.loads((folder / "metrics.json").read_text())
     assert summary["rollout"]["score"] == 0.75 and summary["step"] == 2
 
 
 def test_metric_group_reads_one_side_of_a_flat_mapping():
-    flat = {"candidate/score": 0.7, "candidate/kl_to_reference": 2.0, "baseline/score": 0.1,
-            "delta/score": 0.6, "num_prompts": 64}
+    flat = {
+        "candidate/score": 0.7,
+        "candidate/kl_to_reference": 2.0,
+        "baseline/score": 0.1,
+        "delta/score": 0.6,
+        "num_prompts": 64,
+    }
     assert metric_group(flat, "candidate") == {"score": 0.7, "kl_to_reference": 2.0}
     assert metric_group(flat, "baseline") == {"score": 0.1}
     assert metric_group(flat, "production") == {}

@@ -25,8 +25,11 @@ def test_set_params_keeps_comments_and_leaves_no_temporary_file(project):
     assert text.startswith("# The pipeline's parameters")
     assert "  epochs: 2\n" in text and "  timezone: Europe/Berlin\n" in text
     assert victim.read_text() == "keep me"
-    assert sorted(p.name for p in project.iterdir()) == [".params.yaml.tmp", "params.yaml",
-                                                         "victim.txt"]
+    assert sorted(p.name for p in project.iterdir()) == [
+        ".params.yaml.tmp",
+        "params.yaml",
+        "victim.txt",
+    ]
     with pytest.raises(KeyError, match="no key 'ppo.epoch'"):
         set_params(str(project), {"ppo.epoch": 3})
 

@@ -9,9 +9,14 @@ from ppo_core.modeling.data import PromptFileError
 
 
 def config_for(tmp_path, *extra):
-    return load_config(overrides=[f"data.raw_dir={tmp_path / 'raw'}",
-                                  f"data.interim_dir={tmp_path / 'prepared'}",
-                                  "data.eval_fraction=0.3", *extra])
+    return load_config(
+        overrides=[
+            f"data.raw_dir={tmp_path / 'raw'}",
+            f"data.interim_dir={tmp_path / 'prepared'}",
+            "data.eval_fraction=0.3",
+            *extra,
+        ]
+    )
 
 
 def write_raw(tmp_path, lines):
@@ -29,22 +34,34 @@ def test_clean_dedupe_split_and_manifest(tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert sorted(train + evals) == sorted(prompts)
     assert not set(train) & set(evals)
-    assert manifest["counts"] == {"raw": 43, "empty": 2, "duplicates": 1,
-                                  "train": len(train), "eval": len(evals)}
+    assert manifest["counts"] == {
+        "raw": 43,
+        "empty": 2,
+        "duplicates": 1,
+        "train": len(train),
+        "eval": len(evals),
+    }
     assert 4 <= len(evals) <= 20
     # deterministic: the same input gives the same data version
     again = prepare(config_for(tmp_path))
-    assert json.loads((again / "manifest.json").read_text())["content_hash"] == manifest["content_hash"]
+    assert (
+        json.loads((again / "manifest.json").read_text())["content_hash"]
+        == manifest["content_hash"]
+    )
 
 
 def test_new_data_keeps_old_prompts_on_their_side(tmp_path):
     def sides(out):
-        return tuple(set(pd.read_parquet(out / f"{split}.parquet")["prompt"]) for split in ("train", "eval"))
+        return tuple(
+            set(pd.read_parquet(out / f"{split}.parquet")["prompt"]) for split in ("train", "eval")
+        )
 
     write_raw(tmp_path, [f"Prompt {i}" for i in range(50)])
     train_before, eval_before = sides(prepare(config_for(tmp_path)))
     # new prompts first: the split does not depend on a prompt's position in the files
-    write_raw(tmp_path, [f"Prompt {i}" for i in range(100, 50, -1)] + [f"Prompt {i}" for i in range(50)])
+    write_raw(
+        tmp_path, [f"Prompt {i}" for i in range(100, 50, -1)] + [f"Prompt {i}" for i in range(50)]
+    )
     train_after, eval_after = sides(prepare(config_for(tmp_path)))
     assert train_before < train_after and eval_before < eval_after  # both sides got new prompts
     assert not train_after & eval_after
@@ -59,6 +76,9 @@ def test_malformed_raw_data_fails_and_keeps_the_previous_version(tmp_path):
     with pytest.raises(PromptFileError) as info:
         prepare(config_for(tmp_path))
     raw = tmp_path / "raw" / "a.jsonl"
-    assert str(info.value) == f"{raw}:52: not valid JSON (Expecting property name enclosed in double quotes)"
+    assert (
+        str(info.value)
+        == f"{raw}:52: not valid JSON (Expecting property name enclosed in double quotes)"
+    )
     assert {p.name: p.read_bytes() for p in out.iterdir()} == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "raw"]  # no temporary folder

@@ -21,11 +21,16 @@ def write_version(folder, train, evals):
 
 @pytest.mark.parametrize("problem", ["null", "duplicate", "too_long", "leak"])
 def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir, problem):
-    config = load_config(overrides=[
-        f"model.policy={tiny_model_dir}", f"data.interim_dir={tmp_path / 'interim'}",
-        f"data.prepared_dir={tmp_path / 'prepared'}", f"validation.report_dir={tmp_path / 'report'}",
-        "validation.min_train_rows=8", "validation.min_eval_rows=2",
-    ])
+    config = load_config(
+        overrides=[
+            f"model.policy={tiny_model_dir}",
+            f"data.interim_dir={tmp_path / 'interim'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
+            f"validation.report_dir={tmp_path / 'report'}",
+            "validation.min_train_rows=8",
+            "validation.min_eval_rows=2",
+        ]
+    )
     train = [f"The movie number {i} was" for i in range(20)]
     evals = [f"The film number {i} is" for i in range(5)]
     write_version(tmp_path / "interim", train, evals)
@@ -48,11 +53,14 @@ def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir
         validate(config)
     failures = {(f.expectation, f.split) for f in caught.value.result.failures}
     expected = {  # a null prompt has no token count either, so its length check fails too
-        "null": {("expect_column_values_to_not_be_null", "train"),
-                 ("expect_column_values_to_be_between", "train")},
+        "null": {
+            ("expect_column_values_to_not_be_null", "train"),
+            ("expect_column_values_to_be_between", "train"),
+        },
         "duplicate": {("expect_column_values_to_be_unique", "train")},
         "too_long": {("expect_column_values_to_be_between", "eval")},
-        "leak": {("expect_column_values_to_not_be_in_set", "eval")}}[problem]
+        "leak": {("expect_column_values_to_not_be_in_set", "eval")},
+    }[problem]
     assert failures == expected, caught.value
     # this run's report, not the passing run's: it records the failures
     summary = json.loads((report / "summary.json").read_text())

@@ -21,8 +21,14 @@ def whitespace_tokens(texts):
 def validate(tmp_path, train=TRAIN, eval_=EVAL, **overrides):
     train = train if isinstance(train, pd.DataFrame) else pd.DataFrame({"prompt": train})
     eval_ = eval_ if isinstance(eval_, pd.DataFrame) else pd.DataFrame({"prompt": eval_})
-    settings = dict(count_tokens=whitespace_tokens, min_tokens=1, max_tokens=8,
-                    min_train_rows=16, min_eval_rows=4, report_dir=tmp_path / "reports")
+    settings = dict(
+        count_tokens=whitespace_tokens,
+        min_tokens=1,
+        max_tokens=8,
+        min_train_rows=16,
+        min_eval_rows=4,
+        report_dir=tmp_path / "reports",
+    )
     settings.update(overrides)
     return validate_prompt_splits(train, eval_, **settings)
 
@@ -67,8 +73,10 @@ def test_null_prompt(tmp_path):
     # a null prompt has no length either: n_tokens is -1
     length = failures["expect_column_values_to_be_between"]
     assert (length.column, length.unexpected_count) == ("n_tokens", 1)
-    assert set(failures) == {"expect_column_values_to_not_be_null",
-                             "expect_column_values_to_be_between"}
+    assert set(failures) == {
+        "expect_column_values_to_not_be_null",
+        "expect_column_values_to_be_between",
+    }
     # the reports exist when they matter most
     assert result.docs_index.is_file()
     assert json.loads(result.summary_path.read_text())["failed"] == 2
@@ -117,8 +125,10 @@ def test_too_few_rows(tmp_path):
         ("expect_table_row_count_to_be_between", "train", None, 0),
         ("expect_table_row_count_to_be_between", "eval", None, 0),
     ]
-    assert [f.details for f in result.failures] == ["observed 3 rows, expected at least 16",
-                                                     "observed 10 rows, expected at least 11"]
+    assert [f.details for f in result.failures] == [
+        "observed 3 rows, expected at least 16",
+        "observed 10 rows, expected at least 11",
+    ]
 
 
 def test_extra_column(tmp_path):
@@ -142,7 +152,10 @@ def test_non_string_prompt(tmp_path):
     failures = failures_by_name(result)
     wrong_type = failures["expect_column_values_to_be_of_type"]
     assert (wrong_type.split, wrong_type.unexpected_count, wrong_type.examples) == (
-        "train", 1, ["row 40: 42"])
+        "train",
+        1,
+        ["row 40: 42"],
+    )
 
 
 def test_missing_prompt_column_is_reported_not_raised(tmp_path):
@@ -174,6 +187,8 @@ def test_token_counter_must_return_one_count_per_text(tmp_path):
 
 
 def test_import_is_cheap():
-    code = ("import sys, flows.validation; "
-            "assert 'great_expectations' not in sys.modules and 'pandas' not in sys.modules")
+    code = (
+        "import sys, flows.validation; "
+        "assert 'great_expectations' not in sys.modules and 'pandas' not in sys.modules"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)

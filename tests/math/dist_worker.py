@@ -50,7 +50,9 @@ def run(rank: int, world_size: int, init_method: str, out_path: str) -> None:
                 "global_count": result.global_count,
                 "local_count": result.local_count,
             }
-        results["whitened"] = whiten_advantages(shard.advantages, shard.response_mask, all_ranks=True)
+        results["whitened"] = whiten_advantages(
+            shard.advantages, shard.response_mask, all_ranks=True
+        )
         torch.save(results, f"{out_path}.{rank}")
     finally:
         dist.destroy_process_group()

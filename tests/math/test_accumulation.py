@@ -94,7 +94,9 @@ def test_mean_of_means_differs_on_the_same_data():
 
 
 def test_an_all_masked_micro_batch_works():
-    data = random_batch(seed=3, batch=4, length=5, p_valid=0.8, empty_rows=(0, 1), garbage=float("nan"))
+    data = random_batch(
+        seed=3, batch=4, length=5, p_valid=0.8, empty_rows=(0, 1), garbage=float("nan")
+    )
     expected = full_gradient(data, "token-mean", torch.float64)
     actual, result = accumulated_gradient(data, "token-mean", 2, torch.float64)
     assert relative_error(actual, expected) <= 1e-12

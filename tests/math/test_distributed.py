@@ -34,7 +34,9 @@ def test_two_ranks_match_one_process(tmp_path):
     data = dist_worker.shared_batch()
     # advantages are whitened with the moments of all ranks' rows together
     whole = whiten_advantages(data.advantages, data.response_mask)
-    torch.testing.assert_close(torch.cat([r["whitened"] for r in ranks]), whole, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(
+        torch.cat([r["whitened"] for r in ranks]), whole, rtol=1e-12, atol=1e-12
+    )
     for mode in LOSS_AGG_MODES:
         model = ToyPolicy(seed=0)
         parts, _ = ppo_micro_loss(model, data, mode)
@@ -46,4 +48,6 @@ def test_two_ranks_match_one_process(tmp_path):
         for rank in ranks:
             assert rank[mode]["global_count"] == int(parts.count)
             assert relative_error(rank[mode]["grads"], expected) <= 1e-10, mode
-            assert rank[mode]["loss"] == pytest.approx((parts.total / parts.count).item(), rel=1e-10)
+            assert rank[mode]["loss"] == pytest.approx(
+                (parts.total / parts.count).item(), rel=1e-10
+            )

@@ -49,8 +49,14 @@ def test_policy_loss_dual_clip_hand_computed():
 
 def test_asymmetric_clip():
     logp = torch.tensor([[math.log(1.5)]])
-    out = policy_loss(logp, torch.zeros(1, 1), torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool),
-                      clip_eps=0.2, clip_eps_high=0.28)
+    out = policy_loss(
+        logp,
+        torch.zeros(1, 1),
+        torch.ones(1, 1),
+        torch.ones(1, 1, dtype=torch.bool),
+        clip_eps=0.2,
+        clip_eps_high=0.28,
+    )
     assert_close(out.token_losses, [[-1.28]])  # max(-1.5, -1.28)
 
 
@@ -65,8 +71,13 @@ def test_value_loss_hand_computed():
     assert_close(out.token_losses, [[0.5, 0.5, 0.0]])
     assert out.clipfrac.item() == 0.0
     # V far outside the clip range on the wrong side: V=1, old 0.5, R=2 -> clip 0.7, err 1.69 > 1
-    out = value_loss(torch.tensor([[1.0]]), torch.tensor([[0.5]]), torch.tensor([[2.0]]),
-                     torch.ones(1, 1, dtype=torch.bool), clip_eps_value=0.2)
+    out = value_loss(
+        torch.tensor([[1.0]]),
+        torch.tensor([[0.5]]),
+        torch.tensor([[2.0]]),
+        torch.ones(1, 1, dtype=torch.bool),
+        clip_eps_value=0.2,
+    )
     assert_close(out.token_losses, [[0.845]])
     assert out.clipfrac.item() == 1.0
     unclipped = value_loss(values, old, returns, mask, clip_eps_value=None)
@@ -81,7 +92,9 @@ def test_logprobs_and_entropy_hand_computed():
     # temperature 2 on logits [0, ln 2]: probs proportional to [1, sqrt(2)]
     logits = torch.tensor([[[0.0, math.log(2.0)]]])
     p1 = math.sqrt(2) / (1 + math.sqrt(2))
-    assert_close(logprobs_from_logits(logits, torch.tensor([[1]]), temperature=2.0), [[math.log(p1)]])
+    assert_close(
+        logprobs_from_logits(logits, torch.tensor([[1]]), temperature=2.0), [[math.log(p1)]]
+    )
 
 
 def test_aggregation_modes_hand_computed():

@@ -93,9 +93,18 @@ def ppo_micro_loss(
     """The trainer's PPO objective on one toy micro-batch: (sum, count) plus its statistics.
 
     The default coefficients switch every term on (value loss, entropy bonus, both clips)."""
-    objective = objective or PPOObjective(clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.5,
-                                          entropy_coef=0.01, loss_agg_mode=mode)
+    objective = objective or PPOObjective(
+        clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.5, entropy_coef=0.01, loss_agg_mode=mode
+    )
     logits, values = model(mb.tokens)
     logprobs = logprobs_from_logits(logits, mb.actions)
-    return objective(logprobs, values, entropy_from_logits(logits), mb.old_logprobs,
-                     mb.old_values, mb.advantages, mb.returns, mb.response_mask)
+    return objective(
+        logprobs,
+        values,
+        entropy_from_logits(logits),
+        mb.old_logprobs,
+        mb.old_values,
+        mb.advantages,
+        mb.returns,
+        mb.response_mask,
+    )

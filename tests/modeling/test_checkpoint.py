@@ -20,7 +20,9 @@ def _save(folder, iteration, keep=2):
         path.mkdir()
         torch.save(model.state_dict(), path / "weights.pt")
 
-    return save_checkpoint(folder, iteration, save_model, optimizer, None, {"kl_coef": 0.1}, keep=keep)
+    return save_checkpoint(
+        folder, iteration, save_model, optimizer, None, {"kl_coef": 0.1}, keep=keep
+    )
 
 
 def test_save_load_and_keep(tmp_path):
@@ -48,7 +50,10 @@ def test_partial_folders_of_killed_writers_are_removed(tmp_path):
     for name in (".step-000004.tmp-x1y2", ".step-000002.old-77", ".step-000000.discard-8"):
         (tmp_path / name).mkdir()
     (tmp_path / ".lock").write_text("")  # not a checkpoint writer's: left alone
-    assert remove_partial(tmp_path) == [".step-000000.discard-8", ".step-000002.old-77",
-                                        ".step-000004.tmp-x1y2"]
+    assert remove_partial(tmp_path) == [
+        ".step-000000.discard-8",
+        ".step-000002.old-77",
+        ".step-000004.tmp-x1y2",
+    ]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", good.name]
     assert remove_partial(tmp_path / "missing") == []

@@ -24,7 +24,10 @@ FIELD = "field 'prompt' is missing or not a non-empty string"
         (b'{"prompt": "a"}\n["a"]\n', ":2: expected a JSON object, got list"),
         (b'{"text": "a"}\n', f":1: {FIELD}"),
         (b'{"prompt": 3}\n', f":1: {FIELD}"),
-        (b'{"prompt": "ok"}\n\n{"prompt": "ok"}\n\xff\xfe\n', ":4: not valid UTF-8 (invalid start byte)"),
+        (
+            b'{"prompt": "ok"}\n\n{"prompt": "ok"}\n\xff\xfe\n',
+            ":4: not valid UTF-8 (invalid start byte)",
+        ),
         (b"\n\n", ": no prompts"),
     ],
 )

@@ -46,20 +46,25 @@ def test_response_only_logits_equal_full_logits(tiny_model_dir):
     prompt_ids, prompt_mask, response_ids, response_mask = _batch(tiny_model_dir)
     positions = []  # how many positions the LM head computes logits for, per call
     hook = model.policy.lm_head.register_forward_hook(
-        lambda module, args, output: positions.append(output.shape[1]))
+        lambda module, args, output: positions.append(output.shape[1])
+    )
     with torch.no_grad():
-        fast = score_sequences(model, prompt_ids, prompt_mask, response_ids, response_mask,
-                               with_entropy=True)
+        fast = score_sequences(
+            model, prompt_ids, prompt_mask, response_ids, response_mask, with_entropy=True
+        )
         input_ids = torch.cat([prompt_ids, response_ids], 1)
         attention = torch.cat([prompt_mask, response_mask], 1).long()
         logits, values = model(input_ids, attention)  # every position
         p = prompt_ids.shape[1]
-        full = torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, response_ids[..., None])[..., 0]
+        full = torch.log_softmax(logits[:, p - 1 : -1], -1).gather(-1, response_ids[..., None])[
+            ..., 0
+        ]
     hook.remove()
     # the shortcut was taken: logits for the last T + 1 positions only, then for all P + T
     assert positions == [response_ids.shape[1] + 1, input_ids.shape[1]]
-    assert torch.allclose(torch.where(response_mask, fast.logprobs, 0),
-                          torch.where(response_mask, full, 0), atol=1e-6)
+    assert torch.allclose(
+        torch.where(response_mask, fast.logprobs, 0), torch.where(response_mask, full, 0), atol=1e-6
+    )
     assert torch.allclose(fast.values, values[:, p - 1 : -1], atol=1e-6)
 
 
@@ -78,8 +83,9 @@ def test_entropy_carries_a_graph_only_for_an_entropy_bonus(tiny_model_dir):
 
 def _loss_and_grads(model, batch: RolloutBatch):
     model.zero_grad()
-    out = score_sequences(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                          batch.response_mask)
+    out = score_sequences(
+        model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask
+    )
     mask = batch.response_mask
     loss = (torch.where(mask, out.logprobs * batch.advantages + out.values, 0)).sum()
     loss.backward()
@@ -92,8 +98,19 @@ def test_trimmed_micro_batch_gives_the_same_loss_and_gradient(tiny_model_dir):
     rows = torch.tensor([0, 2])  # the two shorter prompts: their common left padding is dropped
     zeros = torch.zeros(response_ids.shape, dtype=torch.float64)
     advantages = torch.randn(response_ids.shape, dtype=torch.float64)
-    batch = RolloutBatch(prompt_ids, prompt_mask, response_ids, response_mask, zeros, zeros, zeros,
-                         torch.zeros(3), zeros, advantages, zeros).rows(rows)
+    batch = RolloutBatch(
+        prompt_ids,
+        prompt_mask,
+        response_ids,
+        response_mask,
+        zeros,
+        zeros,
+        zeros,
+        torch.zeros(3),
+        zeros,
+        advantages,
+        zeros,
+    ).rows(rows)
     trimmed = batch.trimmed()
     assert trimmed.prompt_ids.shape[1] < batch.prompt_ids.shape[1]
     assert trimmed.response_ids.shape[1] == 5 and trimmed.advantages.shape[1] == 5

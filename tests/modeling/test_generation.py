@@ -32,13 +32,21 @@ def test_sampled_and_recomputed_logprobs_agree(tiny_model_dir):
     assert (prompt_mask[:, 0] == 0).any(), "prompts of different lengths should be left-padded"
     from transformers import GenerationConfig
 
-    config = GenerationConfig(do_sample=True, temperature=0.7, top_k=None, top_p=1.0,
-                              max_new_tokens=8, eos_token_id=tokenizer.eos_token_id,
-                              pad_token_id=tokenizer.pad_token_id, output_logits=True,
-                              return_dict_in_generate=True)
-    out = model.policy.generate(input_ids=prompt_ids, attention_mask=prompt_mask,
-                                generation_config=config)
-    response = out.sequences[:, prompt_ids.shape[1]:]
+    config = GenerationConfig(
+        do_sample=True,
+        temperature=0.7,
+        top_k=None,
+        top_p=1.0,
+        max_new_tokens=8,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        output_logits=True,
+        return_dict_in_generate=True,
+    )
+    out = model.policy.generate(
+        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
+    )
+    response = out.sequences[:, prompt_ids.shape[1] :]
     mask, _ = response_mask_from_ids(response, tokenizer.eos_token_id)
     sampled = torch.stack([torch.log_softmax(step / 0.7, -1) for step in out.logits], 1)
     sampled = sampled.gather(-1, response.unsqueeze(-1)).squeeze(-1)
@@ -63,8 +71,9 @@ def test_generate_responses_shapes_and_decoding(tiny_model_dir):
     # model ends most reviews within 12 tokens; this seed gives both)
     assert batch.has_eos.any() and not batch.has_eos.all(), batch.has_eos
     texts = decode_responses(tokenizer, batch.response_ids, batch.response_mask)
-    for row, mask, ended, length, text in zip(batch.response_ids, batch.response_mask,
-                                              batch.has_eos, lengths.tolist(), texts, strict=True):
+    for row, mask, ended, length, text in zip(
+        batch.response_ids, batch.response_mask, batch.has_eos, lengths.tolist(), texts, strict=True
+    ):
         assert mask[:length].all() and not mask[length:].any()  # a prefix of the row
         # nothing after the first EOS counts, and padding is written there
         assert (row[~mask] == pad).all()

@@ -77,7 +77,11 @@ def test_config_has_no_dropout_and_the_special_ids():
     assert (config.resid_pdrop, config.embd_pdrop, config.attn_pdrop) == (0.0, 0.0, 0.0)
     assert (config.pad_token_id, config.bos_token_id, config.eos_token_id) == (0, 1, 2)
     assert (config.vocab_size, config.n_positions, config.n_layer, config.n_embd) == (
-        500, 32, 1, 128)
+        500,
+        32,
+        1,
+        128,
+    )
 
 
 # ---- build ----------------------------------------------------------------------------------
@@ -136,7 +140,9 @@ def test_scorer_shape_dtype_and_sign():
     assert scores[0] > 0.5 and scores[1] < -0.5 and scores[2] == 0.0
     assert torch.all(scores.abs() <= 1.0)
     # The whole review counts: the same response after a different prompt scores differently.
-    assert scorer(["The movie was"], [" great."])[0] == sentiment_scores(["The movie was great."])[0]
+    assert (
+        scorer(["The movie was"], [" great."])[0] == sentiment_scores(["The movie was great."])[0]
+    )
 
 
 def test_scorer_rejects_mismatched_lengths():
