@@ -3,7 +3,11 @@ resume after each kill, and end with the parameters of an uninterrupted run.
 
 After every kill each checkpoint folder on disk must verify (checksums) and load
 (``weights_only``); a killed writer may leave only hidden temporary folders, which the next run
-removes. ``PPO_KILLS`` sets the number of kills (default 20); the test prints what happened.
+removes. The final run must have resumed from the newest checkpoint written before the last kill
+(``resumed_from`` in its ``training_summary.json``, and ``resumed at N`` on the console): a run
+started over would reach the same parameters too, since training is deterministic, so equal
+parameters alone would not show that anything resumed. ``PPO_KILLS`` sets the number of kills
+(default 20); the test prints what happened.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from ppo_core.modeling.checkpoint import list_checkpoints, load_checkpoint_state
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
+ITERATIONS = 200
 
 
 def command(model: Path, prompts: Path, out: Path) -> list[str]:
@@ -33,7 +38,8 @@ def command(model: Path, prompts: Path, out: Path) -> list[str]:
         sys.executable, "-m", "flows.cli", "train", "--quiet",
         f"model.policy={model}", f"data.train_file={prompts}", "threads=1",
         f"train.output_dir={out / 'candidate'}", f"train.checkpoint_dir={out / 'checkpoints'}",
-        f"train.metrics_dir={out / 'metrics'}", "train.iterations=200", "train.checkpoint_every=1",
+        f"train.metrics_dir={out / 'metrics'}", f"train.iterations={ITERATIONS}",
+        "train.checkpoint_every=1",
         "train.keep_checkpoints=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4",
         "ppo.micro_batch_size=2", "ppo.epochs=1", "generation.max_new_tokens=6",
     ]
@@ -99,9 +105,18 @@ def test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run(
                     "step_after": newest_step(checkpoints), "checkpoints": visible,
                     "hidden_leftovers": hidden})
 
+    # What the last kill left: the checkpoints the final run must resume from (all verified above).
+    left_by_last_kill = {int(p.name.split("-")[1]) for p in list_checkpoints(checkpoints)}
+    assert left_by_last_kill and 0 < max(left_by_last_kill) < ITERATIONS, left_by_last_kill
     finished = subprocess.run(command(tiny_model_dir, prompt_files[0], killed), cwd=ROOT, env=env,
                               capture_output=True, text=True)
     assert finished.returncode == 0, finished.stderr
+    summary = json.loads((killed / "candidate" / "training_summary.json").read_text())
+    assert summary["iterations"] == ITERATIONS
+    assert summary["resumed_from"] == max(left_by_last_kill), (
+        f"the final run resumed from {summary['resumed_from']}, not from the newest checkpoint "
+        f"left by the last kill ({sorted(left_by_last_kill)})")
+    assert f"(resumed at {max(left_by_last_kill)})" in " ".join(finished.stderr.split())
     assert not list(checkpoints.glob(".*")), "leftovers of killed writers were not removed"
     check_every_checkpoint(checkpoints)
 
@@ -110,6 +125,7 @@ def test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run(
     worst = max((expected[k] - actual[k]).abs().max().item() for k in expected)
     progress = [entry["step_after"] - entry["step_before"] for entry in log]
     print(json.dumps({"kills": len(log), "killed_during_training": sum(p > 0 for p in progress),
+                      "final_run_resumed_from": summary["resumed_from"],
                       "kills_that_left_hidden_leftovers": sum(bool(e["hidden_leftovers"]) for e in log),
                       "largest_parameter_difference": worst, "log": log}, indent=1))
     assert worst == 0.0, f"resumed run differs from the uninterrupted one by {worst}"

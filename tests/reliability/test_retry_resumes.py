@@ -8,6 +8,7 @@ kept the checkpoints (``persist: true``) and its own lock released.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -43,4 +44,8 @@ def test_a_retried_train_stage_resumes_from_its_checkpoint(tmp_path):
     output = retry.stdout + retry.stderr
     assert "resumed at" in output, output[-3000:]
     resumed_at = int(output.split("resumed at")[1].split(")")[0].strip())
-    assert resumed_at >= done > 0
+    # from the newest checkpoint the killed attempt left, not from scratch (which would end with
+    # the same parameters) nor from an older one
+    assert resumed_at == done > 0
+    summary = json.loads((project / "models" / "candidate" / "training_summary.json").read_text())
+    assert summary["resumed_from"] == done and summary["iterations"] == 200

@@ -7,6 +7,7 @@ import json
 import os
 import pickle
 import shutil
+import sys
 
 import pytest
 import torch
@@ -45,10 +46,16 @@ def test_pickled_model_weights_are_never_loaded(tmp_path, tiny_model_dir):
     with pytest.raises(ModelFolderError, match="no safetensors weights.*pytorch_model.bin"):
         load_causal_lm(folder)
     assert not marker.exists()
+    # the file is live: unpickling it does run its code
+    pickle.loads((folder / "pytorch_model.bin").read_bytes())
+    assert marker.is_dir()
 
 
-def test_a_folder_that_needs_its_own_code_is_refused_without_trust_remote_code(tmp_path, tiny_model_dir):
-    folder = tmp_path / "model"
+def test_a_folder_that_needs_its_own_code_is_refused_without_trust_remote_code(
+        tmp_path, tiny_model_dir, monkeypatch):
+    from transformers import dynamic_module_utils
+
+    folder = tmp_path / "model_with_code"
     shutil.copytree(tiny_model_dir, folder)
     marker = tmp_path / "code-ran"
     (folder / "evil.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n"
@@ -59,6 +66,13 @@ def test_a_folder_that_needs_its_own_code_is_refused_without_trust_remote_code(t
     with contextlib.suppress(ModelFolderError):  # refusing is fine; running the file is not
         load_actor_critic(folder)  # default: trust_remote_code=False
     assert not marker.exists(), "a model folder's Python file ran without trust_remote_code"
+    # The folder is live: with trust_remote_code the file runs (its module copy goes to tmp_path).
+    monkeypatch.setattr(dynamic_module_utils, "HF_MODULES_CACHE", str(tmp_path / "modules"))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    for name in [m for m in sys.modules if m.startswith("transformers_modules")]:
+        monkeypatch.delitem(sys.modules, name)
+    load_actor_critic(folder, trust_remote_code=True)
+    assert marker.is_dir(), "the test folder's code would not have run anyway"
 
 
 def test_a_pickled_object_in_a_checkpoint_is_refused_even_with_valid_checksums(tmp_path):
@@ -72,10 +86,14 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_even_with_valid_checksums(t
     _write_checksums(newest)  # an attacker who can write the file can fix the checksums too
     with pytest.raises(CheckpointError, match="optimizer.pt: refused to load"):
         load_checkpoint_state(newest)
+    assert not marker.exists()
     folder, state, problems = load_latest_good(tmp_path)
     assert folder.name == "step-000001" and state["state"]["x"] == 1
     assert "refused to load" in problems[0]
     assert not marker.exists()
+    # the file is live: a full unpickling load does run its code
+    torch.load(newest / "optimizer.pt", weights_only=False)
+    assert marker.is_dir()
 
 
 @pytest.mark.parametrize(
