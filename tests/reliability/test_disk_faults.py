@@ -21,11 +21,19 @@ from ppo_core.trainer import train
 
 def overrides(tmp: Path, model: Path, prompts, checkpoints: Path, output: Path, iterations: int):
     return [
-        f"model.policy={model}", f"data.train_file={prompts[0]}", f"train.output_dir={output}",
-        f"train.checkpoint_dir={checkpoints}", f"train.metrics_dir={tmp / 'metrics'}",
-        "ppo.rollout_batch_size=8", "ppo.mini_batch_size=8", "ppo.micro_batch_size=8",
-        "ppo.epochs=1", "generation.max_new_tokens=4", f"train.iterations={iterations}",
-        "train.checkpoint_every=1", "train.keep_checkpoints=2",
+        f"model.policy={model}",
+        f"data.train_file={prompts[0]}",
+        f"train.output_dir={output}",
+        f"train.checkpoint_dir={checkpoints}",
+        f"train.metrics_dir={tmp / 'metrics'}",
+        "ppo.rollout_batch_size=8",
+        "ppo.mini_batch_size=8",
+        "ppo.micro_batch_size=8",
+        "ppo.epochs=1",
+        "generation.max_new_tokens=4",
+        f"train.iterations={iterations}",
+        "train.checkpoint_every=1",
+        "train.keep_checkpoints=2",
     ]
 
 
@@ -33,11 +41,14 @@ def overrides(tmp: Path, model: Path, prompts, checkpoints: Path, output: Path, 
 def tmpfs(folder: Path, size_bytes: int, read_only: bool = False):
     folder.mkdir(parents=True, exist_ok=True)
     options = f"size={max(size_bytes // 1024, 64)}k" + (",ro" if read_only else "")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)],
-                             capture_output=True)
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(folder)], capture_output=True
+    )
     if mounted.returncode:
-        pytest.skip(f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}); "
-                    "test_an_injected_disk_full_error covers the same path")
+        pytest.skip(
+            f"cannot mount a tmpfs here ({mounted.stderr.decode().strip()}); "
+            "test_an_injected_disk_full_error covers the same path"
+        )
     try:
         yield folder
     finally:  # lazily if a failed assertion's traceback still holds a file open there
@@ -66,8 +77,11 @@ def test_an_injected_disk_full_error(tmp_path, tiny_model_dir, prompt_files, mon
         return real_save(obj, path)
 
     monkeypatch.setattr(checkpoint_module, "_save_tensors", save_until_full)
-    config = load_config(overrides=overrides(tmp_path, tiny_model_dir, prompt_files, checkpoints,
-                                             output, iterations=3))
+    config = load_config(
+        overrides=overrides(
+            tmp_path, tiny_model_dir, prompt_files, checkpoints, output, iterations=3
+        )
+    )
     with pytest.raises(OSError) as info:
         train(config)
     assert info.value.errno == errno.ENOSPC
@@ -82,17 +96,28 @@ def test_an_injected_disk_full_error(tmp_path, tiny_model_dir, prompt_files, mon
     assert_only_good_checkpoints(checkpoints, [1])
 
 
-@pytest.mark.parametrize(("room", "kept"), [(0.3, []), (1.5, [1])],
-                         ids=["full-while-writing-weights", "full-while-writing-optimizer"])
+@pytest.mark.parametrize(
+    ("room", "kept"),
+    [(0.3, []), (1.5, [1])],
+    ids=["full-while-writing-weights", "full-while-writing-optimizer"],
+)
 def test_a_really_full_disk(tmp_path, tiny_model_dir, prompt_files, room, kept):
     probe = tmp_path / "probe"
-    train(load_config(overrides=overrides(probe, tiny_model_dir, prompt_files, probe / "ck",
-                                          probe / "out", iterations=1)))
+    train(
+        load_config(
+            overrides=overrides(
+                probe, tiny_model_dir, prompt_files, probe / "ck", probe / "out", iterations=1
+            )
+        )
+    )
     one_checkpoint = sum(p.stat().st_size for p in (probe / "ck").rglob("*") if p.is_file())
     with tmpfs(tmp_path / "small", int(one_checkpoint * room)) as small:
         checkpoints, output = small / "checkpoints", tmp_path / "candidate"
-        config = load_config(overrides=overrides(tmp_path, tiny_model_dir, prompt_files,
-                                                 checkpoints, output, iterations=3))
+        config = load_config(
+            overrides=overrides(
+                tmp_path, tiny_model_dir, prompt_files, checkpoints, output, iterations=3
+            )
+        )
         with pytest.raises(OSError) as info:
             train(config)
         assert info.value.errno == errno.ENOSPC
@@ -103,8 +128,14 @@ def test_a_really_full_disk(tmp_path, tiny_model_dir, prompt_files, room, kept):
 def test_a_read_only_output_folder(tmp_path, tiny_model_dir, prompt_files):
     with tmpfs(tmp_path / "readonly", 1 << 20, read_only=True) as readonly:
         checkpoints = tmp_path / "checkpoints"
-        args = overrides(tmp_path, tiny_model_dir, prompt_files, checkpoints,
-                         readonly / "candidate", iterations=2)
+        args = overrides(
+            tmp_path,
+            tiny_model_dir,
+            prompt_files,
+            checkpoints,
+            readonly / "candidate",
+            iterations=2,
+        )
         result = CliRunner().invoke(app, ["train", "--quiet", *args])
         assert result.exit_code == 2, result.output
         assert "Read-only file system" in result.output and "Traceback" not in result.output

@@ -39,8 +39,13 @@ from ppo_core.modeling.data import MAX_LINE_BYTES, PromptFileError, load_prompts
 GOOD = [f"I thought the movie number {i} was" for i in range(40)]
 FIELD = "field 'prompt' is missing or not a non-empty string"
 NOT_A_STRING = "'prompt' is not a non-empty string"
-FUZZ_SETTINGS = dict(suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                            HealthCheck.too_slow, HealthCheck.data_too_large])
+FUZZ_SETTINGS = dict(
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ]
+)
 
 
 # ---- raw prompt files: each generated line knows its outcome ------------------------------------
@@ -113,15 +118,22 @@ prompt_texts = st.text(min_size=1, max_size=24).filter(str.strip)
 blank_texts = st.text(" \t\r\x0b\x0c\x1c\x85\u2028\u3000", max_size=4)  # str.strip removes all
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
     max_leaves=4,
 )
 json_lists = st.lists(json_values, max_size=3)
 json_objects = st.dictionaries(st.text(max_size=5), json_values, max_size=3)
-json_not_strings = st.none() | st.booleans() | st.integers() | st.floats() | json_lists | json_objects
-json_not_objects = st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10) | json_lists
+json_not_strings = (
+    st.none() | st.booleans() | st.integers() | st.floats() | json_lists | json_objects
+)
+json_not_objects = (
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=10) | json_lists
+)
 other_keys = st.sampled_from(["text", "Prompt", "prompt ", " prompt", "PROMPT", "prompts", ""]) | (
-    st.text(max_size=6).filter(lambda k: k != "prompt"))
+    st.text(max_size=6).filter(lambda k: k != "prompt")
+)
 extras = st.dictionaries(other_keys, json_values, max_size=2)
 
 
@@ -136,33 +148,66 @@ def good_lines(draw) -> Line:
 @st.composite
 def blank_prompt_lines(draw) -> Line:
     blank = draw(blank_texts)
-    return Line("blank-prompt", dumps({"prompt": blank, **draw(extras)}, draw(st.booleans())).encode(),
-                prompt=blank, blank_prompt=True)
+    return Line(
+        "blank-prompt",
+        dumps({"prompt": blank, **draw(extras)}, draw(st.booleans())).encode(),
+        prompt=blank,
+        blank_prompt=True,
+    )
 
 
 @st.composite
 def wrong_type_lines(draw) -> Line:
     value = draw(json_not_strings)
-    return Line("wrong-type", dumps({**draw(extras), "prompt": value}, True).encode(), re.escape(FIELD))
+    return Line(
+        "wrong-type", dumps({**draw(extras), "prompt": value}, True).encode(), re.escape(FIELD)
+    )
 
 
 @st.composite
 def missing_field_lines(draw) -> Line:
-    return Line("missing-field", dumps(draw(extras), draw(st.booleans())).encode(), re.escape(FIELD))
+    return Line(
+        "missing-field", dumps(draw(extras), draw(st.booleans())).encode(), re.escape(FIELD)
+    )
 
 
 @st.composite
 def not_object_lines(draw) -> Line:
     value = draw(json_not_objects)
-    return Line("not-an-object", dumps(value, True).encode(),
-                re.escape(f"expected a JSON object, got {type(value).__name__}"))
+    return Line(
+        "not-an-object",
+        dumps(value, True).encode(),
+        re.escape(f"expected a JSON object, got {type(value).__name__}"),
+    )
 
 
-BROKEN_JSON = ["{'prompt': 'x'}", '{"prompt": "x",}', '{prompt: "x"}', '{"prompt": "x"} {"prompt": "y"}',
-               '{"prompt": "a\tb"}', '\ufeff{"prompt": "x"}', '{"prompt": "x"', '{"prompt": undefined}',
-               '{"prompt": 0x10}', '{"prompt": 01}', '{"prompt": .5}', '{"prompt": "\\x41"}',
-               '{"prompt": "\\u12"}', '"unterminated', '{"a" "b"}', "}", "]", "nul", "True", "None",
-               '{"prompt": "x"}\x00', "prompt=x", '{"prompt": "x"}}', "[1, 2", "-"]
+BROKEN_JSON = [
+    "{'prompt': 'x'}",
+    '{"prompt": "x",}',
+    '{prompt: "x"}',
+    '{"prompt": "x"} {"prompt": "y"}',
+    '{"prompt": "a\tb"}',
+    '\ufeff{"prompt": "x"}',
+    '{"prompt": "x"',
+    '{"prompt": undefined}',
+    '{"prompt": 0x10}',
+    '{"prompt": 01}',
+    '{"prompt": .5}',
+    '{"prompt": "\\x41"}',
+    '{"prompt": "\\u12"}',
+    '"unterminated',
+    '{"a" "b"}',
+    "}",
+    "]",
+    "nul",
+    "True",
+    "None",
+    '{"prompt": "x"}\x00',
+    "prompt=x",
+    '{"prompt": "x"}}',
+    "[1, 2",
+    "-",
+]
 BAD_JSON = r"not valid JSON \(.+\)"
 
 
@@ -175,8 +220,11 @@ def broken_json_lines(draw) -> Line:
     elif choice == "templates":
         text = draw(st.sampled_from(BROKEN_JSON))
     elif choice == "junk":  # printable junk
-        text = draw(st.text(string.printable.replace("\n", ""), min_size=1, max_size=30).filter(
-            lambda t: t.strip() and not is_json(t) and not is_json(t + "\r")))
+        text = draw(
+            st.text(string.printable.replace("\n", ""), min_size=1, max_size=30).filter(
+                lambda t: t.strip() and not is_json(t) and not is_json(t + "\r")
+            )
+        )
     else:  # a number Python refuses to read (more than 4300 digits)
         text = '{"prompt": "x", "n": ' + "9" * draw(st.integers(4301, 6000)) + "}"
     return Line(f"bad-json-{choice}", text.encode(), BAD_JSON)
@@ -200,8 +248,12 @@ def nested_lines(draw) -> Line:
         error = None
     if deep:
         error = re.escape("JSON nested too deeply")
-    return Line("deep-nesting" if deep else "shallow-nesting", text.encode(), error,
-                prompt="deep" if error is None else None)
+    return Line(
+        "deep-nesting" if deep else "shallow-nesting",
+        text.encode(),
+        error,
+        prompt="deep" if error is None else None,
+    )
 
 
 @st.composite
@@ -211,14 +263,29 @@ def surrogate_lines(draw) -> Line:
     before, after = draw(st.text(max_size=5)), draw(st.text(max_size=5))
     escaped = dumps(before, True)[1:-1] + f"\\u{lone:04x}" + dumps(after, True)[1:-1]
     if draw(st.booleans()):
-        return Line("lone-surrogate", ('{"prompt": "' + escaped + '"}').encode(),
-                    re.escape("field 'prompt' holds a lone UTF-16 surrogate, which is not text"))
-    return Line("lone-surrogate-elsewhere", ('{"x": "' + escaped + '", "prompt": "fine"}').encode(),
-                prompt="fine")
+        return Line(
+            "lone-surrogate",
+            ('{"prompt": "' + escaped + '"}').encode(),
+            re.escape("field 'prompt' holds a lone UTF-16 surrogate, which is not text"),
+        )
+    return Line(
+        "lone-surrogate-elsewhere",
+        ('{"x": "' + escaped + '", "prompt": "fine"}').encode(),
+        prompt="fine",
+    )
 
 
-INVALID_UTF8 = [b"\xff", b"\xfe", b"\x80", b"\xc0\xaf", b"\xed\xa0\x80", b"\xe2\x82", b"\xc3",
-                b"\xf8\x88\x80\x80\x80", b"\xf4\x90\x80\x80"]
+INVALID_UTF8 = [
+    b"\xff",
+    b"\xfe",
+    b"\x80",
+    b"\xc0\xaf",
+    b"\xed\xa0\x80",
+    b"\xe2\x82",
+    b"\xc3",
+    b"\xf8\x88\x80\x80\x80",
+    b"\xf4\x90\x80\x80",
+]
 
 
 @st.composite
@@ -228,8 +295,11 @@ def invalid_utf8_lines(draw) -> Line:
         at = draw(st.integers(0, len(raw)))
         raw = raw[:at] + draw(st.sampled_from(INVALID_UTF8)) + raw[at:]
     else:  # random bytes around one that never occurs in UTF-8
-        raw = draw(st.binary(max_size=20)) + draw(st.sampled_from([b"\xc0", b"\xc1", b"\xf5", b"\xfe",
-                                                                  b"\xff"])) + draw(st.binary(max_size=20))
+        raw = (
+            draw(st.binary(max_size=20))
+            + draw(st.sampled_from([b"\xc0", b"\xc1", b"\xf5", b"\xfe", b"\xff"]))
+            + draw(st.binary(max_size=20))
+        )
         raw = raw.replace(b"\n", b"")
     assert not is_utf8(raw)
     return Line("invalid-utf8", raw, r"not valid UTF-8 \(.+\)")
@@ -239,36 +309,58 @@ def invalid_utf8_lines(draw) -> Line:
 def long_lines(draw) -> Line:
     """Lines just over the limit are refused before being read whole; just under, they read."""
     over = draw(st.booleans())
-    size = MAX_LINE_BYTES + draw(st.integers(1, 64)) if over else MAX_LINE_BYTES - 2 - draw(st.integers(0, 64))
+    size = (
+        MAX_LINE_BYTES + draw(st.integers(1, 64))
+        if over
+        else MAX_LINE_BYTES - 2 - draw(st.integers(0, 64))
+    )
     filler = "x" * (size - len('{"prompt": ""}'))
     raw = ('{"prompt": "' + filler + '"}').encode()
     assert len(raw) == size
     if over:
-        return Line("line-over-the-limit", raw,
-                    re.escape(f"line longer than the limit of {MAX_LINE_BYTES} bytes"))
+        return Line(
+            "line-over-the-limit",
+            raw,
+            re.escape(f"line longer than the limit of {MAX_LINE_BYTES} bytes"),
+        )
     return Line("line-at-the-limit", raw, prompt=filler)
 
 
 @st.composite
 def odd_but_valid_lines(draw) -> Line:
-    text, prompt = draw(st.sampled_from([
-        ('{"prompt": 3, "prompt": "last wins"}', "last wins"),
-        ('{"prompt": "\\ud83d\\ude00 pair"}', "\U0001f600 pair"),
-        ('{"prompt": "a\\nb\\u2028c"}', "a\nb\u2028c"),
-        ('  {"prompt": "padded"}\t ', "padded"),
-        ('{"prompt": "ok", "n": 1e400, "m": NaN}', "ok"),
-        ('{"prompt": "\\u00e9t\\u00e9"}', "\u00e9t\u00e9"),
-    ]))
+    text, prompt = draw(
+        st.sampled_from(
+            [
+                ('{"prompt": 3, "prompt": "last wins"}', "last wins"),
+                ('{"prompt": "\\ud83d\\ude00 pair"}', "\U0001f600 pair"),
+                ('{"prompt": "a\\nb\\u2028c"}', "a\nb\u2028c"),
+                ('  {"prompt": "padded"}\t ', "padded"),
+                ('{"prompt": "ok", "n": 1e400, "m": NaN}', "ok"),
+                ('{"prompt": "\\u00e9t\\u00e9"}', "\u00e9t\u00e9"),
+            ]
+        )
+    )
     return Line("odd-but-valid", text.encode(), prompt=prompt)
 
 
 blank_lines = blank_texts.map(lambda t: Line("blank-line", t.encode()))
 # Weighted by repetition: most lines are ordinary, every kind is frequent enough to be hit often.
 line_kinds = st.one_of(
-    good_lines(), good_lines(), good_lines(), blank_lines, blank_prompt_lines(),
-    broken_json_lines(), broken_json_lines(), wrong_type_lines(), missing_field_lines(),
-    not_object_lines(), nested_lines(), surrogate_lines(), invalid_utf8_lines(),
-    odd_but_valid_lines(), long_lines(),
+    good_lines(),
+    good_lines(),
+    good_lines(),
+    blank_lines,
+    blank_prompt_lines(),
+    broken_json_lines(),
+    broken_json_lines(),
+    wrong_type_lines(),
+    missing_field_lines(),
+    not_object_lines(),
+    nested_lines(),
+    surrogate_lines(),
+    invalid_utf8_lines(),
+    odd_but_valid_lines(),
+    long_lines(),
 )
 
 
@@ -291,9 +383,11 @@ def parquet_bytes(table: pa.Table) -> bytes:
 
 
 UNREADABLE = r": not a readable parquet file \(.+\)"
-ANY_PARQUET_ERROR = (r": (not a readable parquet file \(.+\)|no column 'prompt' \(columns: .*\)|"
-                     r"row \d+: 'prompt' is (not a non-empty string|not valid UTF-8)|"
-                     r"column 'prompt' is not readable \(.+\))")
+ANY_PARQUET_ERROR = (
+    r": (not a readable parquet file \(.+\)|no column 'prompt' \(columns: .*\)|"
+    r"row \d+: 'prompt' is (not a non-empty string|not valid UTF-8)|"
+    r"column 'prompt' is not readable \(.+\))"
+)
 
 
 def rows_outcome(values: list, allow_empty: bool) -> tuple[str | None, list[str] | None]:
@@ -305,9 +399,23 @@ def rows_outcome(values: list, allow_empty: bool) -> tuple[str | None, list[str]
 
 @st.composite
 def parquet_cases(draw) -> RawCase:
-    kind = draw(st.sampled_from(["strings", "strings", "nulls", "wrong-type", "no-column", "empty",
-                                 "invalid-utf8", "truncated", "damaged", "random-bytes",
-                                 "duplicate-column"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "strings",
+                "strings",
+                "nulls",
+                "wrong-type",
+                "no-column",
+                "empty",
+                "invalid-utf8",
+                "truncated",
+                "damaged",
+                "random-bytes",
+                "duplicate-column",
+            ]
+        )
+    )
     strings = draw(st.lists(prompt_texts | blank_texts, min_size=1, max_size=6))
     extra = {"label": pa.array(range(len(strings)))} if draw(st.booleans()) else {}
     as_type = draw(st.sampled_from([pa.string(), pa.large_string(), "dictionary"]))
@@ -323,17 +431,35 @@ def parquet_cases(draw) -> RawCase:
         content = parquet_bytes(pa.table({"prompt": pa.array(values, type=pa.string())}))
         outcome = {mode: rows_outcome(values, mode == "lenient") for mode in ("strict", "lenient")}
     elif kind == "wrong-type":
-        column = draw(st.sampled_from([
-            pa.array([1, 2]), pa.array([0.5, float("nan")]), pa.array([True]),
-            pa.array([b"bytes"], type=pa.binary()), pa.array([["a", "b"]]), pa.array([{"a": 1}]),
-            pa.array([1], type=pa.timestamp("s")), pa.array([None, None], type=pa.null()),
-            pa.array([7, 7]).dictionary_encode(),
-        ]))
+        column = draw(
+            st.sampled_from(
+                [
+                    pa.array([1, 2]),
+                    pa.array([0.5, float("nan")]),
+                    pa.array([True]),
+                    pa.array([b"bytes"], type=pa.binary()),
+                    pa.array([["a", "b"]]),
+                    pa.array([{"a": 1}]),
+                    pa.array([1], type=pa.timestamp("s")),
+                    pa.array([None, None], type=pa.null()),
+                    pa.array([7, 7]).dictionary_encode(),
+                ]
+            )
+        )
         content = parquet_bytes(pa.table({"prompt": column}))
-        outcome = dict.fromkeys(("strict", "lenient"), (re.escape(f": row 0: {NOT_A_STRING}"), None))
+        outcome = dict.fromkeys(
+            ("strict", "lenient"), (re.escape(f": row 0: {NOT_A_STRING}"), None)
+        )
     elif kind == "no-column":
-        names = draw(st.lists(st.sampled_from(["text", "Prompt", "PROMPT", "prompt ", " prompt",
-                                               "prompts", "input"]), max_size=3, unique=True))
+        names = draw(
+            st.lists(
+                st.sampled_from(
+                    ["text", "Prompt", "PROMPT", "prompt ", " prompt", "prompts", "input"]
+                ),
+                max_size=3,
+                unique=True,
+            )
+        )
         content = parquet_bytes(pa.table({name: pa.array(["x"]) for name in names}))
         tail = re.escape(f": no column 'prompt' (columns: {', '.join(names)})")
         outcome = dict.fromkeys(("strict", "lenient"), (tail, None))
@@ -359,11 +485,16 @@ def parquet_cases(draw) -> RawCase:
         content = bytes(content)
         outcome = dict.fromkeys(("strict", "lenient"), (None, None))
     elif kind == "random-bytes":
-        content = draw(st.sampled_from([b"", b"PAR1"])) + draw(st.binary(max_size=80)) + draw(
-            st.sampled_from([b"", b"PAR1"]))
+        content = (
+            draw(st.sampled_from([b"", b"PAR1"]))
+            + draw(st.binary(max_size=80))
+            + draw(st.sampled_from([b"", b"PAR1"]))
+        )
         outcome = dict.fromkeys(("strict", "lenient"), (UNREADABLE, None))
     else:  # two columns named prompt
-        content = parquet_bytes(pa.table([pa.array(["a"]), pa.array(["b"])], names=["prompt", "prompt"]))
+        content = parquet_bytes(
+            pa.table([pa.array(["a"]), pa.array(["b"])], names=["prompt", "prompt"])
+        )
         outcome = dict.fromkeys(("strict", "lenient"), (UNREADABLE, None))
     return RawCase(f"parquet-{kind}", ".parquet", content, parquet=outcome)
 
@@ -393,23 +524,33 @@ def test_fuzzed_raw_files_name_the_file_and_the_line(tmp_path_factory, case, all
         check_message(str(exc), path, tail)
     else:
         assert prompts is not None or (tail is None and case.kind == "parquet-damaged"), (
-            f"{case.kind}: expected an error matching {tail!r}, got {len(loaded)} prompts")
+            f"{case.kind}: expected an error matching {tail!r}, got {len(loaded)} prompts"
+        )
         if prompts is not None:
             assert loaded == prompts
         assert all(isinstance(p, str) for p in loaded)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
 def project(tmp_path_factory):
     root = tmp_path_factory.mktemp("fuzz")
     (root / "raw").mkdir()
-    (root / "raw" / "a_good.jsonl").write_text("".join(json.dumps({"prompt": p}) + "\n" for p in GOOD))
-    config = load_config(overrides=[f"data.raw_dir={root / 'raw'}",
-                                    f"data.interim_dir={root / 'prepared'}", "data.eval_fraction=0.3"])
+    (root / "raw" / "a_good.jsonl").write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in GOOD)
+    )
+    config = load_config(
+        overrides=[
+            f"data.raw_dir={root / 'raw'}",
+            f"data.interim_dir={root / 'prepared'}",
+            "data.eval_fraction=0.3",
+        ]
+    )
     prepare(config)
     return root, config
 
@@ -443,7 +584,8 @@ def test_fuzzed_raw_files_fail_cleanly_and_keep_the_prepared_version(project, ca
         assert manifest["counts"]["raw"] == len(cleaned)
         assert manifest["counts"]["empty"] == cleaned.count("")
         kept = set(load_prompts(root / "prepared" / "train.parquet")) | set(
-            load_prompts(root / "prepared" / "eval.parquet"))
+            load_prompts(root / "prepared" / "eval.parquet")
+        )
         assert kept == set(cleaned) - {""}
     finally:
         bad.unlink()
@@ -463,14 +605,22 @@ def test_fuzzed_raw_files_fail_cleanly_and_keep_the_prepared_version(project, ca
         (b"[1, 2]\n", ":1: expected a JSON object, got list"),
         (b'{"prompt": "fine"}\n\n  \n"text"\n', ":4: expected a JSON object, got str"),
         (b"[" * 100_000 + b"\n", ":1: JSON nested too deeply"),
-        (b'{"prompt": "fine"}\n{"prompt": "\\ud800 lone"}\n',
-         ":2: field 'prompt' holds a lone UTF-16 surrogate, which is not text"),
-        (b'{"prompt": "' + b"x" * (MAX_LINE_BYTES + 10) + b'"}\n',
-         f":1: line longer than the limit of {MAX_LINE_BYTES} bytes"),
-        (b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}\n",
-         ":1: not valid JSON (Exceeds the limit (4300 digits) for integer string conversion)"),
-        (b'{"prompt": "fine"}\r\n{"prompt": "x",}\r\n', ":2: not valid JSON (Expecting property name "
-         "enclosed in double quotes)"),
+        (
+            b'{"prompt": "fine"}\n{"prompt": "\\ud800 lone"}\n',
+            ":2: field 'prompt' holds a lone UTF-16 surrogate, which is not text",
+        ),
+        (
+            b'{"prompt": "' + b"x" * (MAX_LINE_BYTES + 10) + b'"}\n',
+            f":1: line longer than the limit of {MAX_LINE_BYTES} bytes",
+        ),
+        (
+            b'{"prompt": "x", "n": ' + b"9" * 5000 + b"}\n",
+            ":1: not valid JSON (Exceeds the limit (4300 digits) for integer string conversion)",
+        ),
+        (
+            b'{"prompt": "fine"}\r\n{"prompt": "x",}\r\n',
+            ":2: not valid JSON (Expecting property name enclosed in double quotes)",
+        ),
     ],
 )
 def test_each_bad_input_kind_is_named(tmp_path, content, tail):
@@ -485,14 +635,30 @@ def test_each_bad_input_kind_is_named(tmp_path, content, tail):
     ("content", "tail"),
     [
         (b"PAR1 not really parquet", ": not a readable parquet file (ArrowInvalid: "),
-        (parquet_bytes(pa.table([pa.array(["a"]), pa.array(["b"])], names=["prompt", "prompt"])),
-         ": not a readable parquet file (ArrowInvalid: Multiple matches for FieldRef.Name(prompt)"),
-        (parquet_bytes(pa.table({"text": ["a"], "label": [1]})), ": no column 'prompt' (columns: text, label)"),
-        (parquet_bytes(pa.table({"prompt": pa.array(["a", None])})),
-         ": row 1: 'prompt' is not a non-empty string"),
-        (parquet_bytes(pa.table({"prompt": pa.array([b"ok", b"ok", b"\xff"], type=pa.binary()
-                                                    ).view(pa.string())})),
-         ": row 2: 'prompt' is not valid UTF-8"),
+        (
+            parquet_bytes(pa.table([pa.array(["a"]), pa.array(["b"])], names=["prompt", "prompt"])),
+            ": not a readable parquet file (ArrowInvalid: Multiple matches for FieldRef.Name(prompt)",
+        ),
+        (
+            parquet_bytes(pa.table({"text": ["a"], "label": [1]})),
+            ": no column 'prompt' (columns: text, label)",
+        ),
+        (
+            parquet_bytes(pa.table({"prompt": pa.array(["a", None])})),
+            ": row 1: 'prompt' is not a non-empty string",
+        ),
+        (
+            parquet_bytes(
+                pa.table(
+                    {
+                        "prompt": pa.array([b"ok", b"ok", b"\xff"], type=pa.binary()).view(
+                            pa.string()
+                        )
+                    }
+                )
+            ),
+            ": row 2: 'prompt' is not valid UTF-8",
+        ),
     ],
 )
 def test_each_bad_parquet_kind_is_named_in_one_line(tmp_path, content, tail):
@@ -508,13 +674,15 @@ def test_the_cli_prints_one_line_and_no_traceback(tmp_path):
     raw = tmp_path / "raw"
     raw.mkdir()
     (raw / "a.jsonl").write_bytes(b'{"prompt": "fine"}\n\xff\n')
-    result = CliRunner().invoke(app, ["prepare", f"data.raw_dir={raw}",
-                                      f"data.interim_dir={tmp_path / 'out'}"])
+    result = CliRunner().invoke(
+        app, ["prepare", f"data.raw_dir={raw}", f"data.interim_dir={tmp_path / 'out'}"]
+    )
     assert result.exit_code == 2
     assert "Traceback" not in result.output
     lines = [line for line in result.output.splitlines() if line.strip()]
     assert " ".join(" ".join(lines).split()) == (
-        f"error: {raw / 'a.jsonl'}:2: not valid UTF-8 (invalid start byte)"), result.output
+        f"error: {raw / 'a.jsonl'}:2: not valid UTF-8 (invalid start byte)"
+    ), result.output
     assert not (tmp_path / "out").exists()
 
 
@@ -522,16 +690,69 @@ def test_the_cli_prints_one_line_and_no_traceback(tmp_path):
 
 LEAVES = set(flatten(Config()))
 SECTIONS = {leaf.rsplit(".", 1)[0] for leaf in LEAVES if "." in leaf}
-KEYS = ["seed", "ppo.rollout_batch_size", "ppo.mini_batch_size", "ppo.micro_batch_size",
-        "ppo.generation_batch_size", "ppo.epochs", "ppo.clip_eps", "ppo.lam", "ppo.loss_agg_mode",
-        "kl.estimator", "kl.coef", "optim.lr", "optim.name", "optim.betas", "generation.top_p",
-        "generation.max_new_tokens", "train.iterations", "data.eval_fraction", "model.reference",
-        "device", "precision", "model.critic", "ppo", "data", "nope", "ppo.nope", "ppo.epochs.deeper"]
+KEYS = [
+    "seed",
+    "ppo.rollout_batch_size",
+    "ppo.mini_batch_size",
+    "ppo.micro_batch_size",
+    "ppo.generation_batch_size",
+    "ppo.epochs",
+    "ppo.clip_eps",
+    "ppo.lam",
+    "ppo.loss_agg_mode",
+    "kl.estimator",
+    "kl.coef",
+    "optim.lr",
+    "optim.name",
+    "optim.betas",
+    "generation.top_p",
+    "generation.max_new_tokens",
+    "train.iterations",
+    "data.eval_fraction",
+    "model.reference",
+    "device",
+    "precision",
+    "model.critic",
+    "ppo",
+    "data",
+    "nope",
+    "ppo.nope",
+    "ppo.epochs.deeper",
+]
 values = st.one_of(
-    st.integers(-3, 300).map(str), st.floats(allow_nan=True).map(str),
-    st.sampled_from(["null", "true", "[]", "[1,2]", "{}", "k3", "token-mean", "abc", "", "1e-4",
-                     "inf", "-0", "${oops}", "[0.9,0.95]", "${seed}", "${ppo.epochs}", "{lam: 5}",
-                     "8", "16", "32", ".", "..", "0.5", "1e400", "~", "'1'", "0x10"]),
+    st.integers(-3, 300).map(str),
+    st.floats(allow_nan=True).map(str),
+    st.sampled_from(
+        [
+            "null",
+            "true",
+            "[]",
+            "[1,2]",
+            "{}",
+            "k3",
+            "token-mean",
+            "abc",
+            "",
+            "1e-4",
+            "inf",
+            "-0",
+            "${oops}",
+            "[0.9,0.95]",
+            "${seed}",
+            "${ppo.epochs}",
+            "{lam: 5}",
+            "8",
+            "16",
+            "32",
+            ".",
+            "..",
+            "0.5",
+            "1e400",
+            "~",
+            "'1'",
+            "0x10",
+        ]
+    ),
     st.text(string.printable, max_size=8),
 )
 
@@ -568,33 +789,52 @@ def named_keys(message: str) -> set[str]:
 def check_config_error(items: list[str], message: str) -> str:
     """Check that ``message`` blames the right override or key; returns the kind of error."""
     assert "\n" not in message.strip(), message
-    blamed = [item for item in items
-              if f"(override {item!r})" in message or message.startswith(f"override {item!r}: ")]
+    blamed = [
+        item
+        for item in items
+        if f"(override {item!r})" in message or message.startswith(f"override {item!r}: ")
+    ]
     if blamed:  # rejected while merging: the message names the override and the key it gets wrong
         item = blamed[0]
         key = wrong_key(item.split("=", 1)[0])
         # "bad config" and YAML errors name the key only inside the override (key=value)
-        assert (f"config key {key!r} (override {item!r}): " in message
-                or (message.startswith(f"bad config (override {item!r}): ")
-                    and item.split("=", 1)[0] == key)
-                or message.startswith(f"override {item!r}: the value is not valid YAML (")), message
+        assert (
+            f"config key {key!r} (override {item!r}): " in message
+            or (
+                message.startswith(f"bad config (override {item!r}): ")
+                and item.split("=", 1)[0] == key
+            )
+            or message.startswith(f"override {item!r}: the value is not valid YAML (")
+        ), message
         assert config_outcome((item,)) == message, "the override named is not the culprit"
         return message.split(" (")[0].split(":")[0].split("'")[0].strip()
-    reference = re.match(r"config key '([^']+)': cannot resolve an \$\{\.\.\.\} reference: ", message)
+    reference = re.match(
+        r"config key '([^']+)': cannot resolve an \$\{\.\.\.\} reference: ", message
+    )
     if reference:  # a ${...} that does not resolve: the key holding it is named
         key = reference.group(1)
         assert any(item.split("=", 1)[0] == key and "${" in item for item in items), message
         culprits = {key}
         kind = "unresolved reference"
     else:  # a value out of range or sizes that do not fit: the checks name the key and value
-        culprits = {key for key in named_keys(message)
-                    if any(key == item.split("=", 1)[0] or key.startswith(item.split("=", 1)[0] + ".")
-                           for item in items)}
+        culprits = {
+            key
+            for key in named_keys(message)
+            if any(
+                key == item.split("=", 1)[0] or key.startswith(item.split("=", 1)[0] + ".")
+                for item in items
+            )
+        }
         assert culprits, f"{message!r} names none of the keys set by {items}"
         kind = "rejected by a check" + (" on several keys" if len(named_keys(message)) > 1 else "")
-    without = tuple(item for item in items
-                    if not any(key == item.split("=", 1)[0] or key.startswith(item.split("=", 1)[0] + ".")
-                               for key in culprits))
+    without = tuple(
+        item
+        for item in items
+        if not any(
+            key == item.split("=", 1)[0] or key.startswith(item.split("=", 1)[0] + ".")
+            for key in culprits
+        )
+    )
     assert config_outcome(without) != message, f"{message!r}, but not the keys it names, remains"
     return kind
 
@@ -633,26 +873,53 @@ def test_a_reference_of_the_wrong_type_is_a_config_error_naming_the_key(override
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["ppo.rollout_batch_size=0"], "ppo batch sizes: rollout_batch_size must be a positive integer, got 0"),
-        (["ppo.micro_batch_size=-4"], "ppo batch sizes: micro_batch_size must be a positive integer, got -4"),
-        (["ppo.micro_batch_size=32"], "ppo batch sizes: micro_batch_size=32 is larger than mini_batch_size=16; "
-                                      "sizes must nest rollout >= mini >= micro"),
-        (["ppo.mini_batch_size=128"], "ppo batch sizes: mini_batch_size=128 is larger than "
-                                      "rollout_batch_size=64; sizes must nest rollout >= mini >= micro"),
+        (
+            ["ppo.rollout_batch_size=0"],
+            "ppo batch sizes: rollout_batch_size must be a positive integer, got 0",
+        ),
+        (
+            ["ppo.micro_batch_size=-4"],
+            "ppo batch sizes: micro_batch_size must be a positive integer, got -4",
+        ),
+        (
+            ["ppo.micro_batch_size=32"],
+            "ppo batch sizes: micro_batch_size=32 is larger than mini_batch_size=16; "
+            "sizes must nest rollout >= mini >= micro",
+        ),
+        (
+            ["ppo.mini_batch_size=128"],
+            "ppo batch sizes: mini_batch_size=128 is larger than "
+            "rollout_batch_size=64; sizes must nest rollout >= mini >= micro",
+        ),
         (["precision=fp8"], "precision='fp8' is not one of fp32, bf16"),
         (["model.critic=twin"], "model.critic='twin' is not one of shared, separate"),
-        (["ppo.epochs=two"], "bad value for config key 'ppo.epochs' (override 'ppo.epochs=two'): Value "
-                             "'two' of type 'str' could not be converted to Integer"),
+        (
+            ["ppo.epochs=two"],
+            "bad value for config key 'ppo.epochs' (override 'ppo.epochs=two'): Value "
+            "'two' of type 'str' could not be converted to Integer",
+        ),
         (["optim.lr=-1"], "optim.lr must be > 0, got -1.0"),
         (["kl.coef=nan"], "kl.coef must be a finite number, got nan"),
-        (["seed=\x0b"], "override 'seed=\\x0b': the value is not valid YAML (unacceptable character "
-                        "#x000b: special characters are not allowed)"),
-        (["ppo.epochs.deeper=1"], "bad value for config key 'ppo.epochs' (override 'ppo.epochs.deeper=1'): "
-                                  "Value '{'deeper': 1}' of type 'DictConfig' could not be converted to Integer"),
-        (["seed=${oops}"], "config key 'seed': cannot resolve an ${...} reference: Interpolation key "
-                           "'oops' not found"),
-        (["ppo.nope=3"], "unknown config key 'ppo.nope' (override 'ppo.nope=3'): Key 'nope' not in "
-                         "'PPOConfig'. Did you mean 'ppo.entropy_coef'? Run `ppo config` to list the keys."),
+        (
+            ["seed=\x0b"],
+            "override 'seed=\\x0b': the value is not valid YAML (unacceptable character "
+            "#x000b: special characters are not allowed)",
+        ),
+        (
+            ["ppo.epochs.deeper=1"],
+            "bad value for config key 'ppo.epochs' (override 'ppo.epochs.deeper=1'): "
+            "Value '{'deeper': 1}' of type 'DictConfig' could not be converted to Integer",
+        ),
+        (
+            ["seed=${oops}"],
+            "config key 'seed': cannot resolve an ${...} reference: Interpolation key "
+            "'oops' not found",
+        ),
+        (
+            ["ppo.nope=3"],
+            "unknown config key 'ppo.nope' (override 'ppo.nope=3'): Key 'nope' not in "
+            "'PPOConfig'. Did you mean 'ppo.entropy_coef'? Run `ppo config` to list the keys.",
+        ),
     ],
 )
 def test_named_config_mistakes(overrides, message):

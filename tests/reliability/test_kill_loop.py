@@ -35,13 +35,25 @@ ITERATIONS = 200
 
 def command(model: Path, prompts: Path, out: Path) -> list[str]:
     return [
-        sys.executable, "-m", "flows.cli", "train", "--quiet",
-        f"model.policy={model}", f"data.train_file={prompts}", "threads=1",
-        f"train.output_dir={out / 'candidate'}", f"train.checkpoint_dir={out / 'checkpoints'}",
-        f"train.metrics_dir={out / 'metrics'}", f"train.iterations={ITERATIONS}",
+        sys.executable,
+        "-m",
+        "flows.cli",
+        "train",
+        "--quiet",
+        f"model.policy={model}",
+        f"data.train_file={prompts}",
+        "threads=1",
+        f"train.output_dir={out / 'candidate'}",
+        f"train.checkpoint_dir={out / 'checkpoints'}",
+        f"train.metrics_dir={out / 'metrics'}",
+        f"train.iterations={ITERATIONS}",
         "train.checkpoint_every=1",
-        "train.keep_checkpoints=2", "ppo.rollout_batch_size=8", "ppo.mini_batch_size=4",
-        "ppo.micro_batch_size=2", "ppo.epochs=1", "generation.max_new_tokens=6",
+        "train.keep_checkpoints=2",
+        "ppo.rollout_batch_size=8",
+        "ppo.mini_batch_size=4",
+        "ppo.micro_batch_size=2",
+        "ppo.epochs=1",
+        "generation.max_new_tokens=6",
     ]
 
 
@@ -67,11 +79,17 @@ def final_parameters(out: Path) -> dict[str, torch.Tensor]:
 
 
 def test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run(
-        tmp_path, tiny_model_dir, prompt_files):
+    tmp_path, tiny_model_dir, prompt_files
+):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     reference = tmp_path / "uninterrupted"
-    subprocess.run(command(tiny_model_dir, prompt_files[0], reference), cwd=ROOT, env=env,
-                   check=True, capture_output=True)
+    subprocess.run(
+        command(tiny_model_dir, prompt_files[0], reference),
+        cwd=ROOT,
+        env=env,
+        check=True,
+        capture_output=True,
+    )
 
     killed = tmp_path / "killed"
     checkpoints = killed / "checkpoints"
@@ -80,8 +98,13 @@ def test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run(
     log = []
     while len(log) < wanted:
         start_step = newest_step(checkpoints)
-        process = subprocess.Popen(command(tiny_model_dir, prompt_files[0], killed), cwd=ROOT,
-                                   env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        process = subprocess.Popen(
+            command(tiny_model_dir, prompt_files[0], killed),
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+        )
         if rng.random() < 0.2:
             # anywhere in start-up: imports, model loading, resume, partial-folder cleanup
             time.sleep(rng.uniform(0.5, 6.0))
@@ -101,21 +124,33 @@ def test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run(
         process.stderr.close()
         visible = check_every_checkpoint(checkpoints)
         hidden = sorted(p.name for p in checkpoints.glob(".*")) if checkpoints.is_dir() else []
-        log.append({"kill": len(log) + 1, "step_before": start_step,
-                    "step_after": newest_step(checkpoints), "checkpoints": visible,
-                    "hidden_leftovers": hidden})
+        log.append(
+            {
+                "kill": len(log) + 1,
+                "step_before": start_step,
+                "step_after": newest_step(checkpoints),
+                "checkpoints": visible,
+                "hidden_leftovers": hidden,
+            }
+        )
 
     # What the last kill left: the checkpoints the final run must resume from (all verified above).
     left_by_last_kill = {int(p.name.split("-")[1]) for p in list_checkpoints(checkpoints)}
     assert left_by_last_kill and 0 < max(left_by_last_kill) < ITERATIONS, left_by_last_kill
-    finished = subprocess.run(command(tiny_model_dir, prompt_files[0], killed), cwd=ROOT, env=env,
-                              capture_output=True, text=True)
+    finished = subprocess.run(
+        command(tiny_model_dir, prompt_files[0], killed),
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
     assert finished.returncode == 0, finished.stderr
     summary = json.loads((killed / "candidate" / "training_summary.json").read_text())
     assert summary["iterations"] == ITERATIONS
     assert summary["resumed_from"] == max(left_by_last_kill), (
         f"the final run resumed from {summary['resumed_from']}, not from the newest checkpoint "
-        f"left by the last kill ({sorted(left_by_last_kill)})")
+        f"left by the last kill ({sorted(left_by_last_kill)})"
+    )
     assert f"(resumed at {max(left_by_last_kill)})" in " ".join(finished.stderr.split())
     assert not list(checkpoints.glob(".*")), "leftovers of killed writers were not removed"
     check_every_checkpoint(checkpoints)
@@ -124,8 +159,17 @@ def test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run(
     assert expected.keys() == actual.keys()
     worst = max((expected[k] - actual[k]).abs().max().item() for k in expected)
     progress = [entry["step_after"] - entry["step_before"] for entry in log]
-    print(json.dumps({"kills": len(log), "killed_during_training": sum(p > 0 for p in progress),
-                      "final_run_resumed_from": summary["resumed_from"],
-                      "kills_that_left_hidden_leftovers": sum(bool(e["hidden_leftovers"]) for e in log),
-                      "largest_parameter_difference": worst, "log": log}, indent=1))
+    print(
+        json.dumps(
+            {
+                "kills": len(log),
+                "killed_during_training": sum(p > 0 for p in progress),
+                "final_run_resumed_from": summary["resumed_from"],
+                "kills_that_left_hidden_leftovers": sum(bool(e["hidden_leftovers"]) for e in log),
+                "largest_parameter_difference": worst,
+                "log": log,
+            },
+            indent=1,
+        )
+    )
     assert worst == 0.0, f"resumed run differs from the uninterrupted one by {worst}"

@@ -26,9 +26,14 @@ def test_a_retried_train_stage_resumes_from_its_checkpoint(tmp_path):
     project = make_tiny_project(tmp_path / "project")
     set_params(str(project), {"train.iterations": 200, "train.checkpoint_every": 1})
     assert dvc(project, "repro", "validate").returncode == 0
-    first = subprocess.Popen([str(BIN / "dvc"), "repro", "train"], cwd=project,
-                             env=environment(), start_new_session=True,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    first = subprocess.Popen(
+        [str(BIN / "dvc"), "repro", "train"],
+        cwd=project,
+        env=environment(),
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     checkpoints = project / "checkpoints"
     deadline = time.monotonic() + 300
     while len(list(checkpoints.glob("step-*"))) < 2:

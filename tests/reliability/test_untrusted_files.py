@@ -52,14 +52,18 @@ def test_pickled_model_weights_are_never_loaded(tmp_path, tiny_model_dir):
 
 
 def test_a_folder_that_needs_its_own_code_is_refused_without_trust_remote_code(
-        tmp_path, tiny_model_dir, monkeypatch):
+    tmp_path, tiny_model_dir, monkeypatch
+):
     from transformers import dynamic_module_utils
 
     folder = tmp_path / "model_with_code"
     shutil.copytree(tiny_model_dir, folder)
     marker = tmp_path / "code-ran"
-    (folder / "evil.py").write_text(f"import os\nos.mkdir({str(marker)!r})\n"
-                                    "from transformers import GPT2LMHeadModel as EvilModel\n")
+    (folder / "evil.py").write_text(
+        f"import os\nos.mkdir({str(marker)!r})\n"
+        "from transformers import GPT2LMHeadModel\n"
+        "class EvilModel(GPT2LMHeadModel):\n    pass\n"
+    )
     config = json.loads((folder / "config.json").read_text())
     config["auto_map"] = {"AutoModelForCausalLM": "evil.EvilModel"}
     (folder / "config.json").write_text(json.dumps(config))
@@ -127,10 +131,18 @@ def test_the_cli_reports_a_tampered_registry_in_one_line(tmp_path, tiny_model_di
     registry = tmp_path / "registry.json"
     registry.write_text(json.dumps({"current": "../x", "entries": []}))
     shutil.copytree(tiny_model_dir, tmp_path / "candidate")
-    result = CliRunner().invoke(app, [
-        "evaluate", f"promote.registry={registry}", f"model.policy={tiny_model_dir}",
-        f"train.output_dir={tmp_path / 'candidate'}", f"data.eval_file={prompt_files[1]}",
-        f"eval.output_dir={tmp_path / 'eval'}", f"promote.production_dir={tmp_path / 'prod'}"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            f"promote.registry={registry}",
+            f"model.policy={tiny_model_dir}",
+            f"train.output_dir={tmp_path / 'candidate'}",
+            f"data.eval_file={prompt_files[1]}",
+            f"eval.output_dir={tmp_path / 'eval'}",
+            f"promote.production_dir={tmp_path / 'prod'}",
+        ],
+    )
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert "names version '../x'" in result.output
     assert not (tmp_path / "eval").exists()
