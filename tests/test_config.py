@@ -8,9 +8,10 @@ from ppo_core.math.kl import KL_ESTIMATORS
 from ppo_core.math.losses import LOSS_AGG_MODES
 
 
-def test_defaults_load_and_nest():
+def test_defaults_load_and_nest(tmp_path):
     config = load_config()
-    assert isinstance(config, Config)
+    save_config(config, tmp_path / "defaults.yaml")  # a saved config loads back unchanged
+    assert to_yaml(load_config(tmp_path / "defaults.yaml")) == to_yaml(config)
     assert (
         config.ppo.rollout_batch_size >= config.ppo.mini_batch_size >= config.ppo.micro_batch_size
     )

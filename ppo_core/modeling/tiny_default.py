@@ -247,6 +247,7 @@ def build_tiny_default(
                 "unk": tokenizer.unk_token_id,
             },
             "format": "bos + review + eos; tokenizer prepends bos, pads left",
+            "initial_loss": sum(losses[:5]) / len(losses[:5]) if losses else float("nan"),
             "final_loss": sum(tail) / len(tail),
             "num_threads": torch.get_num_threads(),
             "elapsed_seconds": round(time.perf_counter() - start, 3),

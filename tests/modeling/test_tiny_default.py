@@ -103,7 +103,9 @@ def test_build_writes_a_loadable_folder(built):
 
     record = json.loads((path / "tiny_default.json").read_text())
     assert record["seed"] == 0 and record["steps"] == 30 and record["n_sentences"] == 2000
-    assert record["final_loss"] > 0 and record["elapsed_seconds"] > 0
+    # the warm start learned: cross-entropy fell from about ln(vocab) by a clear margin
+    assert record["initial_loss"] > 5.0
+    assert record["final_loss"] < record["initial_loss"] - 1.0
 
     batch = tok(["The movie was", "I thought the plot"], return_tensors="pt", padding=True)
     out = model.generate(**batch, max_new_tokens=4)
@@ -139,9 +141,15 @@ def test_scorer_shape_dtype_and_sign():
     assert scores.shape == (3,) and scores.dtype == torch.float32
     assert scores[0] > 0.5 and scores[1] < -0.5 and scores[2] == 0.0
     assert torch.all(scores.abs() <= 1.0)
-    # The whole review counts: the same response after a different prompt scores differently.
+    # The whole review counts: the score is that of prompt + response, so the same response
+    # after a different prompt scores differently.
     assert (
         scorer(["The movie was"], [" great."])[0] == sentiment_scores(["The movie was great."])[0]
+    )
+    assert (
+        scorer(["The movie was not"], [" great."])[0]
+        < 0
+        < scorer(["The movie was"], [" great."])[0]
     )
 
 
