@@ -384,3 +384,36 @@ def test_a_non_finite_loss_is_named_before_the_optimizer_step(tiny_model_dir):
             generator=torch.Generator().manual_seed(0),
         )
     assert all(torch.equal(a, b.detach()) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("case", ["reward", "model", "data"])
+def test_a_run_that_fails_its_checks_after_a_completed_run_keeps_everything(
+    tmp_path, tiny_model_dir, prompt_files, case
+):
+    """A typo in the reward, a missing model folder or a damaged prompt file changes the config,
+    yet fails before the finished run's checkpoints are set aside or its output touched."""
+    train(small_config(tmp_path, tiny_model_dir, prompt_files))
+
+    def snapshot() -> dict[str, bytes]:
+        return {
+            str(p.relative_to(tmp_path)): p.read_bytes()
+            for folder in ("checkpoints", "candidate")
+            for p in sorted((tmp_path / folder).rglob("*"))
+            if p.is_file()
+        }
+
+    before = snapshot()
+    bad_prompts = tmp_path / "bad.jsonl"
+    bad_prompts.write_text('{"prompt": "ok"}\n{"prompt": oops}\n')
+    override, error = {
+        "reward": ("model.reward=no_such_reward_module:score", RewardError),
+        "model": (f"model.policy={tmp_path / 'missing-model'}", ModelFolderError),
+        "data": (f"data.train_file={bad_prompts}", PromptFileError),
+    }[case]
+    with pytest.raises(error):
+        train(small_config(tmp_path, tiny_model_dir, prompt_files, override))
+    assert snapshot() == before
+    assert not list((tmp_path / "checkpoints").glob("stale-*"))
+    # the lock was let go: the original run resumes at its end and changes nothing
+    summary = train(small_config(tmp_path, tiny_model_dir, prompt_files))
+    assert summary.resumed_from == 2

@@ -5,8 +5,9 @@ tensor ``[B]``. Three sources:
 
 - ``builtin:sentiment``: the VADER scorer of :mod:`ppo_core.modeling.rewards`.
 - ``module:function``: a Python callable you name. **This imports and runs your code**; it is the
-  only option that imports code named by configuration. The module must be importable (on
-  ``PYTHONPATH`` or installed).
+  only option that imports code named by configuration. The module is looked for in the working
+  folder first (``my_module.py`` beside ``params.yaml``), then on ``PYTHONPATH`` and among the
+  installed packages.
 - a local folder of a Hugging Face sequence-classification model: the score is the logit of a
   one-label model, or the log-odds of the last label against the first for a two-label one.
 """
@@ -14,6 +15,7 @@ tensor ``[B]``. Three sources:
 from __future__ import annotations
 
 import importlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -46,12 +48,7 @@ def build_reward_fn(
         return _checked(_RewardModel(spec, device, trust_remote_code), spec)
     if ":" in spec:
         module_name, _, function_name = spec.partition(":")
-        try:
-            module = importlib.import_module(module_name)
-        except ImportError as exc:
-            raise RewardError(
-                f"model.reward={spec!r}: cannot import module {module_name!r} ({exc})"
-            ) from None
+        module = _import_reward_module(spec, module_name)
         function = getattr(module, function_name, None)
         if not callable(function):
             raise RewardError(
@@ -62,6 +59,25 @@ def build_reward_fn(
         f"model.reward={spec!r} is neither builtin:sentiment, a module:function, nor an existing "
         "folder of a sequence-classification model"
     )
+
+
+def _import_reward_module(spec: str, module_name: str) -> Any:
+    """Import ``module_name`` as Python would from the working folder: the working folder is
+    searched first (as by ``python -c``), then the installed packages."""
+    working_folder = str(Path.cwd())
+    added = working_folder not in sys.path
+    if added:
+        sys.path.insert(0, working_folder)
+    try:
+        return importlib.import_module(module_name)
+    except ImportError as exc:
+        raise RewardError(
+            f"model.reward={spec!r}: cannot import module {module_name!r} ({exc}); looked in the "
+            f"working folder {working_folder} and the installed packages"
+        ) from None
+    finally:
+        if added:
+            sys.path.remove(working_folder)
 
 
 def _checked(function: RewardFn, name: str) -> RewardFn:
