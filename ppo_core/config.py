@@ -253,6 +253,9 @@ class TrainConfig:
     """Write a checkpoint every N iterations (and always at the end)."""
     keep_checkpoints: int = 2
     """How many checkpoints to keep."""
+    keep_set_aside: int = 2
+    """How many runs' checkpoints to keep in ``checkpoint_dir/stale-*`` after a config or data
+    change made training start over (oldest removed first); 0 removes them at once."""
     resume: bool = True
     """Resume from the newest checkpoint in ``checkpoint_dir`` when there is one."""
     metrics_dir: str = "reports/train"
@@ -557,6 +560,7 @@ def validate_config(config: Config) -> None:
         "generation.top_k": config.generation.top_k,
         "threads": config.threads,
         "eval.num_examples": config.eval.num_examples,
+        "train.keep_set_aside": config.train.keep_set_aside,
         "validation.min_tokens": config.validation.min_tokens,
         "validation.min_train_rows": config.validation.min_train_rows,
         "validation.min_eval_rows": config.validation.min_eval_rows,

@@ -32,7 +32,7 @@ import torch
 
 from ppo_core.config import Config, OptimConfig, flatten, save_config, to_yaml
 from ppo_core.distributed import DataParallel, is_main_process
-from ppo_core.files import atomic_folder, exclusive_run
+from ppo_core.files import atomic_folder, discard, exclusive_run
 from ppo_core.math.kl import AdaptiveKLController, FixedKLController
 from ppo_core.modeling.checkpoint import (
     list_checkpoints,
@@ -159,6 +159,7 @@ RESUME_FREE_KEYS = (
     "train.iterations",
     "train.checkpoint_every",
     "train.keep_checkpoints",
+    "train.keep_set_aside",
     "train.resume",
     "threads",
     "ppo.scoring_batch_size",
@@ -191,14 +192,24 @@ def resume_mismatch(config: Config, state: dict[str, Any], data_hash: str | None
     return None
 
 
-def set_aside_checkpoints(checkpoint_dir: str | Path) -> Path:
-    """Move the checkpoints of another run out of the way (kept, not deleted)."""
+def set_aside_checkpoints(checkpoint_dir: str | Path, keep: int) -> tuple[Path, list[Path]]:
+    """Move the checkpoints of another run to ``stale-<time>/`` and keep the newest ``keep``
+    such folders; returns the new folder and the removed ones."""
     folder = Path(checkpoint_dir)
-    stale = folder / f"stale-{time.strftime('%Y%m%d-%H%M%S')}"
-    stale.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    stale = folder / f"stale-{stamp}"
+    number = 1
+    while stale.exists():  # two restarts within one second
+        number += 1
+        stale = folder / f"stale-{stamp}-{number}"
+    stale.mkdir(parents=True)
     for path in list_checkpoints(folder):
         path.rename(stale / path.name)
-    return stale
+    set_aside = sorted(p for p in folder.glob("stale-*") if p.is_dir())
+    removed = set_aside[: max(len(set_aside) - keep, 0)]
+    for old in removed:
+        discard(old)
+    return stale, removed
 
 
 def resolve_resume(
@@ -226,10 +237,19 @@ def resolve_resume(
         return checkpoint
     parallel.barrier()  # every rank has read the checkpoint list before it moves
     if parallel.is_main:
-        stale = set_aside_checkpoints(config.train.checkpoint_dir)
+        keep = config.train.keep_set_aside
+        stale, removed = set_aside_checkpoints(config.train.checkpoint_dir, keep)
+        kept = f"moved to {stale}" if keep else "removed (train.keep_set_aside=0)"
+        dropped = (
+            f"; removed the oldest set-aside runs {', '.join(p.name for p in removed)} "
+            f"(train.keep_set_aside={keep})"
+            if removed and keep
+            else ""
+        )
         warnings.warn(
-            f"not resuming from {folder}: {reason}; starting over (the old "
-            f"checkpoints were moved to {stale})",
+            f"not resuming from {folder}: {reason}; training starts over from model.policy and "
+            f"the old checkpoints were {kept}{dropped}. To continue the old run instead, undo "
+            "the change",
             stacklevel=3,
         )
     return None

@@ -183,6 +183,30 @@ def test_a_changed_config_starts_over_and_keeps_the_old_checkpoints(
     assert len(stale) == 1
 
 
+def test_set_aside_runs_are_bounded_and_the_warning_says_what_happens(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    one = ("train.iterations=1", "train.keep_set_aside=1")
+    train(small_config(tmp_path, tiny_model_dir, prompt_files, *one))
+    with pytest.warns(
+        UserWarning,
+        match=r"training starts over from model.policy and the old "
+        r"checkpoints were moved to .*stale-[0-9-]+\. To continue the old run",
+    ):
+        train(small_config(tmp_path, tiny_model_dir, prompt_files, *one, "ppo.epochs=1"))
+    first = sorted((tmp_path / "checkpoints").glob("stale-*"))
+    assert len(first) == 1
+    with pytest.warns(
+        UserWarning,
+        match=rf"removed the oldest set-aside runs {first[0].name} "
+        r"\(train.keep_set_aside=1\)",
+    ):
+        train(small_config(tmp_path, tiny_model_dir, prompt_files, *one, "ppo.epochs=3"))
+    second = sorted((tmp_path / "checkpoints").glob("stale-*"))
+    assert len(second) == 1 and second != first
+    assert (second[0] / "step-000001").is_dir()
+
+
 def test_separate_critic_adaptive_kl_and_dual_clip_run(tmp_path, tiny_model_dir, prompt_files):
     recorder = Recorder()
     summary = train(
