@@ -27,7 +27,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hypothesis import HealthCheck, event, given, settings
+import yaml
+from hypothesis import HealthCheck, event, example, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
@@ -768,6 +769,15 @@ def wrong_key(key: str) -> str:
     return key
 
 
+def mapping_keys(value: str) -> list[str]:
+    """The top-level keys of an override value that is a YAML mapping, else none."""
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return []
+    return [str(k) for k in parsed] if isinstance(parsed, dict) else []
+
+
 @functools.lru_cache(maxsize=4096)
 def config_outcome(overrides: tuple[str, ...]) -> str | None:
     try:
@@ -797,9 +807,12 @@ def check_config_error(items: list[str], message: str) -> str:
     if blamed:  # rejected while merging: the message names the override and the key it gets wrong
         item = blamed[0]
         key = wrong_key(item.split("=", 1)[0])
+        # a mapping given to a section is merged key by key: the key inside it that is wrong
+        nested = [f"{key}.{sub}" for sub in mapping_keys(item.split("=", 1)[1])]
         # "bad config" and YAML errors name the key only inside the override (key=value)
         assert (
             f"config key {key!r} (override {item!r}): " in message
+            or any(f"config key {k!r} (override {item!r}): " in message for k in nested)
             or (
                 message.startswith(f"bad config (override {item!r}): ")
                 and item.split("=", 1)[0] == key
@@ -857,6 +870,7 @@ config_overrides = st.lists(st.tuples(st.sampled_from(KEYS), values), min_size=1
 
 @settings(max_examples=200)
 @given(overrides=config_overrides)
+@example(overrides=[("data", "{lam: 5}")])  # a section given a mapping with an unknown key
 def test_fuzzed_configs_load_or_name_the_wrong_key(overrides):
     check_config(overrides)
 
