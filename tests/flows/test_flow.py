@@ -85,6 +85,7 @@ def test_bad_data_stops_the_flow_at_validation(tiny_project, prefect_harness, mo
     assert (tiny_project / "models" / "registry.json").read_text() == registry
 
 
+@pytest.mark.slow  # starts a Prefect test server (about 27 s)
 def test_a_second_retraining_run_refuses_while_one_runs(tmp_path, prefect_harness):
     from flows.pipeline import retrain
     from ppo_core.files import RunLockedError, exclusive_run
