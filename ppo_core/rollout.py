@@ -256,22 +256,32 @@ def collect_rollout(
         advantages=advantages,
         returns=returns,
     )
+    metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
+    metrics["rollout/kl_coef"] = float(kl_coef)
+    return batch, metrics, responses
+
+
+def _rollout_metrics(
+    batch: RolloutBatch, raw_scores: Tensor, token_kl: Tensor, has_eos: Tensor, all_ranks: bool
+) -> dict[str, float]:
+    """Per-sequence means of score, KL, reward, length and EOS rate (over every rank's rows with
+    ``all_ranks``), the token-weighted value mean and the score's standard deviation."""
+    mask = batch.response_mask
     per_sequence = {
         "rollout/score": raw_scores,
         "rollout/positive_rate": (raw_scores > POSITIVE_SCORE).float(),
         "rollout/kl": masked_sum(token_kl, mask, dim=1),
-        "rollout/reward": masked_sum(rewards, mask, dim=1),
+        "rollout/reward": masked_sum(batch.rewards, mask, dim=1),
         "rollout/response_length": mask.sum(dim=1).float(),
-        "rollout/eos_rate": generated.has_eos.float(),
+        "rollout/eos_rate": has_eos.float(),
     }
     means = {name: RunningMean.from_sum(v.sum(), len(v)) for name, v in per_sequence.items()}
-    means["rollout/value_mean"] = RunningMean.from_masked(old_values, mask)
+    means["rollout/value_mean"] = RunningMean.from_masked(batch.old_values, mask)
     metrics = {name: (m.all_reduce() if all_ranks else m).item() for name, m in means.items()}
     every_row = torch.ones_like(raw_scores, dtype=torch.bool)
     metrics["rollout/score_std"] = (
         float(masked_moments(raw_scores, every_row, all_ranks=all_ranks)[1]) ** 0.5
-        if len(prompts) > 1 or all_ranks
+        if len(raw_scores) > 1 or all_ranks
         else 0.0
     )
-    metrics["rollout/kl_coef"] = float(kl_coef)
-    return batch, metrics, responses
+    return metrics

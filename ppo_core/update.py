@@ -7,7 +7,7 @@ objective is :class:`~ppo_core.math.objective.PPOObjective`, the one the tests p
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -76,8 +76,6 @@ def ppo_update(
     """
     runtime = runtime or Runtime()
     objective = objective_from(ppo)
-    parameters = [p for p in model.parameters() if p.requires_grad]
-    names = {id(p): name for name, p in model.named_parameters()}
     world_size = runtime.parallel.world_size
 
     def loss_fn(micro: RolloutBatch) -> tuple[LossParts, dict[str, RunningMean]]:
@@ -105,6 +103,8 @@ def ppo_update(
         )
         return parts, {f"ppo/{name}": value for name, value in stats.items()}
 
+    # Named once: a non-finite gradient is reported by the parameter's name.
+    parameter_names = {id(p): name for name, p in model.named_parameters()}
     totals: dict[str, RunningMean] = {}
     steps = 0
     early_stopped = False
@@ -120,24 +120,17 @@ def ppo_update(
                 mini_batch.rows(rows).trimmed()
                 for rows in micro_batch_slices(len(mini_batch), ppo.micro_batch_size)
             ]
-            optimizer.zero_grad(set_to_none=True)
-            result = accumulate_gradients(
+            stats = _optimizer_step(
+                model,
+                optimizer,
                 micro_batches,
                 loss_fn,
-                count_fn=lambda micro: objective.count(micro.response_mask),
-                no_sync=getattr(model, "no_sync", None),
+                objective,
+                ppo.max_grad_norm,
+                mini_batch,
+                parameter_names,
             )
-            # One check per mini-batch, on the loss every rank sees, before the step (a check per
-            # micro-batch would stall the device between each forward and backward pass).
-            loss = result.loss.all_reduce()
-            if not torch.isfinite(loss.mean):
-                _raise_non_finite_loss(result.stats, mini_batch)
-            grad_norm = clip_and_check_gradients(parameters, ppo.max_grad_norm, names)
-            optimizer.step()
             steps += 1
-            stats = {name: value.all_reduce() for name, value in result.stats.items()}
-            stats["ppo/loss"] = loss
-            stats["ppo/grad_norm"] = RunningMean.of(grad_norm, 1)
             for name, value in stats.items():
                 totals[name] = totals[name].merge(value) if name in totals else value
             if ppo.target_kl is not None and stats["ppo/approx_kl"].item() > ppo.target_kl:
@@ -150,6 +143,39 @@ def ppo_update(
     metrics["ppo/optimizer_steps"] = float(steps)
     metrics["ppo/early_stopped"] = float(early_stopped)
     return metrics
+
+
+def _optimizer_step(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    micro_batches: list[RolloutBatch],
+    loss_fn: Callable[[RolloutBatch], tuple[LossParts, dict[str, RunningMean]]],
+    objective: PPOObjective,
+    max_grad_norm: float | None,
+    mini_batch: RolloutBatch,
+    parameter_names: dict[int, str],
+) -> dict[str, RunningMean]:
+    """One optimizer step on the exact gradient of a mini-batch, accumulated over its
+    micro-batches (and ranks); returns the step's statistics, reduced over the ranks."""
+    optimizer.zero_grad(set_to_none=True)
+    result = accumulate_gradients(
+        micro_batches,
+        loss_fn,
+        count_fn=lambda micro: objective.count(micro.response_mask),
+        no_sync=getattr(model, "no_sync", None),
+    )
+    # One check per mini-batch, on the loss every rank sees, before the step (a check per
+    # micro-batch would stall the device between each forward and backward pass).
+    loss = result.loss.all_reduce()
+    if not torch.isfinite(loss.mean):
+        _raise_non_finite_loss(result.stats, mini_batch)
+    parameters = [p for p in model.parameters() if p.requires_grad]
+    grad_norm = clip_and_check_gradients(parameters, max_grad_norm, parameter_names)
+    optimizer.step()
+    stats = {name: value.all_reduce() for name, value in result.stats.items()}
+    stats["ppo/loss"] = loss
+    stats["ppo/grad_norm"] = RunningMean.of(grad_norm, 1)
+    return stats
 
 
 def _rows_of_this_rank(
