@@ -1,13 +1,18 @@
 """The ``ppo`` command: one subcommand per pipeline stage.
 
-Every subcommand takes ``--config FILE`` (YAML) and ``key=value`` overrides of any config key,
-e.g. ``ppo train ppo.mini_batch_size=32 optim.lr=1e-4``. Run ``ppo config`` to see every key with
-its current value.
+Every subcommand reads ``./params.yaml`` when there is one (``--config FILE`` for another YAML
+file, ``--config none`` for the built-in defaults alone) and takes ``key=value`` overrides of any
+config key, e.g. ``ppo train ppo.mini_batch_size=32 optim.lr=1e-4``. Run ``ppo config`` to see
+every key with its current value, ``ppo config --docs`` to see what each one does.
+
+Help texts are Markdown (``rich_markup_mode="markdown"``): the terminal rewraps paragraphs to
+its width, so a docstring's own line breaks do not show, and a list keeps one item a line.
 """
 
 from __future__ import annotations
 
 import errno
+import os
 import sys
 from pathlib import Path
 from typing import Annotated
@@ -23,17 +28,34 @@ app = typer.Typer(
         "starting model), validate (Great Expectations; publishes the data version), train "
         "(PPO), evaluate (candidate vs baseline), promote (gate to production). `dvc repro` "
         "runs them all; so does the Prefect flow (`python -m flows.pipeline`).\n\n"
-        "Every command takes --config FILE and key=value overrides; `ppo config` lists all keys."
+        "Every command reads ./params.yaml when there is one (`--config FILE` for another file, "
+        "`--config none` for the built-in defaults alone) and takes key=value overrides; "
+        "`ppo config --docs` lists every key with what it does."
     ),
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode="markdown",
 )
 console = Console(stderr=True)
 
+# Read when no --config is given, as `dvc repro` reads it for every stage.
+DEFAULT_CONFIG = Path("params.yaml")
+# The --config value that asks for the built-in defaults alone.
+NO_CONFIG = "none"
+
 ConfigOption = Annotated[
     Path | None,
-    typer.Option("--config", "-c", help="YAML config file (defaults are used for missing keys)."),
+    typer.Option(
+        "--config",
+        "-c",
+        help=(
+            "YAML config file; keys it leaves out keep their defaults. Without this option "
+            f"./{DEFAULT_CONFIG} is read when it exists; `--config {NO_CONFIG}` uses the built-in "
+            "defaults alone."
+        ),
+        show_default=False,
+    ),
 ]
 Overrides = Annotated[
     list[str] | None,
@@ -43,10 +65,33 @@ Overrides = Annotated[
 ]
 
 
+def _config_file(given: Path | None) -> Path | None:
+    """The file to read: ``given``, ./params.yaml when none is given, or none at all."""
+    if given is not None:
+        return None if str(given) == NO_CONFIG else given
+    if not DEFAULT_CONFIG.is_file():
+        return None
+    from ppo_core.distributed import is_main_process
+
+    if is_main_process():  # once, not once per torchrun rank
+        console.print(
+            f"config: {DEFAULT_CONFIG} (--config FILE for another, --config {NO_CONFIG} for the "
+            "defaults)",
+            soft_wrap=True,
+            highlight=False,
+        )
+    return DEFAULT_CONFIG
+
+
 def _load(config_file: Path | None, overrides: list[str] | None):
     from ppo_core.config import load_config
 
-    return load_config(config_file, overrides or [])
+    if not sys.stderr.isatty():
+        # transformers draws a bar per model load and save ("Loading weights"); in a log (DVC,
+        # Prefect, CI) those are noise. Read before transformers is first imported.
+        os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+
+    return load_config(_config_file(config_file), overrides or [])
 
 
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
@@ -91,12 +136,18 @@ def _run(action):
 
 
 @app.command("config")
-def show_config(config: ConfigOption = None, overrides: Overrides = None) -> None:
-    """Print the resolved config (defaults + file + overrides) as YAML."""
+def show_config(
+    config: ConfigOption = None,
+    overrides: Overrides = None,
+    docs: Annotated[
+        bool, typer.Option("--docs", help="Write each key's documentation above it, as comments.")
+    ] = False,
+) -> None:
+    """Print the resolved config (defaults, then the file, then overrides) as YAML."""
     from ppo_core.config import to_yaml
 
     cfg = _run(lambda: _load(config, overrides))
-    sys.stdout.write(to_yaml(cfg))
+    sys.stdout.write(to_yaml(cfg, docs=docs))
 
 
 @app.command()
@@ -158,6 +209,20 @@ def train(
     Resumes from the newest checkpoint in train.checkpoint_dir (train.resume=false starts over).
     Writes the policy to train.output_dir and per-iteration metrics to train.metrics_dir.
 
+    The settings changed most often, as key=value (`ppo config --docs` explains every key):
+
+    - train.iterations: PPO iterations (rollout + update)
+    - ppo.rollout_batch_size: prompts sampled per iteration
+    - ppo.mini_batch_size: rows per optimizer step; divides ppo.rollout_batch_size
+    - ppo.micro_batch_size: rows per forward/backward pass; divides ppo.mini_batch_size; sets
+      memory use, not the result
+    - optim.lr: learning rate
+    - kl.coef: weight of the KL penalty against the reference model
+    - model.policy: folder of the model to start from
+    - model.reward: builtin:sentiment, module:function or a reward-model folder
+    - device: auto, cpu or cuda
+    - precision: fp32 or bf16
+
     Data parallel: `torchrun --nproc_per_node N -m flows.cli train ...` (gloo on CPU, NCCL on
     GPU); ppo.rollout_batch_size and ppo.mini_batch_size are then per rank.
     """
@@ -199,18 +264,20 @@ def evaluate(
     reports = _run(lambda: stages.evaluate(cfg, candidate, baseline if baseline != "" else None))
     from rich.table import Table
 
+    from ppo_core.evaluation import metric_table
+
     table = Table(title=f"evaluation ({cfg.eval.output_dir})")
     table.add_column("metric")
     for name in reports:
         table.add_column(name, justify="right")
-    for key in next(iter(reports.values())).metrics:
-        table.add_row(key, *(f"{r.metrics[key]:.4g}" for r in reports.values()))
+    for key, cells in metric_table(reports):
+        table.add_row(key, *cells)
     Console().print(table)
 
 
 @app.command()
 def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
-    """Promote the evaluated candidate to production if it passes the gate (promote.*).
+    """Promote the evaluated candidate to production if it passes the gate (`promote.*`).
 
     The candidate must beat the baseline's held-out score by promote.min_improvement, stay
     within promote.max_kl and end responses with EOS often enough. A pass copies it to a new

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from ppo_core.config import Config
 from ppo_core.files import atomic_folder, atomic_write_text, file_sha256
+from ppo_core.modeling.data import PromptFileError
 
 
 def _normalise(text: str) -> str:
@@ -23,6 +24,44 @@ def _normalise(text: str) -> str:
 def _in_eval_split(prompt: str, seed: int, fraction: float) -> bool:
     digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
     return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def raw_sources(raw_dir: Path) -> list[Path]:
+    """The raw prompt files ``prepare`` reads, in the order it reads them."""
+    return sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
+
+
+class StaleDataError(PromptFileError):
+    """The raw prompts changed since the prepared version was made."""
+
+
+def check_raw_data_is_prepared(config: Config) -> None:
+    """Refuse to train when ``data.raw_dir`` no longer matches the manifest of the prepared
+    version that ``data.train_file`` belongs to: new prompts would be silently ignored.
+
+    Files are compared by name and SHA-256. Nothing is checked when the train file is not part of
+    a prepared version (a manifest beside it) or the raw folder does not exist, or with
+    ``train.allow_stale_data``.
+    """
+    data = config.data
+    manifest_file = Path(data.train_file).parent / "manifest.json"
+    raw_dir = Path(data.raw_dir)
+    if config.train.allow_stale_data or not manifest_file.is_file() or not raw_dir.is_dir():
+        return
+    recorded = {
+        Path(source["file"]).name: source["sha256"]
+        for source in json.loads(manifest_file.read_text()).get("sources", [])
+    }
+    current = {path.name: file_sha256(path) for path in raw_sources(raw_dir)}
+    changes = [f"new {name}" for name in current if name not in recorded]
+    changes += [f"changed {n}" for n in current if n in recorded and current[n] != recorded[n]]
+    changes += [f"removed {name}" for name in recorded if name not in current]
+    if changes:
+        raise StaleDataError(
+            f"{raw_dir} changed since {manifest_file.parent} was prepared ({', '.join(changes)}); "
+            "run `ppo prepare && ppo validate` (or `dvc repro validate`) to train on it, or pass "
+            "train.allow_stale_data=true to train on the prepared version as it is"
+        )
 
 
 def prepare(config: Config) -> Path:
@@ -37,11 +76,11 @@ def prepare(config: Config) -> Path:
     """
     import pandas as pd
 
-    from ppo_core.modeling.data import PromptFileError, load_prompts
+    from ppo_core.modeling.data import load_prompts
 
     data = config.data
     raw_dir = Path(data.raw_dir)
-    sources = sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
+    sources = raw_sources(raw_dir)
     if not sources:
         raise PromptFileError(f"no .jsonl or .parquet prompt files in {str(raw_dir)!r}")
     seen: set[str] = set()
@@ -129,6 +168,7 @@ def train(config: Config, show_progress: bool = True):
     from ppo_core.distributed import is_main_process
     from ppo_core.trainer import train as run_training
 
+    check_raw_data_is_prepared(config)
     loggers: list[DVCLiveLogger | ConsoleProgress] = [DVCLiveLogger(config.train.metrics_dir)]
     if show_progress:
         loggers.append(ConsoleProgress(config.train.iterations))
@@ -144,7 +184,10 @@ def train(config: Config, show_progress: bool = True):
 
 def evaluate(config: Config, candidate: str | None = None, baseline: str | None = None):
     """Evaluate the candidate (default ``train.output_dir``) against a baseline (default
-    ``eval.baseline``, else the current production version, else ``model.policy``)."""
+    ``eval.baseline``, else the current production version, else ``model.policy``), both scored
+    with ``eval.reward``, else the reward the candidate was trained with, else ``model.reward``.
+    A candidate with another tokenizer than the KL reference is refused; a baseline with
+    another tokenizer is scored without KL (:mod:`ppo_core.evaluation`)."""
     from ppo_core.evaluation import evaluate as run_evaluation
 
     return run_evaluation(
@@ -166,7 +209,6 @@ def validate(config: Config) -> Path:
     import pandas as pd
 
     from flows.validation import DataValidationError, validate_prompt_splits
-    from ppo_core.modeling.data import PromptFileError
     from ppo_core.modeling.policy import load_tokenizer
 
     interim = Path(config.data.interim_dir)
@@ -255,6 +297,7 @@ def promote(config: Config) -> dict:
             "metrics": candidate,
             "baseline_metrics": side("baseline"),
             "baseline": models.get("baseline"),
+            "reward": models.get("reward"),
         },
     )
     atomic_write_text(rules.report, json.dumps(entry, indent=1))

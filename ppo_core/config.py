@@ -8,9 +8,15 @@ the trainer unpack the config into keyword arguments: it never enters the math.
 
 from __future__ import annotations
 
+import ast
 import difflib
+import functools
+import inspect
+import itertools
 import math
 import os
+import re
+import textwrap
 import zoneinfo
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
@@ -25,7 +31,15 @@ from ppo_core.math.batching import check_batch_sizes
 from ppo_core.math.kl import KLEstimator
 from ppo_core.math.losses import LossAggMode
 
-__all__ = ["CHOICES", "Config", "ConfigError", "load_config", "save_config", "to_yaml"]
+__all__ = [
+    "CHOICES",
+    "Config",
+    "ConfigError",
+    "field_docs",
+    "load_config",
+    "save_config",
+    "to_yaml",
+]
 
 
 class ConfigError(ValueError):
@@ -122,13 +136,14 @@ class DataConfig:
     eval_file: str = "data/prepared/eval.parquet"
     """Held-out prompts for ``ppo evaluate``."""
     prompt_field: str = "prompt"
+    """Name of the field that holds the prompt in each raw record."""
 
 
 @dataclass
 class ValidationConfig:
     """Great Expectations checks run by ``ppo validate`` on the candidate data version."""
 
-    min_tokens: int = 1
+    min_tokens: int = 2
     """Shortest allowed prompt, in tokens of the policy's tokenizer (BOS included)."""
     max_tokens: int = 32
     """Longest allowed prompt; prompt plus ``generation.max_new_tokens`` must fit the model."""
@@ -215,15 +230,19 @@ class OptimConfig:
     name: Choice[OptimizerName] = "adamw"
     """``adamw`` or ``sgd``."""
     lr: float = 1.5e-4
+    """Learning rate (the peak one when a schedule warms up or decays)."""
     weight_decay: float = 0.0
+    """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW betas."""
     eps: float = 1e-8
+    """AdamW epsilon, added to the denominator for numerical stability."""
     momentum: float = 0.0
     """SGD momentum."""
     scheduler: Choice[SchedulerName] = "constant"
     """``constant`` or ``linear`` (decay to 0 over ``train.iterations``)."""
     warmup_iterations: int = 0
+    """Iterations over which the learning rate rises linearly to ``lr``; 0 starts at ``lr``."""
 
 
 @dataclass
@@ -232,7 +251,9 @@ class GenerationConfig:
     silently add top-k 50, and the logprobs must describe the distribution that was sampled."""
 
     max_new_tokens: int = 16
+    """Longest response, in tokens; a response that reaches it ends without EOS."""
     temperature: float = 1.0
+    """Sampling temperature; 1.0 samples the policy's own distribution."""
     top_k: int = 0
     """0 disables top-k."""
     top_p: float = 1.0
@@ -258,6 +279,9 @@ class TrainConfig:
     change made training start over (oldest removed first); 0 removes them at once."""
     resume: bool = True
     """Resume from the newest checkpoint in ``checkpoint_dir`` when there is one."""
+    allow_stale_data: bool = False
+    """Train even when ``data.raw_dir`` no longer matches the prepared version's manifest (new,
+    changed or removed raw files that ``ppo prepare`` and ``ppo validate`` have not taken in)."""
     metrics_dir: str = "reports/train"
     """DVCLive folder for the per-iteration metrics and plots (``curves.png`` too)."""
 
@@ -267,7 +291,9 @@ class EvalConfig:
     """Held-out evaluation."""
 
     num_prompts: int = 64
+    """Held-out prompts scored (the first ones of ``data.eval_file``)."""
     samples_per_prompt: int = 2
+    """Responses sampled per prompt and model."""
     seed: int = 1234
     """Sampling seed; candidate and baseline use the same one."""
     output_dir: str = "reports/eval"
@@ -278,6 +304,10 @@ class EvalConfig:
     baseline: str | None = None
     """Model folder to compare against; ``None`` uses the current production version when the
     registry has one, else ``model.policy``."""
+    reward: str | None = None
+    """The reward that scores candidate and baseline (same forms as ``model.reward``); ``None``
+    uses the one the candidate was trained with (recorded in its ``training_summary.json``), or
+    ``model.reward`` when the candidate records none."""
 
 
 @dataclass
@@ -316,11 +346,13 @@ class Config:
     """The whole configuration."""
 
     seed: int = 0
+    """Seed of the training run: value-head initialisation, prompt draws, sampling and
+    mini-batch shuffles."""
     device: Choice[Device] = "auto"
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
     precision: Choice[Precision] = "fp32"
     """``fp32`` or ``bf16`` (autocast on CUDA)."""
-    threads: int = 0
+    threads: int = 1
     """CPU threads for torch; 0 keeps torch's default. Tiny models run as fast on 1 thread, and a
     process that shares its cores with another slows down many times over with more."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -346,6 +378,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     import yaml
 
     merged: DictConfig | ListConfig = OmegaConf.structured(Config)
+    loaded: DictConfig | ListConfig | None = None
     try:
         if path is not None:
             path = Path(path)
@@ -364,18 +397,20 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
                 )
             merged = OmegaConf.merge(merged, loaded)
     except OmegaConfBaseException as exc:
-        raise ConfigError(_explain(exc, f" (in {path})")) from None
+        raise ConfigError(_explain(exc, f" (in {path})", loaded)) from None
     for item in overrides:
         if "=" not in item:
             raise ConfigError(f"override {item!r} is not of the form key=value")
+        given: DictConfig | None = None
         try:
-            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([item]))
+            given = OmegaConf.from_dotlist([item])
+            merged = OmegaConf.merge(merged, given)
         except yaml.YAMLError as exc:
             raise ConfigError(
                 f"override {item!r}: the value is not valid YAML ({first_line(exc)})"
             ) from None
         except OmegaConfBaseException as exc:
-            raise ConfigError(_explain(exc, f" (override {item!r})")) from None
+            raise ConfigError(_explain(exc, f" (override {item!r})", given)) from None
     try:
         config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
@@ -403,14 +438,30 @@ def _check_shapes(node: Any, prefix: str = "") -> None:
             raise ConfigError(f"{key} must be a list, got {shown}")
 
 
-def _explain(exc: OmegaConfBaseException, where: str) -> str:
-    """One line naming the key and, in ``where``, the file or override it came from."""
+def _explain(
+    exc: OmegaConfBaseException, where: str, given: DictConfig | ListConfig | None = None
+) -> str:
+    """One line naming the key and, in ``where``, the file or override it came from.
+
+    ``given`` is what that file or override holds: OmegaConf names no key when a whole section
+    is given a plain value (``ppo=5``), so the key is found by comparing it with the schema.
+    """
     key = getattr(exc, "full_key", None) or "?"
     first = str(exc).splitlines()[0]
     if "Interpolation" in type(exc).__name__:
         return f"config key {key!r}{where}: cannot resolve an ${{...}} reference: {first}"
     if key == "?":
-        return f"bad config{where}: {first}"
+        found = _section_given_a_value(
+            OmegaConf.to_container(given) if isinstance(given, DictConfig) else None
+        )
+        if found is None:
+            return f"bad config{where}: {first}"
+        key, value = found
+        example = next(k for k in _all_keys() if k.startswith(f"{key}."))
+        return (
+            f"bad value for config key {key!r}{where}: a section of keys, not a value (got "
+            f"{value!r}); set the keys inside it, e.g. {example}={_as_override(_defaults()[example])}"
+        )
     if "not in" in first or "Key" in type(exc).__name__:
         close = difflib.get_close_matches(key, _all_keys(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
@@ -433,8 +484,42 @@ def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+def _defaults() -> dict[str, Any]:
+    return flatten(Config())
+
+
 def _all_keys() -> list[str]:
-    return list(flatten(Config()))
+    return list(_defaults())
+
+
+def _as_override(value: Any) -> str:
+    """``value`` as it is written after ``key=`` on the command line."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    return str(value)
+
+
+def _section_given_a_value(
+    given: Any, schema: Any = Config, prefix: str = ""
+) -> tuple[str, Any] | None:
+    """The first section of ``schema`` that ``given`` (a file's or an override's keys, as plain
+    dicts) sets to a plain value or a list, with that value; ``None`` when there is none."""
+    if not isinstance(given, dict):
+        return None
+    for item in fields(schema):
+        section = item.default_factory
+        if item.name not in given or section is MISSING or not is_dataclass(section):
+            continue
+        key, value = f"{prefix}{item.name}", given[item.name]
+        if isinstance(value, dict):
+            found = _section_given_a_value(value, section, f"{key}.")
+            if found is not None:
+                return found
+        elif value is not None:
+            return key, value
+    return None
 
 
 def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
@@ -508,6 +593,10 @@ def check_write_paths(flat: dict[str, Any]) -> None:
                 )
 
 
+# check_batch_sizes names the sizes without their section; the config names them in full.
+_PPO_KEY = re.compile(rf"(?<![\w.])({'|'.join(item.name for item in fields(PPOConfig))})\b")
+
+
 def validate_config(config: Config) -> None:
     """Check ranges, choices and the nesting of batch sizes; raise :class:`ConfigError`."""
     flat = flatten(config)
@@ -533,7 +622,7 @@ def validate_config(config: Config) -> None:
             drop_last=ppo.drop_last,
         )
     except ValueError as exc:
-        raise ConfigError(f"ppo batch sizes: {exc}") from None
+        raise ConfigError(_PPO_KEY.sub(r"ppo.\1", str(exc))) from None
     for key, value in {
         "ppo.epochs": ppo.epochs,
         "ppo.clip_eps": ppo.clip_eps,
@@ -604,9 +693,86 @@ def validate_config(config: Config) -> None:
         raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {config.optim.betas}")
 
 
-def to_yaml(config: Config) -> str:
-    """The resolved config as YAML (saved beside every run's outputs)."""
-    return OmegaConf.to_yaml(OmegaConf.structured(config))
+def to_yaml(config: Config, docs: bool = False) -> str:
+    """The resolved config as YAML (saved beside every run's outputs).
+
+    With ``docs``, each key's documentation (:func:`field_docs`) is a comment above it; the YAML
+    loads to the same values.
+    """
+    if not docs:
+        return OmegaConf.to_yaml(OmegaConf.structured(config))
+    documented = field_docs()
+    lines: list[str] = []
+
+    def emit(node: dict[Any, Any], prefix: str, indent: str) -> None:
+        for name, value in node.items():
+            key = f"{prefix}{name}"
+            if isinstance(value, dict) and not indent and lines:
+                lines.append("")  # a blank line before each section
+            lines.extend(_comment(documented.get(key, ""), indent))
+            if isinstance(value, dict):
+                lines.append(f"{indent}{name}:")
+                emit(value, f"{key}.", indent + "  ")
+            else:
+                # one key at a time through the same dumper, so values keep their quoting
+                text = OmegaConf.to_yaml(OmegaConf.create({name: value}))
+                lines.extend(f"{indent}{line}" for line in text.splitlines())
+
+    resolved = OmegaConf.to_container(OmegaConf.structured(config))
+    assert isinstance(resolved, dict)
+    emit(resolved, "", "")
+    return "\n".join(lines) + "\n"
+
+
+def _comment(doc: str, indent: str, width: int = 99) -> list[str]:
+    """``doc`` as ``# `` lines that fit ``width`` columns, in Markdown's single backticks and
+    with YAML's ``null`` for Python's ``None``."""
+    text = " ".join(doc.replace("``", "`").replace("`None`", "`null`").split())
+    return [f"{indent}# {line}" for line in textwrap.wrap(text, width - len(indent) - 2)]
+
+
+@functools.cache
+def _docs_by_key() -> dict[str, str]:
+    source = ast.parse(Path(__file__).read_text(encoding="utf-8"))
+    classes = {node.name: node for node in source.body if isinstance(node, ast.ClassDef)}
+
+    def documented(cls: type) -> dict[str, str]:
+        """Field name to the string literal under it, in ``cls``'s body."""
+        body = classes[cls.__name__].body
+        return {
+            node.target.id: inspect.cleandoc(after.value.value)
+            for node, after in itertools.pairwise(body)
+            if isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(after, ast.Expr)
+            and isinstance(after.value, ast.Constant)
+            and isinstance(after.value.value, str)
+        }
+
+    out: dict[str, str] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        docs = documented(cls)
+        for item in fields(cls):
+            key, section = f"{prefix}{item.name}", item.default_factory
+            if section is not MISSING and isinstance(section, type) and is_dataclass(section):
+                out[key] = docs.get(item.name) or inspect.cleandoc(section.__doc__ or "")
+                walk(section, f"{key}.")
+            else:
+                out[key] = docs.get(item.name, "")
+
+    walk(Config, "")
+    return out
+
+
+def field_docs() -> dict[str, str]:
+    """The documentation of every key, by dotted key (``ppo.epochs``), and of every section
+    (``ppo``, its class docstring).
+
+    The text is the string literal written under each field in this module, so that the
+    definition stays the one place a key is documented; an undocumented key maps to ``""``.
+    """
+    return dict(_docs_by_key())
 
 
 def save_config(config: Config, path: str | Path) -> None:

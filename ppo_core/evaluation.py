@@ -4,22 +4,38 @@ For each model: sample ``samples_per_prompt`` responses for ``num_prompts`` held
 the same seed and sampling settings, score them, and measure what guards against a reward that is
 bought with degenerate text: KL to the reference (nats per sequence, the k1 sum over response
 tokens, an unbiased estimate of the sequence KL), response length, EOS rate and distinct-n.
+
+Both models are scored with one reward: ``eval.reward`` when set, else the reward the candidate
+was trained with (recorded in its ``training_summary.json``), else ``model.reward``.
+
+Each model is sampled and decoded with its own tokenizer; the reward scores text, so scores
+compare across tokenizers. KL does not: token ids only mean the same text under tokenizers with
+one vocabulary. A candidate whose vocabulary is not the reference's is refused (the promotion
+gate depends on its KL); a baseline whose vocabulary differs gets no KL, with a warning.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from ppo_core.config import Config
-from ppo_core.files import atomic_folder
+from ppo_core.config import Config, ConfigError, ModelConfig
+from ppo_core.files import atomic_folder, first_line
 from ppo_core.math.masked import masked_sum
 from ppo_core.modeling.data import load_prompts
-from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
-from ppo_core.modeling.reward_loading import RewardFn
+from ppo_core.modeling.policy import (
+    ModelFolderError,
+    check_model_folder,
+    load_causal_lm,
+    load_tokenizer,
+)
+from ppo_core.modeling.reward_loading import RewardError, RewardFn
 from ppo_core.rollout import (
     POSITIVE_SCORE,
     build_reward,
@@ -30,7 +46,37 @@ from ppo_core.rollout import (
 )
 from ppo_core.runtime import Runtime, setup_runtime
 
-__all__ = ["ModelReport", "distinct_n", "evaluate", "evaluate_model"]
+__all__ = [
+    "EvaluationWarning",
+    "ModelReport",
+    "RewardChoice",
+    "TokenizerMismatchError",
+    "Vocabulary",
+    "distinct_n",
+    "evaluate",
+    "evaluate_model",
+    "evaluation_reward",
+    "metric_table",
+    "vocabulary_mismatch",
+    "vocabulary_of",
+]
+
+OTHER_TOKENIZER = "other tokenizer than the reference"
+"""Why a baseline has no ``kl_to_reference`` (shown as ``n/a (...)`` in ``report.md``)."""
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+SPECIAL_TOKENS = ("bos", "eos", "unk")
+"""Special tokens whose ids must agree for KL. Pad is left out: padded positions are masked out of
+every score, so a reference folder that names another pad token still measures the same KL."""
+
+
+class EvaluationWarning(UserWarning):
+    """Evaluation goes on, but not quite as configured: another reward than ``model.reward``, or
+    a baseline whose KL to the reference cannot be measured."""
+
+
+class TokenizerMismatchError(ConfigError):
+    """The candidate's tokenizer is not the KL reference's, so its KL cannot be measured."""
 
 
 def distinct_n(texts: list[str], n: int) -> float:
@@ -45,6 +91,165 @@ def distinct_n(texts: list[str], n: int) -> float:
     return len(seen) / total if total else 0.0
 
 
+@dataclass(frozen=True)
+class Vocabulary:
+    """What decides whether token ids mean the same text under two models."""
+
+    folder: str
+    digest: str
+    """SHA-256 of the tokenizer's token -> id mapping (added tokens included)."""
+    size: int
+    special_ids: dict[str, int | None]
+    model_type: str | None
+    model_vocab_size: int | None
+    """``vocab_size`` of the model's config: the rows of its embedding and output layer."""
+
+    def describe(self) -> str:
+        return f"{self.folder} ({self.model_type or 'unknown model type'}, {self.size} tokens)"
+
+
+def vocabulary_of(folder: str | Path, tokenizer: Any) -> Vocabulary:
+    """The vocabulary of ``tokenizer`` together with the model config in ``folder``."""
+    mapping = tokenizer.get_vocab()
+    digest = hashlib.sha256(
+        json.dumps(sorted(mapping.items()), ensure_ascii=False).encode()
+    ).hexdigest()
+    try:
+        model_config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        model_config = {}
+    if not isinstance(model_config, dict):
+        model_config = {}
+    # Multimodal configs keep the language model's vocabulary under text_config.
+    text_config = model_config.get("text_config")
+    vocab_size = model_config.get("vocab_size")
+    if vocab_size is None and isinstance(text_config, dict):
+        vocab_size = text_config.get("vocab_size")
+    return Vocabulary(
+        folder=str(folder),
+        digest=digest,
+        size=len(mapping),
+        special_ids={name: getattr(tokenizer, f"{name}_token_id", None) for name in SPECIAL_TOKENS},
+        model_type=model_config.get("model_type"),
+        model_vocab_size=vocab_size if isinstance(vocab_size, int) else None,
+    )
+
+
+def vocabulary_mismatch(a: Vocabulary, b: Vocabulary) -> str | None:
+    """Why token ids sampled under ``a`` do not mean the same to ``b``, or None when they do.
+
+    The model types may differ (two architectures can share a tokenizer); the vocabularies, the
+    BOS/EOS/UNK ids and the models' embedding sizes may not.
+    """
+    if a.digest != b.digest:
+        return f"their vocabularies differ ({a.size} and {b.size} tokens)"
+    reasons = [
+        f"{name} token id {a.special_ids[name]} and {b.special_ids[name]}"
+        for name in SPECIAL_TOKENS
+        if a.special_ids[name] != b.special_ids[name]
+    ]
+    sizes = (a.model_vocab_size, b.model_vocab_size)
+    if None not in sizes and sizes[0] != sizes[1]:
+        reasons.append(f"model vocab_size {a.model_vocab_size} and {b.model_vocab_size}")
+    return "; ".join(reasons) or None
+
+
+def reference_vocabulary(model: ModelConfig) -> Vocabulary:
+    """The KL reference's vocabulary: its own tokenizer, or ``model.policy``'s when its folder
+    holds none (training samples with the policy's tokenizer and scores with the reference)."""
+    from transformers import AutoTokenizer
+
+    folder = check_model_folder(model.reference or model.policy, "reference")
+    has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
+    tokenizer_folder = folder if has_tokenizer else check_model_folder(model.policy, "tokenizer")
+    # Not load_tokenizer: a reference is never sampled from, so it needs no pad token.
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(
+            tokenizer_folder, trust_remote_code=model.trust_remote_code
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelFolderError(
+            f"cannot load the KL reference's tokenizer from {str(tokenizer_folder)!r}: "
+            + first_line(exc)
+        ) from None
+    return vocabulary_of(folder, tokenizer)
+
+
+@dataclass(frozen=True)
+class RewardChoice:
+    """The reward that scores an evaluation, and where that choice came from."""
+
+    spec: str
+    source: str
+    """``eval.reward``, ``recorded with the candidate in <file>`` or ``model.reward``."""
+
+
+SUMMARY_FILE = "training_summary.json"
+CONFIG_FILE = "ppo_config.yaml"
+
+
+def recorded_reward(candidate: str | Path) -> tuple[str, Path] | None:
+    """The reward the candidate was trained with and the file that records it: ``reward`` in
+    ``training_summary.json``, else ``model.reward`` in ``ppo_config.yaml`` (candidates saved
+    before the summary named it); None for a folder with neither."""
+    folder = Path(candidate)
+    summary = folder / SUMMARY_FILE
+    if summary.is_file():
+        try:
+            recorded = json.loads(summary.read_text())
+        except (ValueError, OSError) as exc:
+            raise RewardError(
+                f"cannot read {summary} ({exc}), which names the reward the candidate was "
+                "trained with; set eval.reward to choose the reward"
+            ) from None
+        reward = recorded.get("reward") if isinstance(recorded, dict) else None
+        if isinstance(reward, str):
+            return reward, summary
+    config_file = folder / CONFIG_FILE
+    if config_file.is_file():
+        from omegaconf import OmegaConf
+        from omegaconf.errors import OmegaConfBaseException
+
+        try:
+            reward = OmegaConf.select(OmegaConf.load(config_file), "model.reward")
+        except (OmegaConfBaseException, ValueError, OSError) as exc:
+            raise RewardError(
+                f"cannot read {config_file} ({exc}), which names the reward the candidate was "
+                "trained with; set eval.reward to choose the reward"
+            ) from None
+        if isinstance(reward, str):
+            return reward, config_file
+    return None
+
+
+def evaluation_reward(config: Config, candidate: str | Path) -> RewardChoice:
+    """``eval.reward`` when set, else the reward recorded with the candidate, else
+    ``model.reward``; warns when the choice is not the reward the candidate was trained with or
+    not ``model.reward``."""
+    recorded = recorded_reward(candidate)
+    if config.eval.reward is not None:
+        if recorded is not None and recorded[0] != config.eval.reward:
+            _warn(
+                f"scoring with eval.reward={config.eval.reward!r}; the candidate was trained "
+                f"with {recorded[0]!r} (recorded in {recorded[1]})"
+            )
+        return RewardChoice(config.eval.reward, "eval.reward")
+    if recorded is None:
+        return RewardChoice(config.model.reward, "model.reward")
+    spec, file = recorded
+    if spec != config.model.reward:
+        _warn(
+            f"scoring with {spec!r}, the reward the candidate was trained with (recorded in "
+            f"{file}), not model.reward={config.model.reward!r}; set eval.reward to score with "
+            "another"
+        )
+    return RewardChoice(spec, f"recorded with the candidate in {file}")
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, EvaluationWarning, stacklevel=3)
+
+
 @dataclass
 class ModelReport:
     """Evaluation of one model."""
@@ -53,21 +258,25 @@ class ModelReport:
     path: str
     metrics: dict[str, float]
     samples: list[dict[str, object]]
+    unmeasured: dict[str, str] = field(default_factory=dict)
+    """Metrics left out of ``metrics``, with why (``kl_to_reference`` of a baseline whose
+    tokenizer is not the reference's)."""
 
 
 @torch.no_grad()
 def evaluate_model(
     name: str,
     path: str | Path,
-    reference: torch.nn.Module,
+    reference: torch.nn.Module | None,
     tokenizer,
     prompts: list[str],
     reward_fn: RewardFn,
     config: Config,
     runtime: Runtime,
 ) -> ModelReport:
-    """Sample ``eval.samples_per_prompt`` responses per prompt from the model in ``path``, with
-    the rollout's own sampling and scoring code, and measure them."""
+    """Sample ``eval.samples_per_prompt`` responses per prompt from the model in ``path`` with
+    its own ``tokenizer``, with the rollout's own sampling and scoring code, and measure them.
+    ``reference`` is None when the model's tokenizer is not the reference's: no KL then."""
     model = load_causal_lm(path, name, config.model.trust_remote_code).to(runtime.device)
     expanded = [p for p in prompts for _ in range(config.eval.samples_per_prompt)]
     batch_size = config.ppo.rollout_batch_size
@@ -76,21 +285,23 @@ def evaluate_model(
     generated = sample_responses(
         model, tokenizer, expanded, config.generation, runtime, chunk_size=batch_size
     )
-    logprobs = score_in_chunks(
-        model, generated, temperature, runtime, batch_size, with_values=False
-    ).logprobs
-    ref_logprobs = score_in_chunks(
-        reference, generated, temperature, runtime, batch_size, with_values=False
-    ).logprobs
+    kl: torch.Tensor | None = None
+    if reference is not None:
+        logprobs = score_in_chunks(
+            model, generated, temperature, runtime, batch_size, with_values=False
+        ).logprobs
+        ref_logprobs = score_in_chunks(
+            reference, generated, temperature, runtime, batch_size, with_values=False
+        ).logprobs
+        kl = masked_sum(logprobs - ref_logprobs, generated.response_mask, dim=1).cpu()
     del model
     responses, score = score_responses(reward_fn, tokenizer, expanded, generated)
     mask = generated.response_mask
-    kl = masked_sum(logprobs - ref_logprobs, mask, dim=1).cpu()
     metrics = {
         "score": score.mean().item(),
         "score_std": score.std().item() if len(score) > 1 else 0.0,
         "positive_rate": (score > POSITIVE_SCORE).float().mean().item(),
-        "kl_to_reference": kl.mean().item(),
+        **({"kl_to_reference": kl.mean().item()} if kl is not None else {}),
         "response_length": mask.sum(dim=1).float().mean().item(),
         "eos_rate": generated.has_eos.float().mean().item(),
         "distinct_1": distinct_n(responses, 1),
@@ -103,7 +314,13 @@ def evaluate_model(
             : config.eval.num_examples
         ]
     ]
-    return ModelReport(name=name, path=str(path), metrics=metrics, samples=samples)
+    return ModelReport(
+        name=name,
+        path=str(path),
+        metrics=metrics,
+        samples=samples,
+        unmeasured={} if kl is not None else {"kl_to_reference": OTHER_TOKENIZER},
+    )
 
 
 def evaluate(
@@ -113,35 +330,143 @@ def evaluate(
     output_dir: str | Path | None = None,
 ) -> dict[str, ModelReport]:
     """Evaluate ``candidate`` (and ``baseline``, when given) and write ``metrics.json``,
-    ``samples.json`` and ``report.md`` to ``output_dir`` (default ``eval.output_dir``)."""
+    ``models.json``, ``samples.json`` and ``report.md`` to ``output_dir`` (default
+    ``eval.output_dir``).
+
+    Raises :class:`TokenizerMismatchError` before sampling anything when the candidate's
+    tokenizer is not the KL reference's."""
     runtime = setup_runtime(config, distributed=False)
     prompts = load_prompts(config.data.eval_file, config.data.prompt_field)[
         : config.eval.num_prompts
     ]
-    tokenizer = load_tokenizer(candidate, config.model.trust_remote_code)
-    reference = load_reference(config.model, runtime.device)
-    reward_fn = build_reward(config.model, runtime.device)
     models = (
         {"candidate": candidate}
         if baseline is None
         else {"candidate": candidate, "baseline": baseline}
     )
+    tokenizers = {
+        name: load_tokenizer(path, config.model.trust_remote_code) for name, path in models.items()
+    }
+    reference_vocab = reference_vocabulary(config.model)
+    candidate_vocab = vocabulary_of(candidate, tokenizers["candidate"])
+    mismatch = vocabulary_mismatch(candidate_vocab, reference_vocab)
+    if mismatch is not None:
+        raise _refusal(config, candidate, candidate_vocab, reference_vocab, mismatch)
+    measure_kl = {"candidate": True}
+    if baseline is not None:
+        baseline_vocab = vocabulary_of(baseline, tokenizers["baseline"])
+        mismatch = vocabulary_mismatch(baseline_vocab, reference_vocab)
+        measure_kl["baseline"] = mismatch is None
+        if mismatch is not None:
+            _warn(
+                f"the baseline {baseline_vocab.describe()} has another tokenizer than the KL "
+                f"reference {reference_vocab.describe()}: {mismatch}. It is sampled and decoded "
+                f"with its own tokenizer and scored with the same reward, but its KL to the "
+                "reference is not measured (n/a in report.md, absent from metrics.json), and its "
+                "response_length counts its own tokens"
+            )
+    reward = evaluation_reward(config, candidate)
+    try:
+        reward_fn = build_reward(replace(config.model, reward=reward.spec), runtime.device)
+    except RewardError as exc:
+        if reward.source == "model.reward":
+            raise
+        # The message names model.reward; say where this spec really came from.
+        origin = (
+            "set by eval.reward"
+            if reward.source == "eval.reward"
+            else f"{reward.source}; set eval.reward to score with another"
+        )
+        raise RewardError(f"{exc} (the reward {origin})") from None
+    reference = load_reference(config.model, runtime.device)
     reports = {
-        name: evaluate_model(name, path, reference, tokenizer, prompts, reward_fn, config, runtime)
+        name: evaluate_model(
+            name,
+            path,
+            reference if measure_kl[name] else None,
+            tokenizers[name],
+            prompts,
+            reward_fn,
+            config,
+            runtime,
+        )
         for name, path in models.items()
     }
-    write_reports(reports, Path(output_dir or config.eval.output_dir), config, len(prompts))
+    write_reports(
+        reports,
+        Path(output_dir or config.eval.output_dir),
+        config,
+        len(prompts),
+        reward=reward,
+        reference=reference_vocab.folder,
+    )
     return reports
 
 
+def _refusal(
+    config: Config,
+    candidate: str | Path,
+    candidate_vocab: Vocabulary,
+    reference_vocab: Vocabulary,
+    mismatch: str,
+) -> TokenizerMismatchError:
+    key = "model.reference" if config.model.reference else "model.policy"
+    trained_against = _recorded_reference(candidate)
+    hint = (
+        f" (its {SUMMARY_FILE} names {trained_against})"
+        if trained_against and trained_against != reference_vocab.folder
+        else ""
+    )
+    return TokenizerMismatchError(
+        f"the candidate {candidate_vocab.describe()} has another tokenizer than the KL reference "
+        f"{reference_vocab.describe()}, named by {key}: {mismatch}. Its KL to the reference, which "
+        f"promote.max_kl gates, cannot be measured across tokenizers; set {key} to the folder the "
+        f"candidate was trained against{hint}, or evaluate another candidate"
+    )
+
+
+def _recorded_reference(candidate: str | Path) -> str | None:
+    try:
+        recorded = json.loads((Path(candidate) / SUMMARY_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    reference = recorded.get("reference") if isinstance(recorded, dict) else None
+    return reference if isinstance(reference, str) else None
+
+
+def metric_table(reports: dict[str, ModelReport]) -> list[tuple[str, list[str]]]:
+    """Rows ``(metric, [cell per model])`` for a table of ``reports``: numbers to 4 significant
+    digits, ``n/a (why)`` where a model has no value."""
+    keys = list(dict.fromkeys(key for r in reports.values() for key in (*r.metrics, *r.unmeasured)))
+    return [
+        (
+            key,
+            [
+                f"{r.metrics[key]:.4g}"
+                if key in r.metrics
+                else f"n/a ({r.unmeasured.get(key, 'not measured')})"
+                for r in reports.values()
+            ],
+        )
+        for key in keys
+    ]
+
+
 def write_reports(
-    reports: dict[str, ModelReport], folder: Path, config: Config, num_prompts: int
+    reports: dict[str, ModelReport],
+    folder: Path,
+    config: Config,
+    num_prompts: int,
+    *,
+    reward: RewardChoice,
+    reference: str,
 ) -> None:
-    """``metrics.json`` (flat, for ``dvc metrics``), ``models.json`` (which folders were
-    compared), ``samples.json`` and a Markdown report."""
+    """``metrics.json`` (flat, for ``dvc metrics``; a metric a model lacks is absent),
+    ``models.json`` (which folders were compared, the KL reference and the reward),
+    ``samples.json`` and a Markdown report."""
 
     def write(tmp: Path) -> None:
-        flat = {
+        flat: dict[str, float | int] = {
             f"{name}/{key}": value
             for name, r in reports.items()
             for key, value in r.metrics.items()
@@ -152,33 +477,51 @@ def write_reports(
             )
         flat["num_prompts"] = num_prompts
         (tmp / "metrics.json").write_text(json.dumps(flat, indent=1, sort_keys=True))
-        (tmp / "models.json").write_text(json.dumps({n: r.path for n, r in reports.items()}))
+        described = {
+            **{n: r.path for n, r in reports.items()},
+            "reference": reference,
+            "reward": reward.spec,
+            "reward_source": reward.source,
+        }
+        (tmp / "models.json").write_text(json.dumps(described, indent=1))
         (tmp / "samples.json").write_text(
             json.dumps({name: r.samples for name, r in reports.items()}, indent=1)
         )
-        (tmp / "report.md").write_text(markdown_report(reports, num_prompts, config))
+        (tmp / "report.md").write_text(
+            markdown_report(reports, num_prompts, config, reward=reward, reference=reference)
+        )
 
     atomic_folder(folder, write)
 
 
-def markdown_report(reports: dict[str, ModelReport], num_prompts: int, config: Config) -> str:
+def markdown_report(
+    reports: dict[str, ModelReport],
+    num_prompts: int,
+    config: Config,
+    *,
+    reward: RewardChoice,
+    reference: str,
+) -> str:
     names = list(reports)
-    keys = list(reports[names[0]].metrics)
     lines = [
         "# Evaluation",
         "",
         f"{num_prompts} held-out prompts x {config.eval.samples_per_prompt} samples, "
         f"temperature {config.generation.temperature}, top-k {config.generation.top_k}, "
         f"top-p {config.generation.top_p}, seed {config.eval.seed}, reward "
-        f"`{config.model.reward}`.",
+        f"`{reward.spec}` ({reward.source}), KL to the reference `{reference}`.",
         "",
         "| metric | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
     ]
-    for key in keys:
-        lines.append(
-            f"| {key} | " + " | ".join(f"{reports[n].metrics[key]:.4g}" for n in names) + " |"
-        )
+    lines += [f"| {key} | " + " | ".join(cells) + " |" for key, cells in metric_table(reports)]
+    if any(r.unmeasured for r in reports.values()):
+        lines += [
+            "",
+            "A model with another tokenizer than the reference is sampled and decoded with its "
+            "own tokenizer, so its score compares; its KL to the reference cannot be measured, and "
+            "its response_length counts its own tokens.",
+        ]
     for name in names:
         lines += ["", f"## Samples: {name} (`{reports[name].path}`)", ""]
         lines += [

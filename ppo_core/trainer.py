@@ -161,6 +161,7 @@ RESUME_FREE_KEYS = (
     "train.keep_checkpoints",
     "train.keep_set_aside",
     "train.resume",
+    "train.allow_stale_data",
     "threads",
     "ppo.scoring_batch_size",
     "eval.",
@@ -534,8 +535,15 @@ def save_output(
     summary: dict[str, Any],
 ) -> Path:
     """Write the trained policy, ``ppo_config.yaml`` and ``training_summary.json`` to
-    ``train.output_dir`` atomically (rank 0 writes, every rank waits)."""
+    ``train.output_dir`` atomically (rank 0 writes, every rank waits).
+
+    The summary names the reward the policy was trained with and its KL reference, so that
+    ``ppo evaluate`` scores the candidate with that reward unless told otherwise."""
     output_dir = Path(config.train.output_dir)
+    trained_with = {
+        "reward": config.model.reward,
+        "reference": str(config.model.reference or config.model.policy),
+    }
 
     def write(folder: Path) -> None:
         actor_critic.save(folder, tokenizer)
@@ -543,7 +551,13 @@ def save_output(
         described = {k: v for k, v in summary.items() if k != "config"}
         (folder / "training_summary.json").write_text(
             json.dumps(
-                {"iterations": config.train.iterations, "seed": config.seed, **described}, indent=1
+                {
+                    "iterations": config.train.iterations,
+                    "seed": config.seed,
+                    **trained_with,
+                    **described,
+                },
+                indent=1,
             )
         )
 

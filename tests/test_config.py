@@ -1,9 +1,22 @@
 import dataclasses
+import re
+from pathlib import Path
 from typing import get_args
 
 import pytest
+import yaml
+from omegaconf import OmegaConf
 
-from ppo_core.config import CHOICES, Config, ConfigError, load_config, save_config, to_yaml
+from ppo_core.config import (
+    CHOICES,
+    Config,
+    ConfigError,
+    field_docs,
+    flatten,
+    load_config,
+    save_config,
+    to_yaml,
+)
 from ppo_core.math.kl import KL_ESTIMATORS
 from ppo_core.math.losses import LOSS_AGG_MODES
 
@@ -34,8 +47,31 @@ def test_file_then_overrides(tmp_path):
         ),
         (["optim.lr=fast"], r"bad value for config key 'optim.lr'.*'fast'"),
         (["seed=1.5"], r"config key 'seed'"),
-        (["ppo.micro_batch_size=6"], r"micro_batch_size=6 does not divide mini_batch_size=16"),
-        (["ppo.mini_batch_size=128"], r"mini_batch_size=128 is larger than rollout_batch_size=64"),
+        (
+            ["ppo.micro_batch_size=6"],
+            r"^ppo.micro_batch_size=6 does not divide ppo.mini_batch_size=16; choose a divisor",
+        ),
+        (
+            ["ppo.mini_batch_size=128"],
+            r"^ppo.mini_batch_size=128 is larger than ppo.rollout_batch_size=64; sizes must nest",
+        ),
+        (
+            ["ppo.rollout_batch_size=60"],
+            r"^ppo.mini_batch_size=16 does not divide ppo.rollout_batch_size=60 .* set "
+            r"ppo.drop_last",
+        ),
+        (["ppo.micro_batch_size=0"], r"^ppo.micro_batch_size must be a positive integer, got 0$"),
+        (
+            ["ppo=5"],
+            r"^bad value for config key 'ppo' \(override 'ppo=5'\): a section of keys, not a "
+            r"value \(got 5\); set the keys inside it, e.g. ppo.rollout_batch_size=64$",
+        ),
+        (
+            ["optim=[1]"],
+            r"^bad value for config key 'optim' \(override 'optim=\[1\]'\): a section of keys, "
+            r"not a value \(got \[1\]\); set the keys inside it, e.g. optim.name=adamw$",
+        ),
+        (["base=x"], r"^bad value for config key 'base' .* e.g. base.source=null$"),
         (["kl.estimator=k7"], r"kl.estimator='k7' is not one of k1, k2, k3, abs"),
         (["optim.name=lion"], r"optim.name='lion' is not one of adamw, sgd"),
         (["ppo.loss_agg_mode=mean"], r"ppo.loss_agg_mode='mean'"),
@@ -124,3 +160,80 @@ def test_choices_with_dashes_load_from_overrides_and_files(mode, tmp_path):
     config = load_config(path)
     assert (config.ppo.loss_agg_mode, config.kl.estimator) == (mode, "abs")
     assert isinstance(config.ppo.loss_agg_mode, str)
+
+
+BATCH_SIZES = [
+    ["ppo.rollout_batch_size=0"],
+    ["ppo.mini_batch_size=-1"],
+    ["ppo.micro_batch_size=32"],
+    ["ppo.mini_batch_size=128"],
+    ["ppo.micro_batch_size=6"],
+    ["ppo.rollout_batch_size=60"],
+]
+
+
+@pytest.mark.parametrize("overrides", BATCH_SIZES)
+def test_batch_size_errors_name_every_size_by_its_full_key(overrides):
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    message = str(info.value)
+    assert not re.search(
+        r"(?<![\w.])(rollout_batch_size|mini_batch_size|micro_batch_size)", message
+    )
+    assert overrides[0].split("=")[0] in message, message
+
+
+def test_a_section_given_a_value_in_a_file_names_the_section(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("seed: 1\nkl: [1, 2]\n")
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert str(info.value) == (
+        f"bad value for config key 'kl' (in {path}): a section of keys, not a value "
+        "(got [1, 2]); set the keys inside it, e.g. kl.estimator=k1"
+    )
+
+
+PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+
+
+def test_the_defaults_are_the_values_of_params_yaml():
+    """`ppo <stage>` reads params.yaml when it is there and the defaults when it is not: the two
+    must not differ, or a run's result would depend on the folder it started in."""
+    params = flatten(OmegaConf.to_container(OmegaConf.load(PARAMS)))
+    defaults = flatten(OmegaConf.structured(Config))
+    assert set(params) <= set(defaults), set(params) - set(defaults)  # no unknown key
+    differ = {
+        key: (value, defaults[key]) for key, value in params.items() if value != defaults[key]
+    }
+    assert not differ, f"params.yaml vs the defaults in ppo_core/config.py: {differ}"
+
+
+def test_every_key_is_documented():
+    docs = field_docs()
+    keys = flatten(Config())
+    sections = {key.rsplit(".", 1)[0] for key in keys if "." in key}
+    assert set(docs) == set(keys) | sections
+    assert all(docs[key].strip() for key in docs), [key for key in docs if not docs[key].strip()]
+    assert docs["ppo.epochs"] == "Passes over each rollout batch."
+    assert docs["ppo"] == "The PPO update (Schulman et al. 2017) and its batching."
+    assert docs["validation.min_tokens"].startswith("Shortest allowed prompt, in tokens")
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [],
+        ["model.policy='a # b: c'", "model.reference='0.5'", "schedule.cron='# * *'"],
+        ["eval.baseline='multi\nline'", "optim.betas=[0.5,0.6]", "data.prompt_field=\"'x'\""],
+    ],
+)
+def test_documented_yaml_loads_to_the_same_values(overrides):
+    config = load_config(overrides=overrides)
+    documented = to_yaml(config, docs=True)
+    assert yaml.safe_load(documented) == yaml.safe_load(to_yaml(config))
+    comments = [line for line in documented.splitlines() if line.lstrip().startswith("#")]
+    assert len(comments) >= len(flatten(config))
+    assert "# Local folder of the frozen KL reference; `null` uses a frozen copy of `policy`." in (
+        documented
+    )

@@ -1,16 +1,27 @@
 """The `ppo` command: help, config listing, and one clear line for errors users can fix."""
 
+import inspect
 import re
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
 from flows.cli import app
+from ppo_core.config import Config, flatten, to_yaml
 
 runner = CliRunner()
 
 
 COMMANDS = ["config", "prepare", "validate", "base", "train", "evaluate", "promote"]
+NOTICE = "config: params.yaml (--config FILE for another, --config none for the defaults)\n"
+
+
+@pytest.fixture(autouse=True)
+def _in_an_empty_folder(tmp_path, monkeypatch):
+    """Every test runs where there is no params.yaml, unless it writes one: the command reads
+    ./params.yaml by default, and the project's own must not leak into these tests."""
+    monkeypatch.chdir(tmp_path)
 
 
 def test_help_lists_the_stages():
@@ -24,12 +35,132 @@ def test_help_lists_the_stages():
         assert usage.exit_code == 0 and f"Usage: ppo {command} [OPTIONS]" in usage.output
 
 
+def _paragraphs(doc: str) -> list[str]:
+    """A help text's paragraphs and list items as the terminal shows them, each on one line when
+    the terminal is wide enough (Markdown: code spans lose their backticks)."""
+    out = []
+    for paragraph in inspect.cleandoc(doc).split("\n\n"):
+        items = re.split(r"^- ", paragraph, flags=re.MULTILINE)
+        if paragraph.startswith("- "):
+            out += ["• " + " ".join(item.split()) for item in items[1:]]
+        else:
+            out.append(" ".join(paragraph.split()))
+    return [text.replace("`", "") for text in out]
+
+
+def _lines(args: list[str], columns: int) -> list[str]:
+    result = runner.invoke(app, args, env={"COLUMNS": str(columns)})
+    assert result.exit_code == 0, result.output
+    return [line.strip(" │") for line in result.output.splitlines()]
+
+
+def test_help_paragraphs_wrap_as_sentences_not_at_the_docstring_line_breaks():
+    callbacks = {c.name or c.callback.__name__: c.callback for c in app.registered_commands}
+    for command in COMMANDS:
+        lines = _lines([command, "--help"], 400)
+        for paragraph in _paragraphs(callbacks[command].__doc__):
+            assert paragraph in lines, (command, paragraph)
+    lines = _lines(["--help"], 400)
+    for paragraph in _paragraphs(app.info.help):
+        assert paragraph in lines, paragraph
+    for command in COMMANDS:  # the Commands panel: each command's first paragraph
+        first = _paragraphs(callbacks[command].__doc__)[0]
+        assert any(re.fullmatch(rf"{command}\s+{re.escape(first)}", line) for line in lines)
+    # and in an ordinary terminal no line ends mid-paragraph where the docstring did
+    for columns in (80, 120):
+        text = "\n".join(_lines(["prepare", "--help"], columns))
+        assert "(train/eval parquet and a\n" not in text
+
+
+TRAIN_SETTINGS = [
+    "train.iterations",
+    "ppo.rollout_batch_size",
+    "ppo.mini_batch_size",
+    "ppo.micro_batch_size",
+    "optim.lr",
+    "kl.coef",
+    "model.policy",
+    "model.reward",
+    "device",
+    "precision",
+]
+
+
+@pytest.mark.parametrize("columns", [80, 120])
+def test_train_help_names_the_settings_changed_most(columns):
+    lines = _lines(["train", "--help"], columns)
+    for key in TRAIN_SETTINGS:
+        assert key in flatten(Config())  # a real key
+        assert len([line for line in lines if line.startswith(f"• {key}: ")]) == 1, key
+
+
 def test_config_prints_resolved_yaml():
     result = runner.invoke(app, ["config", "ppo.epochs=2", "kl.estimator=k3"])
     assert result.exit_code == 0
-    printed = yaml.safe_load(result.output)
+    printed = yaml.safe_load(result.stdout)
     assert printed["ppo"]["epochs"] == 2 and printed["kl"]["estimator"] == "k3"  # not the defaults
     assert printed["ppo"]["mini_batch_size"] == 16  # and the rest resolved from the defaults
+
+
+def test_params_yaml_in_the_working_folder_is_read_by_default(tmp_path):
+    (tmp_path / "params.yaml").write_text("seed: 7\nppo:\n  epochs: 3\n")
+    result = runner.invoke(app, ["config", "ppo.epochs=2"])
+    assert result.exit_code == 0, result.output
+    printed = yaml.safe_load(result.stdout)
+    assert (printed["seed"], printed["ppo"]["epochs"]) == (7, 2)  # the file, then the override
+    assert result.stderr == NOTICE  # said once, on stderr, so stdout stays YAML
+
+
+def test_config_none_uses_the_defaults_alone(tmp_path):
+    (tmp_path / "params.yaml").write_text("seed: 7\n")
+    result = runner.invoke(app, ["config", "--config", "none"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout)["seed"] == 0 and result.stderr == ""
+
+
+def test_an_explicit_config_file_replaces_params_yaml(tmp_path):
+    (tmp_path / "params.yaml").write_text("seed: 7\n")
+    (tmp_path / "other.yaml").write_text("seed: 9\n")
+    result = runner.invoke(app, ["config", "-c", "other.yaml"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load(result.stdout)["seed"] == 9 and result.stderr == ""
+
+
+def test_without_params_yaml_nothing_extra_is_said():
+    result = runner.invoke(app, ["config"])
+    assert result.exit_code == 0 and result.stderr == ""
+    assert result.stdout == to_yaml(Config())
+
+
+def test_a_bad_params_yaml_is_one_clear_error(tmp_path):
+    (tmp_path / "params.yaml").write_text("ppo: 5\n")
+    result = runner.invoke(app, ["config"])
+    assert result.exit_code == 2
+    assert result.stderr.startswith(NOTICE)
+    assert " ".join(result.stderr[len(NOTICE) :].split()) == (
+        "error: bad value for config key 'ppo' (in params.yaml): a section of keys, not a value "
+        "(got 5); set the keys inside it, e.g. ppo.rollout_batch_size=64"
+    )
+
+
+def test_config_docs_comments_every_key_and_loads_to_the_same_values(tmp_path):
+    (tmp_path / "params.yaml").write_text("model:\n  policy: 'a # b: c'\n")
+    args = ["config", "ppo.epochs=2", "model.reference='0.5'", "schedule.cron='# 1 * *'"]
+    plain = runner.invoke(app, args)
+    documented = runner.invoke(app, [*args, "--docs"])
+    assert plain.exit_code == documented.exit_code == 0, documented.output
+    assert yaml.safe_load(documented.stdout) == yaml.safe_load(plain.stdout)
+    assert yaml.safe_load(documented.stdout)["model"]["reference"] == "0.5"
+    lines = documented.stdout.splitlines()
+    for key in flatten(Config()):  # every key has a comment right above it
+        name, indent = key.rsplit(".", 1)[-1], "  " * key.count(".")
+        at = (
+            lines.index(f"{indent}{name}:")
+            if f"{indent}{name}:" in lines
+            else next(i for i, line in enumerate(lines) if line.startswith(f"{indent}{name}: "))
+        )
+        assert lines[at - 1].startswith(f"{indent}# "), key
+    assert "  # Passes over each rollout batch.\n  epochs: 2\n" in documented.stdout
 
 
 def test_a_config_typo_is_one_clear_error(tmp_path):

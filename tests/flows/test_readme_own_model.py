@@ -1,0 +1,73 @@
+"""The README's "Using your own model, data and reward" block, run verbatim on a tiny Llama-style
+model: it trains on the new prompts with the user's reward and evaluates with that reward."""
+
+import json
+import re
+import subprocess
+
+import pandas as pd
+import pytest
+
+from tests.flows.conftest import ROOT, environment, make_tiny_project
+from tests.helpers import build_tiny_llama
+
+SECTION = "## Using your own model, data and reward"
+
+REWARD_MODULE = '''
+import json
+
+
+def score(prompts, responses):
+    """Likes the word "fine"; logs which prompts it was asked to score."""
+    with open("reward_calls.jsonl", "a") as log:
+        log.write(json.dumps(prompts) + "\\n")
+    return [float(" fine" in r) - 0.5 for r in responses]
+'''
+
+
+def readme_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(SECTION) :]
+    return re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL).group(1)
+
+
+@pytest.mark.slow
+def test_the_readme_own_model_block_runs_verbatim(tmp_path):
+    project = make_tiny_project(tmp_path / "project")
+    model = build_tiny_llama(tmp_path / "hf-model")
+    mine = [f"The new gadget number {i} turned out to be" for i in range(60)]
+    (project / "my_prompts.jsonl").write_text(
+        "".join(json.dumps({"prompt": p}) + "\n" for p in mine)
+    )
+    (project / "my_module.py").write_text(REWARD_MODULE)
+    block = readme_block()
+    assert "/path/to/hf-model" in block and "my_module:score" in block
+    script = "set -euo pipefail\n" + block.replace("/path/to/hf-model", str(model))
+    done = subprocess.run(
+        ["bash", "-c", script],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Traceback" not in output
+
+    # the policy is the imported Llama, and the new prompts were prepared and trained on
+    policy_config = json.loads((project / "models" / "candidate" / "config.json").read_text())
+    assert policy_config["model_type"] == "llama"
+    train_prompts = set(pd.read_parquet(project / "data" / "prepared" / "train.parquet")["prompt"])
+    assert set(mine) & train_prompts
+    calls = [json.loads(line) for line in (project / "reward_calls.jsonl").read_text().splitlines()]
+    scored = {prompt for call in calls for prompt in call}
+    assert scored & set(mine) & train_prompts, "the user's reward never saw a new train prompt"
+
+    # evaluation scored with the reward the candidate was trained with, not params.yaml's
+    report = (project / "reports" / "eval" / "report.md").read_text()
+    assert "my_module:score" in report
+    assert json.loads((project / "reports" / "promotion.json").read_text())["decision"] in (
+        "promoted",
+        "rejected",
+    )

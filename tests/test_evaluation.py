@@ -1,0 +1,280 @@
+"""Held-out evaluation: the reward the candidate was trained with scores both models unless
+``eval.reward`` says otherwise, and tokenizers that differ from the KL reference's are handled
+explicitly (a baseline is scored without KL, a candidate is refused)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from ppo_core.config import load_config
+from ppo_core.evaluation import (
+    EvaluationWarning,
+    TokenizerMismatchError,
+    evaluate,
+    evaluation_reward,
+    reference_vocabulary,
+    vocabulary_mismatch,
+    vocabulary_of,
+)
+from ppo_core.modeling.policy import load_tokenizer
+
+REWARD_MODULE = "evaluation_test_rewards"
+REWARDS = """
+def seven(prompts, responses):
+    return [7.0] * len(responses)
+
+
+def minus_three(prompts, responses):
+    return [-3.0] * len(responses)
+"""
+
+
+def small_config(tmp: Path, model: Path, prompts: tuple[Path, Path], *extra: str):
+    return load_config(
+        overrides=[
+            f"model.policy={model}",
+            f"data.train_file={prompts[0]}",
+            f"data.eval_file={prompts[1]}",
+            f"train.output_dir={tmp / 'candidate'}",
+            f"train.checkpoint_dir={tmp / 'checkpoints'}",
+            f"train.metrics_dir={tmp / 'metrics'}",
+            f"eval.output_dir={tmp / 'eval'}",
+            f"promote.registry={tmp / 'registry.json'}",
+            f"promote.production_dir={tmp / 'production'}",
+            f"promote.report={tmp / 'promotion.json'}",
+            "ppo.rollout_batch_size=16",
+            "ppo.mini_batch_size=8",
+            "ppo.micro_batch_size=8",
+            "ppo.epochs=1",
+            "generation.max_new_tokens=6",
+            "train.iterations=1",
+            "eval.num_prompts=4",
+            "eval.samples_per_prompt=1",
+            *extra,
+        ]
+    )
+
+
+def build_other_model(folder: Path) -> Path:
+    """An untrained 1-layer GPT-2 whose byte-level BPE tokenizer has about 300 tokens, far fewer
+    than the tiny default's: token ids of the two tokenizers mean different text, and ids of the
+    tiny default's tokenizer are out of this model's range."""
+    from transformers import GPT2LMHeadModel
+
+    from ppo_core.modeling.review_grammar import generate_review_corpus
+    from ppo_core.modeling.tiny_default import tiny_gpt2_config, train_tokenizer
+
+    tokenizer = train_tokenizer(generate_review_corpus(200, seed=1), vocab_size=300)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_gpt2_config(len(tokenizer), n_layer=1, n_embd=32, n_head=2))
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def other_model_dir(tmp_path_factory) -> Path:
+    return build_other_model(tmp_path_factory.mktemp("other") / "model")
+
+
+@pytest.fixture
+def reward_module(tmp_path, monkeypatch) -> str:
+    """``evaluation_test_rewards.py`` in the working folder, importable as ``module:function``."""
+    (tmp_path / f"{REWARD_MODULE}.py").write_text(REWARDS)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delitem(sys.modules, REWARD_MODULE, raising=False)
+    return REWARD_MODULE
+
+
+def read(folder: Path, name: str):
+    text = (folder / name).read_text()
+    return json.loads(text) if name.endswith(".json") else text
+
+
+# --- the reward ----------------------------------------------------------------------------------
+
+
+def test_training_records_its_reward_and_evaluation_uses_it_unless_eval_reward_says_otherwise(
+    tmp_path, tiny_model_dir, prompt_files, reward_module
+):
+    from ppo_core.trainer import train
+
+    trained_with = f"{reward_module}:seven"
+    train(small_config(tmp_path, tiny_model_dir, prompt_files, f"model.reward={trained_with}"))
+    candidate = tmp_path / "candidate"
+    summary = read(candidate, "training_summary.json")
+    assert summary["reward"] == trained_with
+    assert summary["reference"] == str(tiny_model_dir)
+
+    # As after `ppo train model.reward=...` then a plain `ppo evaluate`: model.reward is the default.
+    config = small_config(tmp_path, tiny_model_dir, prompt_files)
+    assert config.model.reward == "builtin:sentiment"
+    with pytest.warns(EvaluationWarning, match="the reward the candidate was trained with") as seen:
+        reports = evaluate(config, candidate, tiny_model_dir)
+    assert "builtin:sentiment" in str(seen[0].message)
+    for side in ("candidate", "baseline"):  # both scored with the one reward
+        assert reports[side].metrics["score"] == 7.0
+        assert "kl_to_reference" in reports[side].metrics  # same tokenizer as the reference
+    out = tmp_path / "eval"
+    models = read(out, "models.json")
+    assert models["reward"] == trained_with
+    assert models["reward_source"].startswith("recorded with the candidate")
+    assert f"reward `{trained_with}` (recorded with the candidate" in read(out, "report.md")
+
+    chosen = f"{reward_module}:minus_three"
+    config = small_config(tmp_path, tiny_model_dir, prompt_files, f"eval.reward={chosen}")
+    with pytest.warns(EvaluationWarning, match=f"the candidate was trained with '{trained_with}'"):
+        reports = evaluate(config, candidate, tiny_model_dir)
+    assert [reports[s].metrics["score"] for s in ("candidate", "baseline")] == [-3.0, -3.0]
+    assert read(out, "models.json")["reward"] == chosen
+    assert f"reward `{chosen}` (eval.reward)" in read(out, "report.md")
+
+
+def test_the_reward_choice_without_a_record(tmp_path, tiny_model_dir, prompt_files):
+    config = small_config(tmp_path, tiny_model_dir, prompt_files)
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    assert evaluation_reward(config, plain).spec == "builtin:sentiment"
+    assert evaluation_reward(config, plain).source == "model.reward"
+    # A candidate saved before training_summary.json named its reward: its ppo_config.yaml does.
+    (plain / "ppo_config.yaml").write_text("model:\n  reward: my_rewards:score\n")
+    with pytest.warns(EvaluationWarning, match="'my_rewards:score'"):
+        assert evaluation_reward(config, plain).spec == "my_rewards:score"
+
+
+# --- tokenizers ----------------------------------------------------------------------------------
+
+
+def test_vocabulary_comparison(tmp_path, tiny_model_dir, other_model_dir):
+    from ppo_core.config import ModelConfig
+
+    same = vocabulary_of(tiny_model_dir, load_tokenizer(tiny_model_dir))
+    assert (
+        vocabulary_mismatch(same, vocabulary_of(tiny_model_dir, load_tokenizer(tiny_model_dir)))
+        is None
+    )
+    other = vocabulary_of(other_model_dir, load_tokenizer(other_model_dir))
+    assert "vocabularies differ" in str(vocabulary_mismatch(same, other))
+
+    added = load_tokenizer(tiny_model_dir)
+    added.add_tokens(["<|extra|>"])
+    assert "vocabularies differ" in str(vocabulary_mismatch(same, vocabulary_of("x", added)))
+    moved_eos = load_tokenizer(tiny_model_dir)
+    moved_eos.eos_token = "<|unk|>"
+    assert "eos token id 2 and 3" in str(vocabulary_mismatch(same, vocabulary_of("x", moved_eos)))
+    resized = dataclasses.replace(same, model_vocab_size=2048)
+    assert f"vocab_size {same.model_vocab_size} and 2048" in str(vocabulary_mismatch(same, resized))
+    assert vocabulary_mismatch(same, dataclasses.replace(same, model_type="llama")) is None
+
+    # A reference folder without tokenizer files is read with model.policy's tokenizer.
+    bare = tmp_path / "bare_reference"
+    bare.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy2(tiny_model_dir / name, bare / name)
+    policy = str(other_model_dir)
+    assert reference_vocabulary(ModelConfig(policy=policy, reference=str(bare))).digest == (
+        other.digest
+    )
+
+
+@pytest.fixture(scope="module")
+def other_baseline_run(tmp_path_factory, tiny_model_dir, prompt_files, other_model_dir):
+    """An evaluation against a baseline with another tokenizer than the reference."""
+    tmp = tmp_path_factory.mktemp("other_baseline")
+    shutil.copytree(tiny_model_dir, tmp / "candidate")
+    config = small_config(
+        tmp,
+        tiny_model_dir,
+        prompt_files,
+        "promote.min_improvement=-10.0",
+        "promote.max_kl=100.0",
+        "promote.min_eos_rate=0.0",
+    )
+    with pytest.warns(EvaluationWarning, match="another tokenizer than the KL reference") as seen:
+        reports = evaluate(config, tmp / "candidate", other_model_dir)
+    return config, reports, [str(w.message) for w in seen]
+
+
+def test_a_baseline_with_another_tokenizer_is_scored_without_kl(
+    other_baseline_run, tiny_model_dir, other_model_dir
+):
+    config, reports, warned = other_baseline_run
+    [message] = [m for m in warned if "another tokenizer" in m]
+    assert str(other_model_dir) in message and str(tiny_model_dir) in message
+    assert "its KL to the reference is not measured" in message
+    baseline = reports["baseline"]
+    assert "kl_to_reference" not in baseline.metrics
+    assert baseline.metrics["num_samples"] == 4.0 and "score" in baseline.metrics
+    assert "kl_to_reference" in reports["candidate"].metrics
+    out = Path(config.eval.output_dir)
+    metrics = read(out, "metrics.json")
+    assert "baseline/kl_to_reference" not in metrics and "baseline/score" in metrics
+    assert "candidate/kl_to_reference" in metrics and "delta/score" in metrics
+    report = read(out, "report.md")
+    assert "| kl_to_reference | " in report
+    assert "n/a (other tokenizer than the reference)" in report
+    assert read(out, "models.json")["baseline"] == str(other_model_dir)
+
+
+def test_promote_decides_on_a_baseline_without_kl(other_baseline_run):
+    from flows import stages
+
+    config, _, _ = other_baseline_run
+    entry = stages.promote(config)
+    assert entry["decision"] == "promoted" and entry["version"] == "v0001"
+    assert "kl_to_reference" not in entry["baseline_metrics"]
+    assert any(r.startswith("pass: score") and "vs baseline" in r for r in entry["reasons"])
+    assert any(r.startswith("pass: KL to reference") for r in entry["reasons"])
+    assert entry["reward"] == "builtin:sentiment"
+    assert (Path(config.promote.production_dir) / "v0001" / "config.json").is_file()
+
+
+def test_a_candidate_with_another_tokenizer_than_the_reference_is_refused(
+    tmp_path, tiny_model_dir, prompt_files, other_model_dir
+):
+    config = small_config(tmp_path, tiny_model_dir, prompt_files)
+    with pytest.raises(TokenizerMismatchError) as refused:
+        evaluate(config, other_model_dir, tiny_model_dir)
+    message = str(refused.value)
+    assert str(other_model_dir) in message and str(tiny_model_dir) in message
+    assert "named by model.policy" in message and "vocabularies differ" in message
+    assert not (tmp_path / "eval").exists()
+
+    # The command line says so in one line, with exit code 2.
+    from flows.cli import app
+
+    result = CliRunner().invoke(
+        app,
+        [
+            "evaluate",
+            "--candidate",
+            str(other_model_dir),
+            "--baseline",
+            "",
+            *(
+                f"{k}={v}"
+                for k, v in small_overrides(tmp_path, tiny_model_dir, prompt_files).items()
+            ),
+        ],
+    )
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert "another tokenizer than the KL reference" in result.output
+    assert not (tmp_path / "eval").exists()
+
+
+def small_overrides(tmp: Path, model: Path, prompts: tuple[Path, Path]) -> dict[str, object]:
+    return {
+        "model.policy": model,
+        "data.eval_file": prompts[1],
+        "eval.output_dir": tmp / "eval",
+        "promote.registry": tmp / "registry.json",
+        "promote.production_dir": tmp / "production",
+    }
