@@ -16,26 +16,28 @@ gate depends on its KL); a baseline whose vocabulary differs gets no KL, with a 
 
 from __future__ import annotations
 
-import hashlib
 import json
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from ppo_core.config import Config, ConfigError, ModelConfig
-from ppo_core.files import atomic_folder, first_line
+from ppo_core.config import Config, ConfigError
+from ppo_core.files import atomic_folder
 from ppo_core.math.masked import masked_sum
 from ppo_core.modeling.data import load_prompts
 from ppo_core.modeling.policy import (
-    ModelFolderError,
-    check_model_folder,
     load_causal_lm,
     load_tokenizer,
 )
 from ppo_core.modeling.reward_loading import RewardError, RewardFn
+from ppo_core.modeling.vocabulary import (
+    Vocabulary,
+    reference_vocabulary,
+    vocabulary_mismatch,
+    vocabulary_of,
+)
 from ppo_core.rollout import (
     POSITIVE_SCORE,
     build_reward,
@@ -51,23 +53,15 @@ __all__ = [
     "ModelReport",
     "RewardChoice",
     "TokenizerMismatchError",
-    "Vocabulary",
     "distinct_n",
     "evaluate",
     "evaluate_model",
     "evaluation_reward",
     "metric_table",
-    "vocabulary_mismatch",
-    "vocabulary_of",
 ]
 
 OTHER_TOKENIZER = "other tokenizer than the reference"
 """Why a baseline has no ``kl_to_reference`` (shown as ``n/a (...)`` in ``report.md``)."""
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
-SPECIAL_TOKENS = ("bos", "eos", "unk")
-"""Special tokens whose ids must agree for KL. Pad is left out: padded positions are masked out of
-every score, so a reference folder that names another pad token still measures the same KL."""
 
 
 class EvaluationWarning(UserWarning):
@@ -89,90 +83,6 @@ def distinct_n(texts: list[str], n: int) -> float:
         total += len(grams)
         seen.update(grams)
     return len(seen) / total if total else 0.0
-
-
-@dataclass(frozen=True)
-class Vocabulary:
-    """What decides whether token ids mean the same text under two models."""
-
-    folder: str
-    digest: str
-    """SHA-256 of the tokenizer's token -> id mapping (added tokens included)."""
-    size: int
-    special_ids: dict[str, int | None]
-    model_type: str | None
-    model_vocab_size: int | None
-    """``vocab_size`` of the model's config: the rows of its embedding and output layer."""
-
-    def describe(self) -> str:
-        return f"{self.folder} ({self.model_type or 'unknown model type'}, {self.size} tokens)"
-
-
-def vocabulary_of(folder: str | Path, tokenizer: Any) -> Vocabulary:
-    """The vocabulary of ``tokenizer`` together with the model config in ``folder``."""
-    mapping = tokenizer.get_vocab()
-    digest = hashlib.sha256(
-        json.dumps(sorted(mapping.items()), ensure_ascii=False).encode()
-    ).hexdigest()
-    try:
-        model_config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
-        model_config = {}
-    if not isinstance(model_config, dict):
-        model_config = {}
-    # Multimodal configs keep the language model's vocabulary under text_config.
-    text_config = model_config.get("text_config")
-    vocab_size = model_config.get("vocab_size")
-    if vocab_size is None and isinstance(text_config, dict):
-        vocab_size = text_config.get("vocab_size")
-    return Vocabulary(
-        folder=str(folder),
-        digest=digest,
-        size=len(mapping),
-        special_ids={name: getattr(tokenizer, f"{name}_token_id", None) for name in SPECIAL_TOKENS},
-        model_type=model_config.get("model_type"),
-        model_vocab_size=vocab_size if isinstance(vocab_size, int) else None,
-    )
-
-
-def vocabulary_mismatch(a: Vocabulary, b: Vocabulary) -> str | None:
-    """Why token ids sampled under ``a`` do not mean the same to ``b``, or None when they do.
-
-    The model types may differ (two architectures can share a tokenizer); the vocabularies, the
-    BOS/EOS/UNK ids and the models' embedding sizes may not.
-    """
-    if a.digest != b.digest:
-        return f"their vocabularies differ ({a.size} and {b.size} tokens)"
-    reasons = [
-        f"{name} token id {a.special_ids[name]} and {b.special_ids[name]}"
-        for name in SPECIAL_TOKENS
-        if a.special_ids[name] != b.special_ids[name]
-    ]
-    sizes = (a.model_vocab_size, b.model_vocab_size)
-    if None not in sizes and sizes[0] != sizes[1]:
-        reasons.append(f"model vocab_size {a.model_vocab_size} and {b.model_vocab_size}")
-    return "; ".join(reasons) or None
-
-
-def reference_vocabulary(model: ModelConfig) -> Vocabulary:
-    """The KL reference's vocabulary: its own tokenizer, or ``model.policy``'s when its folder
-    holds none (training samples with the policy's tokenizer and scores with the reference)."""
-    from transformers import AutoTokenizer
-
-    folder = check_model_folder(model.reference or model.policy, "reference")
-    has_tokenizer = any((folder / name).is_file() for name in TOKENIZER_FILES)
-    tokenizer_folder = folder if has_tokenizer else check_model_folder(model.policy, "tokenizer")
-    # Not load_tokenizer: a reference is never sampled from, so it needs no pad token.
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(
-            tokenizer_folder, trust_remote_code=model.trust_remote_code
-        )
-    except (OSError, ValueError, KeyError) as exc:
-        raise ModelFolderError(
-            f"cannot load the KL reference's tokenizer from {str(tokenizer_folder)!r}: "
-            + first_line(exc)
-        ) from None
-    return vocabulary_of(folder, tokenizer)
 
 
 @dataclass(frozen=True)
@@ -347,7 +257,9 @@ def evaluate(
     tokenizers = {
         name: load_tokenizer(path, config.model.trust_remote_code) for name, path in models.items()
     }
-    reference_vocab = reference_vocabulary(config.model)
+    reference_vocab = reference_vocabulary(
+        config.model.policy, config.model.reference, config.model.trust_remote_code
+    )
     candidate_vocab = vocabulary_of(candidate, tokenizers["candidate"])
     mismatch = vocabulary_mismatch(candidate_vocab, reference_vocab)
     if mismatch is not None:

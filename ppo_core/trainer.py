@@ -43,11 +43,13 @@ from ppo_core.modeling.checkpoint import (
 from ppo_core.modeling.data import load_prompts, read_manifest_hash
 from ppo_core.modeling.policy import (
     ActorCritic,
+    ModelFolderError,
     check_model_folder,
     load_actor_critic,
     load_tokenizer,
 )
 from ppo_core.modeling.reward_loading import RewardFn
+from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
 from ppo_core.rollout import build_reward, collect_rollout, load_reference
 from ppo_core.runtime import Runtime, setup_runtime
 from ppo_core.update import ppo_update
@@ -143,14 +145,29 @@ class RunInputs:
 def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
     """Check the model folders, read the prompts and the tokenizer, build the reward; a bad
     input fails here, naming it, while every file on disk is as it was."""
-    check_model_folder(config.model.policy, "model.policy")
-    if config.model.reference is not None:
-        check_model_folder(config.model.reference, "model.reference")
+    model = config.model
+    check_model_folder(model.policy, "model.policy")
+    tokenizer = load_tokenizer(model.policy, model.trust_remote_code)
+    if model.reference is not None:
+        check_model_folder(model.reference, "model.reference")
+        # The KL penalty compares the two models' logprobs of one token id: meaningless unless
+        # both vocabularies map ids to the same text.
+        policy_vocab = vocabulary_of(model.policy, tokenizer)
+        reference_vocab = reference_vocabulary(
+            model.policy, model.reference, model.trust_remote_code
+        )
+        mismatch = vocabulary_mismatch(policy_vocab, reference_vocab)
+        if mismatch is not None:
+            raise ModelFolderError(
+                f"model.reference {reference_vocab.describe()} has another tokenizer than "
+                f"model.policy {policy_vocab.describe()}: {mismatch}; the KL penalty needs one "
+                "vocabulary (model.reference=null uses the starting policy)"
+            )
     return RunInputs(
         train_prompts=load_prompts(config.data.train_file, config.data.prompt_field),
-        tokenizer=load_tokenizer(config.model.policy, config.model.trust_remote_code),
+        tokenizer=tokenizer,
         data_hash=read_manifest_hash(config.data.train_file),
-        reward_fn=build_reward(config.model, runtime.device),
+        reward_fn=build_reward(model, runtime.device),
     )
 
 

@@ -20,11 +20,9 @@ from ppo_core.evaluation import (
     TokenizerMismatchError,
     evaluate,
     evaluation_reward,
-    reference_vocabulary,
-    vocabulary_mismatch,
-    vocabulary_of,
 )
 from ppo_core.modeling.policy import load_tokenizer
+from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
 
 REWARD_MODULE = "evaluation_test_rewards"
 REWARDS = """
@@ -154,7 +152,6 @@ def test_the_reward_choice_without_a_record(tmp_path, tiny_model_dir, prompt_fil
 
 
 def test_vocabulary_comparison(tmp_path, tiny_model_dir, other_model_dir):
-    from ppo_core.config import ModelConfig
 
     same = vocabulary_of(tiny_model_dir, load_tokenizer(tiny_model_dir))
     assert (
@@ -180,9 +177,7 @@ def test_vocabulary_comparison(tmp_path, tiny_model_dir, other_model_dir):
     for name in ("config.json", "model.safetensors"):
         shutil.copy2(tiny_model_dir / name, bare / name)
     policy = str(other_model_dir)
-    assert reference_vocabulary(ModelConfig(policy=policy, reference=str(bare))).digest == (
-        other.digest
-    )
+    assert reference_vocabulary(policy, str(bare)).digest == (other.digest)
 
 
 @pytest.fixture(scope="module")

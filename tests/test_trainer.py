@@ -16,6 +16,7 @@ from ppo_core.modeling.data import PromptFileError
 from ppo_core.modeling.policy import ModelFolderError
 from ppo_core.modeling.reward_loading import RewardError, build_reward_fn
 from ppo_core.trainer import train
+from tests.helpers import build_tiny_llama
 
 
 def small_config(tmp: Path, model: Path, prompts: tuple[Path, Path], *extra: str):
@@ -141,26 +142,34 @@ def test_outputs_carry_config_and_lineage(tmp_path, tiny_model_dir, prompt_files
         assert key in summary.final_metrics
 
 
-@pytest.mark.parametrize("case", ["missing_model", "malformed_prompts", "reward"])
+@pytest.mark.parametrize(
+    "case", ["missing_model", "malformed_prompts", "reward", "reference_tokenizer"]
+)
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, tiny_model_dir, prompt_files, case):
     """Inputs read by the run itself; config errors (a typo, sizes that do not nest) fail at
     load time and are tested in tests/test_config.py."""
     bad_prompts = tmp_path / "bad.jsonl"
     bad_prompts.write_text('{"prompt": "ok"}\n{"prompt": oops}\n')
+    if case == "reference_tokenizer":
+        build_tiny_llama(tmp_path / "llama")
     overrides = {
         "missing_model": (f"model.policy={tmp_path / 'nope'}",),
         "malformed_prompts": (f"data.train_file={bad_prompts}",),
         "reward": ("model.reward=tests.test_trainer:wrong_length_reward",),
+        "reference_tokenizer": (f"model.reference={tmp_path / 'llama'}",),
     }[case]
     error = {
         "missing_model": ModelFolderError,
         "malformed_prompts": PromptFileError,
         "reward": RewardError,
+        "reference_tokenizer": ModelFolderError,
     }[case]
     message = {
         "missing_model": "model.policy folder .*nope.* does not exist",
         "malformed_prompts": r"bad.jsonl:2: not valid JSON",
         "reward": r"wrong_length_reward.*returned shape \(3,\) for 16 responses",
+        "reference_tokenizer": r"model.reference .*llama \(llama, \d+ tokens\) has another "
+        r"tokenizer than model.policy .*\(gpt2, \d+ tokens\): their vocabularies differ",
     }[case]
     with pytest.raises(error, match=message):
         train(small_config(tmp_path, tiny_model_dir, prompt_files, *overrides))
