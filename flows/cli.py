@@ -298,6 +298,44 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
         console.print(f"  {reason}", soft_wrap=True)
 
 
+@app.command()
+def compare(
+    all_commits: Annotated[
+        bool, typer.Option("--all-commits", help="Every commit's runs, not only HEAD's.")
+    ] = False,
+) -> None:
+    """Compare runs: experiments (`dvc exp run`) and commits side by side.
+
+    One row a run, with the params that differ between the runs and the headline numbers:
+    held-out score, positive rate, KL to the reference, EOS rate and distinct-2 of the candidate
+    (`reports/eval/metrics.json`), and training tokens/s. Reads `dvc exp show --json`; `dvc exp
+    show` has every param and metric, `dvc exp diff A B` two runs change by change.
+    """
+    from rich.table import Table
+
+    from flows.experiments import HEADLINE, compare_runs, format_number
+
+    try:
+        comparison = compare_runs(".", all_commits=all_commits)
+    except RuntimeError as exc:
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(code=2) from None
+    table = Table()
+    table.add_column("run", no_wrap=True)
+    for key in comparison.changed:
+        table.add_column(key, justify="right")
+    for _, title in HEADLINE:
+        table.add_column(title, justify="right")
+    for run in comparison.runs:
+        params = [str(run.params.get(key, "-")) for key in comparison.changed]
+        numbers = [format_number(run.metrics.get(key)) for key, _ in HEADLINE]
+        table.add_row(run.name, *params, *numbers)
+    out = Console()
+    out.print(table)
+    if not comparison.changed:
+        out.print("no param differs between these runs")
+
+
 def main() -> None:  # pragma: no cover - console script entry
     app()
 

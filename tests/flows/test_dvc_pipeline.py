@@ -1,16 +1,33 @@
-"""`dvc repro` runs the real stages on tiny data; reruns only what changed."""
+"""`dvc repro` runs the real stages on tiny data and reruns only what changed; `dvc exp run`
+records each experiment's params and metrics."""
 
 from __future__ import annotations
 
+import json
+import math
+import subprocess
+
 import pytest
 
-from tests.flows.conftest import dvc, read_json
+from tests.flows.conftest import BIN, dvc, environment, read_json
 
 
 def ran(output: str) -> set[str]:
     return {
         line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")
     }
+
+
+def experiment_scores(shown: str) -> dict[str, float | None]:
+    """``{experiment name: candidate/score}`` from `dvc exp show --json` (None where the
+    experiment has no reports/eval/metrics.json: the `!` of the table)."""
+    scores = {}
+    for baseline in json.loads(shown):
+        for experiment in baseline.get("experiments") or []:
+            for rev in experiment["revs"]:
+                metrics = (rev["data"].get("metrics") or {}).get("reports/eval/metrics.json", {})
+                scores[rev["name"]] = metrics.get("data", {}).get("candidate/score")
+    return scores
 
 
 @pytest.mark.slow
@@ -29,12 +46,40 @@ def test_repro_then_nothing_then_only_what_a_param_touches(tiny_project):
     assert ran(second.stdout) == set(), second.stdout
     assert "Data and pipelines are up to date" in second.stdout
 
-    third = dvc(tiny_project, "exp", "run", "-S", "ppo.clip_eps=0.1")
+    committed = (tiny_project / "params.yaml").read_text()
+    third = dvc(tiny_project, "exp", "run", "-n", "clip-0.1", "-S", "ppo.clip_eps=0.1")
     assert third.returncode == 0, third.stdout + third.stderr
     assert ran(third.stdout) == {"train", "evaluate", "promote"}, third.stdout
+    # Back to the committed value: the workspace params.yaml is the committed text again, so
+    # `-S` rewrites nothing but the value (params.yaml is in the form DVC writes).
+    fourth = dvc(tiny_project, "exp", "run", "-n", "clip-0.2", "-S", "ppo.clip_eps=0.2")
+    assert fourth.returncode == 0, fourth.stdout + fourth.stderr
+    assert (tiny_project / "params.yaml").read_text() == committed
 
-    shown = dvc(tiny_project, "metrics", "show", "--json")
-    assert shown.returncode == 0 and "candidate/score" in shown.stdout
+    # Each experiment recorded its metrics (git-tracked), so the table has numbers, not `!`.
+    shown = dvc(tiny_project, "exp", "show", "--json")
+    assert shown.returncode == 0, shown.stderr
+    scores = experiment_scores(shown.stdout)
+    assert set(scores) == {"clip-0.1", "clip-0.2"}, scores
+    assert all(s is not None and math.isfinite(s) for s in scores.values()), scores
+    # `ppo compare`: a row per run, the one param that changed beside the headline
+    compared = subprocess.run(
+        [str(BIN / "ppo"), "compare"],
+        cwd=tiny_project,
+        env={**environment(), "COLUMNS": "100"},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert compared.returncode == 0, compared.stderr
+    table = compared.stdout
+    assert "ppo.clip_eps" in table and "score" in table and "tokens/s" in table, table
+    rows = {line.split()[1]: line for line in table.splitlines() if "clip-0." in line}
+    assert set(rows) == {"clip-0.1", "clip-0.2"}, table
+    assert all(len(line) <= 100 for line in table.splitlines()), table
+
+    metrics = dvc(tiny_project, "metrics", "show", "--json")
+    assert metrics.returncode == 0 and "candidate/score" in metrics.stdout
     assert not (tiny_project / ".dvc-storage").exists()  # so what is there below came from push
     push = dvc(tiny_project, "push")
     assert push.returncode == 0, push.stderr
@@ -62,8 +107,11 @@ def test_dvc_yaml_names_the_configured_outputs():
     train_metrics, evals = config.train.metrics_dir, config.eval.output_dir
     assert paths("prepare", "outs") == {config.data.interim_dir}
     assert paths("base", "outs") == {config.model.policy}
-    assert paths("validate", "outs") == {config.data.prepared_dir}
-    assert paths("validate", "metrics") == {f"{config.validation.report_dir}/summary.json"}
+    assert paths("validate", "outs") == {
+        config.data.prepared_dir,
+        f"{config.validation.report_dir}/summary.json",
+    }
+    assert paths("validate", "metrics") == set()  # settings, not measurements
     assert paths("train", "outs") == {config.train.output_dir, config.train.checkpoint_dir}
     assert paths("train", "metrics") == {f"{train_metrics}/metrics.json"}
     assert paths("train", "plots") == {
