@@ -72,11 +72,14 @@ def prepare(config: Config) -> Path:
     hash of each prompt, and writes ``train.parquet``, ``eval.parquet`` and ``manifest.json``
     (content hash, counts, source files with their hashes) into ``data.interim_dir``, atomically;
     ``validate`` publishes it to ``data.prepared_dir``.
-    A malformed line fails the stage naming its file and line; nothing is written then.
+    A malformed line fails the stage naming its file and line; nothing is written then. So does a
+    raw file over ``data.max_rows_per_file`` or ``data.max_bytes_per_file``, and a split over them
+    (training and evaluation read the splits under the same caps). The manifest names each source
+    as ``project_path`` does: relative to the working folder, or by its name alone outside it.
     """
     import pandas as pd
 
-    from ppo_core.modeling.data import load_prompts
+    from ppo_core.modeling.data import load_prompts, parquet_size, project_path
 
     data = config.data
     raw_dir = Path(data.raw_dir)
@@ -88,8 +91,16 @@ def prepare(config: Config) -> Path:
     counts = {"raw": 0, "empty": 0, "duplicates": 0}
     source_info = []
     for source in sources:
-        rows = load_prompts(source, data.prompt_field, allow_empty=True)
-        source_info.append({"file": str(source), "sha256": file_sha256(source), "rows": len(rows)})
+        rows = load_prompts(
+            source,
+            data.prompt_field,
+            allow_empty=True,
+            max_rows=data.max_rows_per_file,
+            max_bytes=data.max_bytes_per_file,
+        )
+        source_info.append(
+            {"file": project_path(source), "sha256": file_sha256(source), "rows": len(rows)}
+        )
         for raw in rows:
             counts["raw"] += 1
             prompt = _normalise(raw)
@@ -107,6 +118,15 @@ def prepare(config: Config) -> Path:
             f"{len(prompts)} distinct prompts give {len(trains)} train and {len(evals)} eval "
             f"prompts with data.eval_fraction={data.eval_fraction}; both splits need prompts"
         )
+    # Each split is a prompt file that `ppo train` or `ppo evaluate` reads under the same caps.
+    readers = {"train": "`ppo train`", "eval": "`ppo evaluate`"}
+    for split, items in (("train", trains), ("eval", evals)):
+        if len(items) > data.max_rows_per_file:
+            raise PromptFileError(
+                f"{Path(data.interim_dir) / f'{split}.parquet'} would hold {len(items)} prompts, "
+                f"more than data.max_rows_per_file={data.max_rows_per_file}, so {readers[split]} "
+                "could not read it; raise the limit"
+            )
     content = hashlib.sha256()
     for split, items in (("train", trains), ("eval", evals)):
         for prompt in items:
@@ -120,15 +140,42 @@ def prepare(config: Config) -> Path:
     }
 
     def write(tmp: Path) -> None:
-        pd.DataFrame({data.prompt_field: trains}).to_parquet(tmp / "train.parquet", index=False)
-        pd.DataFrame({data.prompt_field: evals}).to_parquet(tmp / "eval.parquet", index=False)
+        for split, items in (("train", trains), ("eval", evals)):
+            pd.DataFrame({data.prompt_field: items}).to_parquet(
+                tmp / f"{split}.parquet", index=False
+            )
+            # the size a reader measures first, known only once written
+            _, size = parquet_size(tmp / f"{split}.parquet", data.prompt_field)
+            if size > data.max_bytes_per_file:
+                raise PromptFileError(
+                    f"{Path(data.interim_dir) / f'{split}.parquet'} would hold {size} bytes "
+                    f"uncompressed, more than data.max_bytes_per_file={data.max_bytes_per_file}, "
+                    f"so {readers[split]} could not read it; raise the limit"
+                )
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
     return atomic_folder(data.interim_dir, write)
 
 
 def base(config: Config) -> Path:
-    """Import ``base.source`` into ``model.policy``, or build the tiny default there."""
+    """Import ``base.source`` into ``model.policy``, or build the tiny default there.
+
+    ``model.policy`` is checked as an output first (``check_write_paths``: inside the project or
+    an allowed root, clear of the repository, the sources, the inputs and the other outputs). An
+    import copies regular files only, within ``ppo_core.files.MAX_COPY_BYTES``: a link, a device
+    or a FIFO in the source is refused by name before anything is loaded or written. It records
+    in ``imported_from.json`` where the model came from without naming the user's folders: the
+    source's path relative to the project when it lies inside it, else only its folder name, and
+    always ``content_sha256`` (``ppo_core.files.folder_fingerprint``: its ``config.json`` and
+    every file's name and size).
+    """
+    import os
+
+    from ppo_core.config import WRITE_KEYS, check_write_paths, flatten
+    from ppo_core.files import copy_regular_tree, folder_fingerprint, regular_files
+    from ppo_core.output_paths import inside, real_path
+
+    check_write_paths(flatten(config), (*WRITE_KEYS, "model.policy"))
     target = Path(config.model.policy)
     if config.base.source is None:
         from ppo_core.modeling.tiny_default import build_tiny_default
@@ -142,18 +189,26 @@ def base(config: Config) -> Path:
     from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
 
     source = Path(config.base.source)
+    if source.is_dir():
+        regular_files(source)  # links are refused before the loaders below follow any
     # Load both first: a folder that cannot serve as a policy is refused before anything is written.
     load_tokenizer(source, config.model.trust_remote_code)
     load_causal_lm(source, "base.source", config.model.trust_remote_code)
+    project, where = real_path("."), real_path(source)
+    in_project = where != project and inside(where, project)
+    shown = os.path.relpath(where, project) if in_project else (Path(where).name or where)
 
     def write(tmp: Path) -> None:
-        shutil.copytree(source, tmp, dirs_exist_ok=True)
+        copy_regular_tree(source, tmp)
         (tmp / "imported_from.json").write_text(
             json.dumps(
                 {
-                    "source": str(source.resolve()),
+                    "source": shown,
+                    "inside_project": in_project,
+                    "content_sha256": folder_fingerprint(tmp),
                     "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                }
+                },
+                indent=1,
             )
         )
 

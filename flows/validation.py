@@ -200,7 +200,7 @@ def validate_prompt_splits(
         },
         "splits": split_reports,
         "failures": [asdict(failure) for failure in failures],
-        "docs_index": str(docs_index),
+        "docs_index": _recorded_path(docs_index, report_dir),
         "great_expectations_version": gx.__version__,
     }
     atomic_write_text(result.summary_path, json.dumps(summary, indent=2, default=str) + "\n")
@@ -208,6 +208,16 @@ def validate_prompt_splits(
 
 
 _FAILURE_FIELDS = ("expectation", "split", "column", "unexpected_count", "examples", "details")
+
+
+def _recorded_path(path: Path, report_dir: Path) -> str:
+    """``path`` (under the resolved ``report_dir``) as the summary records it: relative to the
+    working folder when it lies inside it, else to the report folder. The summary is shared (DVC,
+    CI artifacts); an absolute path would record the user's folders."""
+    try:
+        return path.relative_to(Path.cwd()).as_posix()
+    except ValueError:
+        return path.relative_to(report_dir).as_posix()
 
 
 def _import_gx():

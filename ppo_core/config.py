@@ -21,7 +21,7 @@ import zoneinfo
 from collections.abc import Iterable, Sequence
 from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NoReturn, TypeVar, get_args
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -30,6 +30,7 @@ from ppo_core.files import atomic_write_text, first_line
 from ppo_core.math.batching import check_batch_sizes
 from ppo_core.math.kl import KLEstimator
 from ppo_core.math.losses import LossAggMode
+from ppo_core.modeling.data import MAX_BYTES_PER_FILE, MAX_ROWS_PER_FILE
 
 __all__ = [
     "CHOICES",
@@ -44,6 +45,15 @@ __all__ = [
 
 class ConfigError(ValueError):
     """A configuration problem; the message names the key, the value and what is allowed."""
+
+
+# The longest string a config value may be, once its ${...} references are resolved. Paths and
+# names are far shorter (a Linux path is at most 4096 bytes); the limit stops references that
+# repeat a key from building strings of gigabytes (each doubling adds a key, not a gigabyte).
+MAX_VALUE_CHARS = 4096
+# A rejected value is shown at most this long in a message: it may hold a secret or megabytes,
+# and messages reach logs.
+SHOWN_CHARS = 40
 
 
 # The string choices owned here; the loss aggregation modes and KL estimators are defined by the
@@ -92,6 +102,10 @@ class ModelConfig:
     """``builtin:sentiment`` (VADER), ``module:function`` (user code, called with lists of prompts
     and responses; it runs as Python), or a local folder of a sequence-classification reward
     model."""
+    reward_timeout: float = 600.0
+    """Seconds one call of the reward (one batch, in training or evaluation) may take before the
+    run stops with an error naming the reward, so a hung reward cannot block scheduled runs; 0
+    waits without limit."""
     critic: Choice[Critic] = "shared"
     """``shared``: a value head on the policy's trunk; ``separate``: a critic trunk of its own,
     initialised from the policy folder."""
@@ -137,6 +151,14 @@ class DataConfig:
     """Held-out prompts for ``ppo evaluate``."""
     prompt_field: str = "prompt"
     """Name of the field that holds the prompt in each raw record."""
+    max_rows_per_file: int = MAX_ROWS_PER_FILE
+    """Most prompts one prompt file may hold (JSONL records, Parquet rows); a Parquet file is
+    measured by its metadata before it is read, a JSONL file is read up to the first extra
+    record. ``ppo prepare`` also refuses a split that would hold more."""
+    max_bytes_per_file: int = MAX_BYTES_PER_FILE
+    """Most bytes one prompt file may hold (1 GiB): a JSONL file's size; for Parquet, the prompt
+    column's uncompressed size in the metadata and then its text, measured before it is built
+    (a compressed file of a few kB can hold gigabytes of repeated text)."""
 
 
 @dataclass
@@ -400,17 +422,21 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         raise ConfigError(_explain(exc, f" (in {path})", loaded)) from None
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form key=value")
+            raise ConfigError(f"override {_shown_override(item)} is not of the form key=value")
         given: DictConfig | None = None
         try:
             given = OmegaConf.from_dotlist([item])
             merged = OmegaConf.merge(merged, given)
         except yaml.YAMLError as exc:
             raise ConfigError(
-                f"override {item!r}: the value is not valid YAML ({first_line(exc)})"
+                f"override {_shown_override(item)}: the value is not valid YAML ({first_line(exc)})"
             ) from None
         except OmegaConfBaseException as exc:
-            raise ConfigError(_explain(exc, f" (override {item!r})", given)) from None
+            raise ConfigError(
+                _explain(exc, f" (override {_shown_override(item)})", given)
+            ) from None
+    # Before OmegaConf resolves anything: a resolver's value or a huge string must never exist.
+    _check_references(merged)
     try:
         config: Config = OmegaConf.to_object(merged)  # type: ignore[assignment]
     except OmegaConfBaseException as exc:
@@ -429,13 +455,135 @@ def _check_shapes(node: Any, prefix: str = "") -> None:
     for item in fields(node):
         key, value = f"{prefix}{item.name}", getattr(node, item.name)
         default = item.default if item.default_factory is MISSING else item.default_factory()
-        shown = type(value).__name__ if is_dataclass(value) else repr(value)
+        shown = type(value).__name__ if is_dataclass(value) else _short(value)
         if is_dataclass(default):
             if type(value) is not type(default):
                 raise ConfigError(f"{key} must be a section of keys, got {shown}")
             _check_shapes(value, f"{key}.")
         elif isinstance(default, list) and not isinstance(value, list):
             raise ConfigError(f"{key} must be a list, got {shown}")
+
+
+def _check_references(merged: DictConfig | ListConfig) -> None:
+    """Refuse what a ``${...}`` may not do, before OmegaConf resolves anything.
+
+    A config may refer to its own keys (``${model.policy}``, ``${.sibling}``, ``${..seed}``)
+    and to nothing else: a resolver's value (``${oc.env:VAR}`` above all, or ``oc.decode``,
+    ``oc.create``, ``oc.select``, ...) would be saved into ``ppo_config.yaml``, checkpoints,
+    production versions and the registry, and echoed in messages. The length of each value
+    holding a reference is added up from the lengths of what it refers to, without building it,
+    so that references repeating a key (a string that doubles at every key) fail at once.
+    Raises :class:`ConfigError` naming the key, with OmegaConf's words where it has them.
+    """
+    from omegaconf import grammar_parser
+    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
+
+    tree: Any = OmegaConf.to_container(merged, resolve=False)
+    lengths: dict[tuple[Any, ...], int] = {}
+    measuring: list[tuple[Any, ...]] = []  # the values being measured, outermost first
+
+    def fail(path: tuple[Any, ...], reason: str) -> NoReturn:
+        key = ".".join(map(str, path))
+        raise ConfigError(
+            f"config key {_short(key)}: cannot resolve an ${{...}} reference: {reason}"
+        )
+
+    def value_at(path: tuple[Any, ...]) -> Any:
+        node = tree
+        for part in path:
+            node = node[part]
+        return node
+
+    def target(path: tuple[Any, ...], reference: Any) -> tuple[Any, ...]:
+        """Where an interpolation node (``${a.b}``, ``${..c}``, ``${a[0]}``) held at ``path``
+        points: leading dots count up from the folder holding it."""
+        dots, parts = 0, []
+        for child in reference.getChildren():
+            if isinstance(child, Grammar.ConfigKeyContext):
+                parts.append(child.getText())
+            elif child.getText() == "." and not parts:
+                dots += 1
+        where: tuple[Any, ...] = path[: len(path) - dots] if dots else ()
+        node = value_at(where) if dots <= len(path) else None
+        for part in parts:
+            if isinstance(node, dict) and part in node:
+                step: Any = part
+            elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+                step = int(part)
+            elif isinstance(node, str) and "${" in node:
+                fail(path, f"{reference.getText()} goes through another reference; name the key")
+            else:
+                fail(path, f"Interpolation key {_short('.'.join(parts))} not found")
+            where, node = (*where, step), node[step]
+        return where
+
+    def measure(path: tuple[Any, ...]) -> int:
+        """Characters of the value at ``path`` once resolved (a section or list as it prints)."""
+        if path in lengths:
+            return lengths[path]
+        if path in measuring:
+            fail(measuring[0], "Recursive interpolation detected")
+        measuring.append(path)
+        value = value_at(path)
+        if isinstance(value, dict):
+            total = 2 + sum(len(repr(key)) + 4 + measure((*path, key)) for key in value)
+        elif isinstance(value, list):
+            total = 2 + sum(2 + measure((*path, index)) for index in range(len(value)))
+        elif isinstance(value, str) and "${" in value:
+            try:
+                parsed = grammar_parser.parse(value)
+            except OmegaConfBaseException as exc:
+                fail(path, _shorten_quoted(first_line(exc)))
+            nodes = list(_parse_nodes(parsed))
+            for node in nodes:
+                if isinstance(node, Grammar.InterpolationResolverContext):
+                    fail(
+                        path,
+                        f"the resolver {_short(node.resolverName().getText())} is not allowed: a "
+                        "config may only refer to its own keys (${key}), as resolved values are "
+                        "saved with the run and shown in messages",
+                    )
+            for node in nodes:
+                if isinstance(node, Grammar.ConfigKeyContext) and node.interpolation():
+                    fail(path, "a key built from another reference (${a.${b}}) is not allowed")
+            total = 0
+            for piece in parsed.text().getChildren():
+                if isinstance(piece, Grammar.InterpolationContext):
+                    total += measure(target(path, piece.interpolationNode()))
+                else:  # text; an escape (\${) counts its backslash, an upper bound
+                    total += len(piece.getText())
+            if total > MAX_VALUE_CHARS:
+                fail(
+                    path,
+                    f"it would give a string of {total} characters, over the limit of "
+                    f"{MAX_VALUE_CHARS}",
+                )
+        else:
+            total = len(str(value))
+        measuring.pop()
+        lengths[path] = total
+        return total
+
+    def leaves(node: Any, path: tuple[Any, ...]) -> Iterable[tuple[tuple[Any, ...], Any]]:
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from leaves(value, (*path, key))
+        elif isinstance(node, list):
+            for index, value in enumerate(node):
+                yield from leaves(value, (*path, index))
+        else:
+            yield path, node
+
+    for path, value in leaves(tree, ()):
+        if isinstance(value, str) and "${" in value:
+            measure(path)
+
+
+def _parse_nodes(node: Any) -> Iterable[Any]:
+    """``node`` and every node below it in an OmegaConf grammar parse tree, parents first."""
+    yield node
+    for child in node.getChildren() if hasattr(node, "getChildren") else ():
+        yield from _parse_nodes(child)
 
 
 def _explain(
@@ -447,9 +595,9 @@ def _explain(
     is given a plain value (``ppo=5``), so the key is found by comparing it with the schema.
     """
     key = getattr(exc, "full_key", None) or "?"
-    first = str(exc).splitlines()[0]
+    first = _shorten_quoted(str(exc).splitlines()[0])
     if "Interpolation" in type(exc).__name__:
-        return f"config key {key!r}{where}: cannot resolve an ${{...}} reference: {first}"
+        return f"config key {_short(key)}{where}: cannot resolve an ${{...}} reference: {first}"
     if key == "?":
         found = _section_given_a_value(
             OmegaConf.to_container(given) if isinstance(given, DictConfig) else None
@@ -460,15 +608,43 @@ def _explain(
         example = next(k for k in _all_keys() if k.startswith(f"{key}."))
         return (
             f"bad value for config key {key!r}{where}: a section of keys, not a value (got "
-            f"{value!r}); set the keys inside it, e.g. {example}={_as_override(_defaults()[example])}"
+            f"{_short(value)}); set the keys inside it, e.g. "
+            f"{example}={_as_override(_defaults()[example])}"
         )
     if "not in" in first or "Key" in type(exc).__name__:
         close = difflib.get_close_matches(key, _all_keys(), n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         return (
-            f"unknown config key {key!r}{where}: {first}.{hint} Run `ppo config` to list the keys."
+            f"unknown config key {_short(key)}{where}: {first}.{hint} Run `ppo config` to list "
+            "the keys."
         )
-    return f"bad value for config key {key!r}{where}: {first}"
+    return f"bad value for config key {_short(key)}{where}: {first}"
+
+
+def _short(value: Any) -> str:
+    """``repr(value)`` for a message, cut to about SHOWN_CHARS characters when longer."""
+    if isinstance(value, str) and len(value) > SHOWN_CHARS:
+        return f"{value[:SHOWN_CHARS]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= SHOWN_CHARS + 2 else f"{text[:SHOWN_CHARS]}..."
+
+
+def _shown_override(item: str) -> str:
+    """An override as a message quotes it: key and value each cut to SHOWN_CHARS characters."""
+    key, sep, value = item.partition("=")
+    shown = f"{key[:SHOWN_CHARS]}{sep}{value[:SHOWN_CHARS]}"
+    return repr(item) if shown == item else f"{shown!r}... ({len(item)} characters)"
+
+
+def _shorten_quoted(text: str, limit: int = 300) -> str:
+    """``text`` (an OmegaConf message, which quotes values in full) with every quoted part over
+    SHOWN_CHARS characters cut, and at most ``limit`` characters in all."""
+    text = re.sub(
+        rf"'([^']{{{SHOWN_CHARS + 1},}})'",
+        lambda match: f"{match.group(1)[:SHOWN_CHARS]!r}... ({len(match.group(1))} characters)",
+        text,
+    )
+    return text if len(text) <= limit else f"{text[:limit]}..."
 
 
 def flatten(node: Any, prefix: str = "") -> dict[str, Any]:
@@ -525,12 +701,48 @@ def _section_given_a_value(
 def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
-        raise ConfigError(f"{key}={value!r} is not one of {', '.join(allowed)}")
+        raise ConfigError(f"{key}={_short(value)} is not one of {', '.join(allowed)}")
 
 
 def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
     if value < 0 or (value == 0 and not allow_zero):
         raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+
+
+_BATCH_ROWS = 1_000_000
+_ITERATIONS = 100_000_000
+_TOKENS = 1_000_000
+_ROWS = 1_000_000_000
+# Upper bounds of every size, count and length (every integer key but the seeds): far above any
+# real run, so that only a slip (a few zeros too many) meets them, and it fails here, naming the
+# key, instead of allocating for hours or running out of memory in the middle of a run.
+UPPER_BOUNDS: dict[str, int] = {
+    "threads": 4096,
+    "base.tiny_steps": 10_000_000,
+    "data.max_rows_per_file": _ROWS,
+    "data.max_bytes_per_file": 1 << 40,
+    "validation.min_tokens": _TOKENS,
+    "validation.max_tokens": _TOKENS,
+    "validation.min_train_rows": _ROWS,
+    "validation.min_eval_rows": _ROWS,
+    "ppo.rollout_batch_size": _BATCH_ROWS,
+    "ppo.mini_batch_size": _BATCH_ROWS,
+    "ppo.micro_batch_size": _BATCH_ROWS,
+    "ppo.generation_batch_size": _BATCH_ROWS,
+    "ppo.scoring_batch_size": _BATCH_ROWS,
+    "ppo.epochs": 10_000,
+    "kl.horizon": 10**12,
+    "optim.warmup_iterations": _ITERATIONS,
+    "generation.max_new_tokens": _TOKENS,
+    "generation.top_k": 100_000_000,
+    "train.iterations": _ITERATIONS,
+    "train.checkpoint_every": _ITERATIONS,
+    "train.keep_checkpoints": 10_000,
+    "train.keep_set_aside": 10_000,
+    "eval.num_prompts": 10_000_000,
+    "eval.samples_per_prompt": 10_000,
+    "eval.num_examples": 1_000_000,
+}
 
 
 # Folders and files a run writes or replaces, by config key.
@@ -546,50 +758,72 @@ WRITE_KEYS = (
     "promote.registry",
     "promote.report",
 )
-# Inputs a run must never replace (model.policy is written by the base stage only).
-READ_KEYS = ("model.policy", "model.reference", "base.source")
+# Inputs no output may be, sit in or contain (model.policy is written by the base stage only).
+READ_KEYS = (
+    "model.policy",
+    "model.reference",
+    "base.source",
+    "data.raw_dir",
+    "data.train_file",
+    "data.eval_file",
+)
 
 
-def check_write_paths(flat: dict[str, Any]) -> None:
+def check_write_paths(flat: dict[str, Any], write_keys: Sequence[str] = WRITE_KEYS) -> None:
     """Write targets stay where they are meant to be; raise :class:`ConfigError` otherwise.
 
-    A relative write path may not climb out of the working folder with ``..`` (an absolute path
-    is an explicit choice and is taken as given). No two write targets may be the same folder or
-    one inside the other, and none may be, or sit inside, a model the run reads or the
-    production folder, so that a run cannot replace its own inputs or a promoted version.
-    ``flat`` is the config as ``flatten`` gives it.
+    Every output (``write_keys``; the base stage adds ``model.policy``) counts where it really
+    is, symbolic links resolved (:mod:`ppo_core.output_paths`). It must lie inside the project
+    (the working folder), the system's temporary folder or a folder named in the environment
+    variable ``PPO_ALLOWED_OUTPUT_ROOTS`` (several separated by ``:``), and may not be, sit in
+    or contain ``.git``, ``.dvc``, ``.venv``, the source folders, ``data/raw`` or the files
+    that define the pipeline; a relative path may not climb out of the working folder with
+    ``..``. No two outputs may be the same or one inside the other, and none may be, sit
+    inside or contain an input the run reads (``READ_KEYS``: the models, the raw data, the
+    train and eval files) or the production folder, so that a run cannot replace its own
+    inputs or a promoted version. ``flat`` is the config as ``flatten`` gives it.
     """
-    writes = {key: Path(flat[key]) for key in WRITE_KEYS}
-    for key, path in writes.items():
-        if not path.is_absolute() and os.path.normpath(path).split(os.sep)[0] == "..":
+    from ppo_core.output_paths import OutputPathError, check_output, overlap, real_path
+
+    # Inputs an output holds by design: the prepared version holds the train and eval files,
+    # scheduled retraining imports a production version, the reference defaults to the policy.
+    by_design = {
+        ("base.source", "promote.production_dir"),
+        ("data.train_file", "data.prepared_dir"),
+        ("data.eval_file", "data.prepared_dir"),
+        ("data.train_file", "data.interim_dir"),
+        ("data.eval_file", "data.interim_dir"),
+        ("model.reference", "model.policy"),
+    }
+    for key in write_keys:
+        if not os.path.isabs(flat[key]) and os.path.normpath(flat[key]).split(os.sep)[0] == "..":
             raise ConfigError(
-                f"{key}={str(path)!r} leaves the working folder through '..'; "
+                f"{key}={str(flat[key])!r} leaves the working folder through '..'; "
                 "keep outputs inside the project or give an absolute path"
             )
-
-    def inside(a: Path, b: Path) -> bool:
-        a, b = Path(os.path.abspath(a)), Path(os.path.abspath(b))
-        return a == b or b in a.parents
-
+    try:
+        writes = {key: check_output(key, flat[key]) for key in write_keys}
+    except OutputPathError as exc:
+        raise ConfigError(str(exc)) from None
     keys = list(writes)
     for i, first in enumerate(keys):
         for second in keys[i + 1 :]:
-            if inside(writes[first], writes[second]) or inside(writes[second], writes[first]):
+            if overlap(writes[first], writes[second]):
                 raise ConfigError(
-                    f"{first}={str(writes[first])!r} and {second}="
-                    f"{str(writes[second])!r} overlap; each output needs a folder "
+                    f"{first}={str(flat[first])!r} and {second}="
+                    f"{str(flat[second])!r} overlap; each output needs a folder "
                     "of its own"
                 )
     for read_key in READ_KEYS:
-        if flat.get(read_key) is None or ":" in str(flat[read_key]):
-            continue
+        value = flat.get(read_key)
+        if value is None or ":" in str(value) or read_key in writes or "\0" in str(value):
+            continue  # not a folder (builtin:..., module:function), an output, or no path at all
+        read = real_path(value)
         for key, path in writes.items():
-            if inside(path, Path(flat[read_key])) or inside(Path(flat[read_key]), path):
-                if read_key == "base.source" and key == "promote.production_dir":
-                    continue  # scheduled retraining starts from a production version: read only
+            if (read_key, key) not in by_design and overlap(path, read):
                 raise ConfigError(
-                    f"{key}={str(path)!r} would write over {read_key}="
-                    f"{flat[read_key]!r}; choose another folder"
+                    f"{key}={str(flat[key])!r} would write over {read_key}="
+                    f"{value!r}; choose another folder"
                 )
 
 
@@ -603,14 +837,28 @@ def validate_config(config: Config) -> None:
     for key, value in flat.items():
         if isinstance(value, float) and not math.isfinite(value):
             raise ConfigError(f"{key} must be a finite number, got {value}")
+        if isinstance(value, str) and len(value) > MAX_VALUE_CHARS:
+            raise ConfigError(
+                f"{key} must be at most {MAX_VALUE_CHARS} characters long, got {len(value)}"
+            )
+        if isinstance(value, str) and "${" in value:
+            # the text of an escaped \${...}: a saved config would hold it unescaped, and the
+            # next load (a resumed run, `ppo evaluate`) would resolve it
+            raise ConfigError(
+                f"{key} must not hold '${{' (got {_short(value)}): a saved config would read "
+                "it as a reference"
+            )
+    for key, bound in UPPER_BOUNDS.items():
+        if flat[key] is not None and flat[key] > bound:
+            raise ConfigError(f"{key} must be at most {bound}, got {flat[key]}")
     check_write_paths(flat)
     for key, choices in CHOICES.items():
         _choice(key, flat[key], get_args(choices))
     try:
         zoneinfo.ZoneInfo(config.schedule.timezone)
-    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a name too long
         raise ConfigError(
-            f"schedule.timezone={config.schedule.timezone!r} is not an IANA time "
+            f"schedule.timezone={_short(config.schedule.timezone)} is not an IANA time "
             "zone name; use e.g. UTC or Europe/Berlin"
         ) from None
     ppo = config.ppo
@@ -653,6 +901,7 @@ def validate_config(config: Config) -> None:
         "validation.min_tokens": config.validation.min_tokens,
         "validation.min_train_rows": config.validation.min_train_rows,
         "validation.min_eval_rows": config.validation.min_eval_rows,
+        "model.reward_timeout": config.model.reward_timeout,
     }.items():
         _positive(key, value, allow_zero=True)
     for key, value in {
@@ -690,7 +939,9 @@ def validate_config(config: Config) -> None:
     if not 0.0 < config.generation.top_p <= 1.0:
         raise ConfigError(f"generation.top_p must be in (0, 1], got {config.generation.top_p}")
     if len(config.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.optim.betas):
-        raise ConfigError(f"optim.betas must be two numbers in [0, 1), got {config.optim.betas}")
+        raise ConfigError(
+            f"optim.betas must be two numbers in [0, 1), got {_short(config.optim.betas)}"
+        )
 
 
 def to_yaml(config: Config, docs: bool = False) -> str:

@@ -17,6 +17,7 @@ gate depends on its KL); a baseline whose vocabulary differs gets no KL, with a 
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -24,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ppo_core.config import Config, ConfigError
-from ppo_core.files import atomic_folder
+from ppo_core.files import atomic_folder, first_line
 from ppo_core.math.masked import masked_sum
 from ppo_core.modeling.data import load_prompts
 from ppo_core.modeling.policy import (
@@ -54,6 +55,7 @@ __all__ = [
     "RewardChoice",
     "TokenizerMismatchError",
     "distinct_n",
+    "escape_markdown",
     "evaluate",
     "evaluate_model",
     "evaluation_reward",
@@ -117,17 +119,19 @@ def recorded_reward(candidate: str | Path) -> tuple[str, Path] | None:
             return reward, summary
     config_file = folder / CONFIG_FILE
     if config_file.is_file():
-        from omegaconf import OmegaConf
-        from omegaconf.errors import OmegaConfBaseException
+        import yaml
 
+        # Plain YAML, not OmegaConf: a tampered file must not get its ${...} resolved here.
         try:
-            reward = OmegaConf.select(OmegaConf.load(config_file), "model.reward")
-        except (OmegaConfBaseException, ValueError, OSError) as exc:
+            saved = yaml.safe_load(config_file.read_text())
+        except (yaml.YAMLError, ValueError, OSError) as exc:
             raise RewardError(
-                f"cannot read {config_file} ({exc}), which names the reward the candidate was "
-                "trained with; set eval.reward to choose the reward"
+                f"cannot read {config_file} ({first_line(exc)}), which names the reward the "
+                "candidate was trained with; set eval.reward to choose the reward"
             ) from None
-        if isinstance(reward, str):
+        model = saved.get("model") if isinstance(saved, dict) else None
+        reward = model.get("reward") if isinstance(model, dict) else None
+        if isinstance(reward, str) and "${" not in reward:
             return reward, config_file
     return None
 
@@ -246,9 +250,12 @@ def evaluate(
     Raises :class:`TokenizerMismatchError` before sampling anything when the candidate's
     tokenizer is not the KL reference's."""
     runtime = setup_runtime(config, distributed=False)
-    prompts = load_prompts(config.data.eval_file, config.data.prompt_field)[
-        : config.eval.num_prompts
-    ]
+    prompts = load_prompts(
+        config.data.eval_file,
+        config.data.prompt_field,
+        max_rows=config.data.max_rows_per_file,
+        max_bytes=config.data.max_bytes_per_file,
+    )[: config.eval.num_prompts]
     models = (
         {"candidate": candidate}
         if baseline is None
@@ -406,6 +413,39 @@ def write_reports(
     atomic_folder(folder, write)
 
 
+# Backslash escapes for Markdown's inline punctuation. CommonMark (GitHub, the Prefect UI's
+# renderer) honours a backslash before any ASCII punctuation; Python-Markdown only before these
+# (and `|` with tables), so the text reads the same in both.
+_BACKSLASHED = {c: "\\" + c for c in "\\`*[](){}#|!"}
+# Character references for HTML's characters and for what no backslash set covers everywhere:
+# `~` (strikethrough) and `@` (e-mail autolinks, mentions). A reference is text, never markup.
+_REFERENCES = {"&": "&amp;", "<": "&lt;", ">": "&gt;", "~": "&#126;", "@": "&#64;"}
+_ESCAPES = str.maketrans({**_BACKSLASHED, **_REFERENCES})
+# `_` inside a word (snake_case) cannot open or close emphasis in either dialect: left as is,
+# so module names and paths stay readable; any other `_` is escaped.
+_LONE_UNDERSCORE = re.compile(r"(?<![^\W_])_|_(?![^\W_])")
+# Bare links that GitHub-flavoured renderers turn into anchors: break the pattern they look for.
+_AUTOLINKS = ((re.compile(r"://"), "&#58;//"), (re.compile(r"(?i)\b(www)\."), r"\1&#46;"))
+# A list marker the other escapes leave: the text may start a line (a sample's list item).
+_LIST_START = re.compile(r"^([-+]|\d+(?=\.))")
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+
+
+def escape_markdown(text: object) -> str:
+    """``text`` as inert Markdown for one line of a report: it renders as the same characters
+    in CommonMark, GitHub-flavoured Markdown and Python-Markdown, and can add no markup, link,
+    image, HTML tag, comment, heading, list, quote, code block or table cell. Leading and
+    trailing whitespace is dropped (a renderer would drop it too) and each line break becomes
+    ``<br>``, so prompts, responses, paths and reward names from users or models cannot change
+    how ``report.md`` (and the Prefect artifact made from it) renders."""
+    escaped = str(text).strip().translate(_ESCAPES)
+    escaped = _LONE_UNDERSCORE.sub(r"\\_", escaped)
+    for pattern, replacement in _AUTOLINKS:
+        escaped = pattern.sub(replacement, escaped)
+    escaped = _LIST_START.sub(lambda m: m[1] + "\\" if m[1].isdigit() else "\\" + m[1], escaped)
+    return _LINE_BREAK.sub("<br>", escaped)
+
+
 def markdown_report(
     reports: dict[str, ModelReport],
     num_prompts: int,
@@ -414,6 +454,8 @@ def markdown_report(
     reward: RewardChoice,
     reference: str,
 ) -> str:
+    """The evaluation as Markdown. Every prompt, response, folder and reward name in it comes
+    from users or models and goes through :func:`escape_markdown`."""
     names = list(reports)
     lines = [
         "# Evaluation",
@@ -421,7 +463,8 @@ def markdown_report(
         f"{num_prompts} held-out prompts x {config.eval.samples_per_prompt} samples, "
         f"temperature {config.generation.temperature}, top-k {config.generation.top_k}, "
         f"top-p {config.generation.top_p}, seed {config.eval.seed}, reward "
-        f"`{reward.spec}` ({reward.source}), KL to the reference `{reference}`.",
+        f"{escape_markdown(reward.spec)} ({escape_markdown(reward.source)}), KL to the "
+        f"reference {escape_markdown(reference)}.",
         "",
         "| metric | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),
@@ -435,9 +478,10 @@ def markdown_report(
             "its response_length counts its own tokens.",
         ]
     for name in names:
-        lines += ["", f"## Samples: {name} (`{reports[name].path}`)", ""]
+        lines += ["", f"## Samples: {name} ({escape_markdown(reports[name].path)})", ""]
         lines += [
-            f"- {s['prompt']} → **{str(s['response']).strip()}** ({s['score']:+.3f})"
+            f"- {escape_markdown(s['prompt'])} → **{escape_markdown(s['response'])}** "
+            f"({s['score']:+.3f})"
             for s in reports[name].samples
         ]
     return "\n".join(lines) + "\n"

@@ -1,10 +1,15 @@
-"""File safety shared by every layer: atomic files and folders, hashes, run locks.
+"""File safety shared by every layer: atomic files and folders, safe copies, hashes, run locks.
 
 Standard library only, so the math, model I/O, composition layers and the flows can all use it.
 A writer fills a uniquely named hidden sibling of its target in the same folder, syncs it to
 disk, renames it into place and syncs the parent folder: a crash, a full disk or a read-only
 folder leaves the previous version or the new one, never a half-written file. Hidden siblings are
 named ``.{name}{tag}...``; :func:`is_partial` recognises what a killed writer left.
+
+Every folder :func:`atomic_folder` writes holds a marker file (:data:`OUTPUT_MARKER`), and it
+replaces only such a folder (or an empty one, or an output of a version from before the marker):
+a mistyped output path cannot wipe a folder the pipeline did not write. Model folders are copied
+with :func:`copy_regular_tree`: regular files only, within a size cap.
 """
 
 from __future__ import annotations
@@ -23,22 +28,65 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 __all__ = [
+    "MAX_COPY_BYTES",
+    "OUTPUT_MARKER",
+    "ForeignFolderError",
     "RunLockedError",
+    "UnsafeCopyError",
     "atomic_folder",
     "atomic_write_bytes",
     "atomic_write_text",
+    "check_replaceable",
+    "copy_regular_tree",
     "discard",
     "exclusive_run",
     "file_sha256",
     "first_line",
+    "folder_fingerprint",
     "fsync_folder",
     "is_partial",
+    "regular_files",
 ]
 
 # Hidden siblings of a target: being written, replaced (kept until the swap is done), being
 # deleted. The last two end with the writer's pid, so a live writer's folder is left alone.
 TMP_TAG, OLD_TAG, DISCARD_TAG = ".tmp-", ".old-", ".discard-"
 PARTIAL_TAGS = (TMP_TAG, OLD_TAG, DISCARD_TAG)
+
+# Written into every folder atomic_folder writes: the folder is an output of this pipeline, which
+# a later run may replace. A non-empty folder without it belongs to someone else.
+OUTPUT_MARKER = ".ppo-output"
+_MARKER_TEXT = (
+    "This folder is an output of ppo-retrain: the pipeline replaces it when it writes it again.\n"
+)
+# Outputs of versions from before the marker, known by the files their writer always left:
+# (names the folder holds all of, names it may hold besides; None: any). A prepared data version
+# (data/interim, data/prepared), the base model built or imported by `ppo base`, a trained
+# candidate, a checkpoint, and an evaluation report, of which git keeps metrics.json alone (so a
+# fresh clone holds just that file there, and nothing but evaluation files is accepted).
+EARLIER_OUTPUTS: tuple[tuple[frozenset[str], frozenset[str] | None], ...] = (
+    (frozenset({"manifest.json", "train.parquet", "eval.parquet"}), None),
+    (frozenset({"tiny_default.json", "config.json"}), None),
+    (frozenset({"imported_from.json", "config.json"}), None),
+    (frozenset({"training_summary.json", "config.json"}), None),
+    (frozenset({"trainer_state.json", "checksums.json"}), None),
+    (
+        frozenset({"metrics.json"}),
+        frozenset({"metrics.json", "report.md", "samples.json", "models.json"}),
+    ),
+)
+
+# Largest model folder copy_regular_tree copies (bytes, 200 GB: beyond the largest models one
+# machine trains here), so that a folder that only looks like a model cannot fill the disk.
+MAX_COPY_BYTES = 200 * 10**9
+
+
+class ForeignFolderError(FileExistsError):
+    """An output path holds something the pipeline did not write, which it will not replace."""
+
+
+class UnsafeCopyError(FileExistsError):
+    """A folder to copy holds a link or a special file, or more bytes than allowed."""
 
 
 def first_line(exc: BaseException) -> str:
@@ -125,15 +173,21 @@ def atomic_folder(target: str | Path, write: Callable[[Path], object]) -> Path:
 
     The previous ``target`` (if any) is replaced only after ``write`` has succeeded and the new
     tree is synced to disk; on any error the temporary folder is removed and ``target`` is
-    untouched. The parent folder is synced after the swap.
+    untouched. The parent folder is synced after the swap. The new folder holds
+    :data:`OUTPUT_MARKER`; an existing ``target`` that is not an output of the pipeline is never
+    replaced (:func:`check_replaceable`, checked before ``write`` runs and again before the swap).
     """
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
     _restore_interrupted_swap(target)
+    check_replaceable(target)
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_TAG}", dir=target.parent))
     try:
         write(tmp)
+        _mark_output(tmp)
         _fsync_tree(tmp)
+        # Again: a folder may have appeared under that name while ``write`` ran.
+        check_replaceable(target)
         if target.exists():
             old = target.with_name(f".{target.name}{OLD_TAG}{os.getpid()}")
             target.rename(old)
@@ -154,6 +208,52 @@ def atomic_folder(target: str | Path, write: Callable[[Path], object]) -> Path:
     return target
 
 
+def check_replaceable(target: str | Path) -> None:
+    """Raise :class:`ForeignFolderError` unless :func:`atomic_folder` may replace ``target``.
+
+    It may when nothing is there, or an empty folder, or a folder that holds
+    :data:`OUTPUT_MARKER` or the files of an output of a version from before the marker
+    (:data:`EARLIER_OUTPUTS`). A file, a symbolic link (even to a folder) or any other non-empty
+    folder is refused: replacing it would delete what someone else keeps there.
+    """
+    target = Path(target)
+    try:
+        info = target.lstat()
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(info.st_mode):
+        what = "is a symbolic link"
+    elif not stat.S_ISDIR(info.st_mode):
+        what = "is a file, not a folder"
+    else:
+        with os.scandir(target) as entries:
+            names = {entry.name for entry in entries}
+        if not names or OUTPUT_MARKER in names:
+            return
+        for required, allowed in EARLIER_OUTPUTS:
+            if names >= required and (allowed is None or names <= allowed):
+                return
+        what = f"is a folder the pipeline did not write (it has no {OUTPUT_MARKER} file)"
+    raise ForeignFolderError(
+        f"{_printable(str(target))} {what}; refusing to replace it with an output: move it "
+        "away or choose another path for this output"
+    )
+
+
+def _mark_output(folder: Path) -> None:
+    """Write :data:`OUTPUT_MARKER` into ``folder``; an entry of that name that ``write`` made (a
+    copied output's marker, or a link) is replaced, never written through."""
+    marker = folder / OUTPUT_MARKER
+    with contextlib.suppress(FileNotFoundError):
+        marker.unlink()
+    marker.write_text(_MARKER_TEXT)
+
+
+def _printable(text: str) -> str:
+    """``text`` with control characters escaped, so that a message stays on one line."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
 def _fsync_tree(folder: Path) -> None:
     """Sync every file under ``folder``, then every folder, deepest first (links not followed)."""
     for root, _, files in os.walk(folder, topdown=False):
@@ -169,7 +269,7 @@ def _fsync_tree(folder: Path) -> None:
 def _restore_interrupted_swap(target: Path) -> None:
     """A writer killed between its two renames left ``target`` missing and the previous version
     under ``.{name}.old-{pid}``: put that version back (unless its writer is still alive)."""
-    if target.exists():
+    if target.exists() or target.is_symlink():
         return
     for old in sorted(target.parent.glob(f".{target.name}{OLD_TAG}*")):
         pid = old.name.rsplit("-", 1)[-1]
@@ -189,6 +289,154 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+# What stat calls each kind of entry that copy_regular_tree refuses.
+_SPECIAL_KINDS = {
+    stat.S_IFLNK: "a symbolic link",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFSOCK: "a socket",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+}
+
+
+def _scan(root: Path, max_bytes: int | None) -> tuple[list[str], list[tuple[str, int]]]:
+    """The folders and regular files under ``root`` (paths relative to it, with ``/``, sorted);
+    raise :class:`UnsafeCopyError` for any other entry or when the files hold more than
+    ``max_bytes`` (``None``: :data:`MAX_COPY_BYTES`). Links are never followed."""
+    cap = MAX_COPY_BYTES if max_bytes is None else max_bytes
+    if not root.is_dir():
+        raise FileNotFoundError(f"{_printable(str(root))} is not a folder")
+    folders: list[str] = []
+    found: list[tuple[str, int]] = []
+    pending = [""]  # a stack, not recursion: a deeply nested tree cannot exhaust Python's stack
+    while pending:
+        prefix = pending.pop()
+        with os.scandir(root / prefix if prefix else root) as entries:
+            listed = sorted(entries, key=lambda entry: entry.name)
+        for entry in listed:
+            relative = f"{prefix}{entry.name}"
+            mode = entry.stat(follow_symlinks=False).st_mode
+            if stat.S_ISDIR(mode):
+                folders.append(relative)
+                pending.append(f"{relative}/")
+            elif stat.S_ISREG(mode):
+                found.append((relative, entry.stat(follow_symlinks=False).st_size))
+            else:
+                kind = _SPECIAL_KINDS.get(stat.S_IFMT(mode), "not a regular file")
+                raise UnsafeCopyError(
+                    f"refusing to copy {_printable(str(root))}: {_printable(relative)} is {kind}; "
+                    "only regular files and folders are copied (a link can point at a private "
+                    "file or a device): put the file itself there (e.g. copy with `cp -rL`) or "
+                    "remove the entry"
+                )
+    total = sum(size for _, size in found)
+    if total > cap:
+        raise UnsafeCopyError(
+            f"refusing to copy {_printable(str(root))}: its files hold {total} bytes, more than "
+            f"the {cap} bytes allowed (ppo_core.files.MAX_COPY_BYTES); nothing was copied"
+        )
+    return sorted(folders), sorted(found)
+
+
+def regular_files(folder: str | Path, max_bytes: int | None = None) -> list[tuple[str, int]]:
+    """Every regular file under ``folder`` as (path relative to it with ``/``, size in bytes),
+    sorted; :class:`UnsafeCopyError` for a link, a device, a FIFO or a socket anywhere in the
+    tree, or for more than ``max_bytes`` in all (``None``: :data:`MAX_COPY_BYTES`)."""
+    return _scan(Path(folder), max_bytes)[1]
+
+
+def copy_regular_tree(
+    source: str | Path, dest: str | Path, max_bytes: int | None = None
+) -> list[tuple[str, int]]:
+    """Copy the folder tree ``source`` into the folder ``dest`` (made when missing); return the
+    files copied as :func:`regular_files` lists them.
+
+    The whole tree is checked before the first byte is copied: a symbolic link (which could make
+    a copy of a model folder take a private key along, or read ``/dev/zero`` for ever), a device,
+    a FIFO or a socket, or more than ``max_bytes`` in all (``None``: :data:`MAX_COPY_BYTES`),
+    refuses the copy with one :class:`UnsafeCopyError` naming the entry or the size. Each file is
+    then opened without following links and copied up to the size it had when checked: a file
+    replaced or grown meanwhile is refused too. Files keep their permission bits (rwx only).
+    """
+    root, dest = Path(source), Path(dest)
+    folders, found = _scan(root, max_bytes)
+    dest.mkdir(parents=True, exist_ok=True)
+    for relative in folders:
+        (dest / relative).mkdir(exist_ok=True)
+    for relative, size in found:
+        _copy_file(root, relative, size, dest / relative)
+    return found
+
+
+def _copy_file(root: Path, relative: str, size: int, dest: Path) -> None:
+    def changed(how: str) -> UnsafeCopyError:
+        return UnsafeCopyError(
+            f"refusing to copy {_printable(str(root))}: {_printable(relative)} changed while it "
+            f"was copied ({how}); copy the folder again when nothing writes to it"
+        )
+
+    # O_NONBLOCK: should a FIFO have taken the file's place, opening it does not wait for a writer.
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        source_fd = os.open(root / relative, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise changed("it became a symbolic link") from None
+        raise
+    try:
+        info = os.fstat(source_fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise changed("it is no longer a regular file")
+        dest_flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        dest_fd = os.open(dest, dest_flags, 0o600)
+        try:
+            _copy_bytes(source_fd, dest_fd, size)
+            os.fchmod(dest_fd, stat.S_IMODE(info.st_mode) & 0o777)
+        finally:
+            os.close(dest_fd)
+        if os.pread(source_fd, 1, size):
+            raise changed(f"it grew past the {size} bytes it had")
+    finally:
+        os.close(source_fd)
+
+
+def _copy_bytes(source_fd: int, dest_fd: int, size: int) -> None:
+    """Copy at most the first ``size`` bytes of ``source_fd`` (fewer if it shrank) to
+    ``dest_fd``, in the kernel (``sendfile``) where it can."""
+    offset, use_sendfile = 0, hasattr(os, "sendfile")
+    while offset < size:
+        count = min(size - offset, 1 << 26)
+        if use_sendfile:
+            try:
+                sent = os.sendfile(dest_fd, source_fd, offset, count)
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+                    raise
+                use_sendfile = False  # a file system without it: copy through memory
+                continue
+        else:
+            data = memoryview(os.pread(source_fd, count, offset))
+            sent = len(data)
+            while data:
+                data = data[os.write(dest_fd, data) :]
+        if sent == 0:
+            return
+        offset += sent
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """SHA-256 (hex) that tells model folders apart without reading their weights: the bytes of
+    ``config.json`` (empty when missing), then each regular file's relative path and size, in
+    order. Two copies of one folder match; a changed config or a file of another size does not.
+    """
+    digest = hashlib.sha256()
+    config = Path(folder) / "config.json"
+    digest.update(config.read_bytes() if config.is_file() else b"")
+    for relative, size in regular_files(folder):
+        digest.update(f"\0{relative}\0{size}".encode())
+    return digest.hexdigest()
 
 
 def discard(folder: str | Path) -> None:

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_core.files import atomic_folder, atomic_write_text, exclusive_run
+from ppo_core.files import atomic_folder, atomic_write_text, copy_regular_tree, exclusive_run
 
 __all__ = ["GateDecision", "current_production", "gate", "load_registry", "record_decision"]
 
@@ -72,24 +71,39 @@ def gate(
 
 
 def load_registry(path: str | Path) -> dict[str, Any]:
-    """The registry, or an empty one when the file does not exist yet."""
+    """The registry, or an empty one when the file does not exist yet.
+
+    The file holds ``{"current": <version or null>, "entries": [<object>, ...]}``; anything else
+    (not JSON, not UTF-8, nested past the parser's limit, an entry that is not an object, a
+    version name that is not ``vNNNN``) is one :class:`RegistryError`, never a reset.
+    """
     path = Path(path)
-    if not path.is_file():
+    if not path.exists():
         return {"current": None, "entries": []}
+    if not path.is_file():
+        raise RegistryError(f"model registry {path} is not a file; restore it from git or DVC")
+
+    def broken(why: str) -> RegistryError:
+        return RegistryError(
+            f"model registry {path} {why}; restore it from git or DVC before promoting"
+        )
+
     try:
-        registry = json.loads(path.read_text())
+        registry = json.loads(path.read_bytes())
     except json.JSONDecodeError as exc:
-        raise RegistryError(
-            f"model registry {path} is not valid JSON ({exc.msg}); restore it from "
-            "git or DVC before promoting"
-        ) from None
+        raise broken(f"is not valid JSON ({exc.msg})") from None
+    except UnicodeDecodeError:
+        raise broken("is not UTF-8 text") from None
+    except RecursionError:
+        raise broken("is nested too deeply to be a registry") from None
     if not isinstance(registry, dict) or not isinstance(registry.get("entries"), list):
         raise RegistryError(f"model registry {path} has no 'entries' list")
+    for number, entry in enumerate(registry["entries"], start=1):
+        if not isinstance(entry, dict):
+            raise broken(f"has entry {number} that is not an object ({type(entry).__name__})")
     # Version names become folder names under promote.production_dir: only vNNNN is accepted, so
     # an edited registry cannot point a run at (or make it write to) a folder outside it.
-    names = [registry.get("current")] + [
-        e.get("version") for e in registry["entries"] if isinstance(e, dict)
-    ]
+    names = [registry.get("current")] + [e.get("version") for e in registry["entries"]]
     for name in names:
         if name is not None and not (isinstance(name, str) and VERSION_PATTERN.fullmatch(name)):
             raise RegistryError(
@@ -154,7 +168,9 @@ def _record(
                 f"{target} exists but the registry does not know it; refusing "
                 "to overwrite a production version"
             )
-        atomic_folder(target, lambda tmp: shutil.copytree(candidate_dir, tmp, dirs_exist_ok=True))
+        # Regular files only, within a size cap: a link in the candidate (to a private key, to
+        # /dev/zero) is refused by name instead of copied into production and pushed by DVC.
+        atomic_folder(target, lambda tmp: copy_regular_tree(candidate_dir, tmp))
         entry["version"] = version
         entry["path"] = str(target)
         registry["current"] = version

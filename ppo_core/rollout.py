@@ -15,7 +15,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from ppo_core.config import GenerationConfig, KLConfig, ModelConfig, PPOConfig
+from ppo_core.config import ConfigError, GenerationConfig, KLConfig, ModelConfig, PPOConfig
 from ppo_core.math.batching import micro_batch_slices
 from ppo_core.math.gae import compute_gae, whiten_advantages
 from ppo_core.math.kl import kl_penalty, token_rewards
@@ -101,8 +101,18 @@ def load_reference(model: ModelConfig, device: torch.device) -> torch.nn.Module:
 
 
 def build_reward(model: ModelConfig, device: torch.device) -> RewardFn:
-    """The reward named by ``model.reward`` (built-in, user function or reward-model folder)."""
-    return build_reward_fn(model.reward, device=device, trust_remote_code=model.trust_remote_code)
+    """The reward named by ``model.reward`` (built-in, user function or reward-model folder),
+    each call limited to ``model.reward_timeout`` seconds."""
+    if model.reward_timeout < 0:
+        raise ConfigError(
+            f"model.reward_timeout must be >= 0 (0: no limit), got {model.reward_timeout}"
+        )
+    return build_reward_fn(
+        model.reward,
+        device=device,
+        trust_remote_code=model.trust_remote_code,
+        timeout=model.reward_timeout,
+    )
 
 
 @torch.no_grad()

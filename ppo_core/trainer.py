@@ -32,7 +32,7 @@ import torch
 
 from ppo_core.config import Config, OptimConfig, flatten, save_config, to_yaml
 from ppo_core.distributed import DataParallel, is_main_process
-from ppo_core.files import atomic_folder, discard, exclusive_run
+from ppo_core.files import atomic_folder, check_replaceable, discard, exclusive_run
 from ppo_core.math.kl import AdaptiveKLController, FixedKLController
 from ppo_core.modeling.checkpoint import (
     list_checkpoints,
@@ -146,6 +146,8 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
     """Check the model folders, read the prompts and the tokenizer, build the reward; a bad
     input fails here, naming it, while every file on disk is as it was."""
     model = config.model
+    # A foreign folder in the output's place would only be found at the final save.
+    check_replaceable(config.train.output_dir)
     check_model_folder(model.policy, "model.policy")
     tokenizer = load_tokenizer(model.policy, model.trust_remote_code)
     if model.reference is not None:
@@ -164,7 +166,12 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
                 "vocabulary (model.reference=null uses the starting policy)"
             )
     return RunInputs(
-        train_prompts=load_prompts(config.data.train_file, config.data.prompt_field),
+        train_prompts=load_prompts(
+            config.data.train_file,
+            config.data.prompt_field,
+            max_rows=config.data.max_rows_per_file,
+            max_bytes=config.data.max_bytes_per_file,
+        ),
         tokenizer=tokenizer,
         data_hash=read_manifest_hash(config.data.train_file),
         reward_fn=build_reward(model, runtime.device),
@@ -179,6 +186,7 @@ RESUME_FREE_KEYS = (
     "train.keep_set_aside",
     "train.resume",
     "train.allow_stale_data",
+    "model.reward_timeout",
     "threads",
     "ppo.scoring_batch_size",
     "eval.",

@@ -1,4 +1,5 @@
 import dataclasses
+import itertools
 import re
 from pathlib import Path
 from typing import get_args
@@ -203,6 +204,8 @@ def test_the_defaults_are_the_values_of_params_yaml():
     params = flatten(OmegaConf.to_container(OmegaConf.load(PARAMS)))
     defaults = flatten(OmegaConf.structured(Config))
     assert set(params) <= set(defaults), set(params) - set(defaults)  # no unknown key
+    # and every key is there, so `dvc exp run -S key=...` can set it and DVC tracks it
+    assert set(defaults) <= set(params), set(defaults) - set(params)
     differ = {
         key: (value, defaults[key]) for key, value in params.items() if value != defaults[key]
     }
@@ -237,3 +240,202 @@ def test_documented_yaml_loads_to_the_same_values(overrides):
     assert "# Local folder of the frozen KL reference; `null` uses a frozen copy of `policy`." in (
         documented
     )
+
+
+# ---- ${...}: plain references to other keys only, and never a string that grows without bound ----
+
+SECRET = "s3cr3t-value-from-the-environment"
+
+
+@pytest.mark.parametrize(
+    ("override", "resolver"),
+    [
+        ("model.policy=${oc.env:PPO_TEST_SECRET}", "oc.env"),
+        ("model.reward=builtin:${oc.env:PPO_TEST_SECRET}", "oc.env"),
+        ("seed=${oc.env:PPO_TEST_SECRET,0}", "oc.env"),
+        ("model.policy=${oc.decode:'x'}", "oc.decode"),
+        ("model.policy='${oc.create:{a: 1}}'", "oc.create"),
+        ("model.policy=${oc.select:data.raw_dir}", "oc.select"),
+        ("model.policy=${oc.dict.keys:data}", "oc.dict.keys"),
+        ("model.policy=${oc.dict.values:data}", "oc.dict.values"),
+        ("model.policy=${oc.deprecated:data.raw_dir}", "oc.deprecated"),
+        ("model.policy=${data.${oc.env:PPO_TEST_SECRET}}", "oc.env"),
+    ],
+)
+def test_resolvers_are_refused_naming_the_key(override, resolver, monkeypatch):
+    """A resolved value would be saved with the run (ppo_config.yaml, checkpoints, the registry)
+    and echoed in messages; the environment in particular may hold secrets."""
+    monkeypatch.setenv("PPO_TEST_SECRET", SECRET)
+    key = override.split("=", 1)[0]
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[override])
+    message = str(info.value)
+    assert message.startswith(f"config key {key!r}: cannot resolve an ${{...}} reference: ")
+    assert f"resolver {resolver!r}" in message and "\n" not in message
+    assert SECRET not in message
+
+
+def test_resolvers_in_a_file_are_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PPO_TEST_SECRET", SECRET)
+    path = tmp_path / "run.yaml"
+    path.write_text("train:\n  output_dir: out/${oc.env:PPO_TEST_SECRET}\n")
+    with pytest.raises(ConfigError, match=r"^config key 'train.output_dir': .*'oc.env'") as info:
+        load_config(path)
+    assert SECRET not in str(info.value)
+
+
+def test_a_literal_reference_is_refused_as_it_would_resolve_when_loaded_again(tmp_path):
+    # "\${...}" resolves to the text "${...}", which a saved config would hold unescaped
+    with pytest.raises(ConfigError, match=r"^model.policy must not hold '\$\{'"):
+        load_config(overrides=[r"model.policy=models/\${oc.env:HOME}"])
+
+
+def test_plain_references_still_resolve():
+    config = load_config(
+        overrides=[
+            "model.reference=${model.policy}",
+            "data.train_file=${data.prepared_dir}/train.parquet",
+            "ppo.scoring_batch_size=${.micro_batch_size}",
+            "eval.seed=${..seed}",
+            "optim.lr=${optim.betas[1]}",
+        ]
+    )
+    assert config.model.reference == config.model.policy == "models/base"
+    assert config.data.train_file == "data/prepared/train.parquet"
+    assert config.ppo.scoring_batch_size == 16 and config.eval.seed == 0
+    assert config.optim.lr == 0.95
+
+
+# String keys chained so that each holds its predecessor twice: the last would be 2**N times the
+# first's length.
+CHAIN = [
+    "model.policy",
+    "model.reward",
+    "base.source",
+    "data.raw_dir",
+    "data.interim_dir",
+    "data.prepared_dir",
+    "data.train_file",
+    "data.eval_file",
+    "data.prompt_field",
+    "validation.report_dir",
+    "train.output_dir",
+    "train.checkpoint_dir",
+    "train.metrics_dir",
+    "eval.output_dir",
+    "eval.baseline",
+    "eval.reward",
+    "promote.production_dir",
+    "promote.registry",
+    "promote.report",
+    "schedule.cron",
+]
+
+
+def doubling(links: int, width: int = 1) -> list[str]:
+    """Overrides that set the first key of CHAIN to 10 characters and each of the next ``links``
+    keys to a reference to the key before it followed by ``width`` times ``-`` and that
+    reference again."""
+    overrides = [f"{CHAIN[0]}=xxxxxxxxxx"]
+    for before, after in itertools.pairwise(CHAIN[: links + 1]):
+        reference = "${" + before + "}"
+        overrides.append(f"{after}={reference}" + f"-{reference}" * width)
+    return overrides
+
+
+def test_references_that_build_a_long_string_are_refused_naming_the_key():
+    # 10 characters, then 2 * n + 1 for each link: 21, 43, ..., 2815 after 8 links, 5631 after 9
+    assert len(load_config(overrides=doubling(8)).data.prompt_field) == 2815
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=doubling(9))
+    assert str(info.value) == (
+        "config key 'validation.report_dir': cannot resolve an ${...} reference: it would give "
+        "a string of 5631 characters, over the limit of 4096"
+    )
+
+
+def test_exponential_references_fail_before_anything_is_resolved():
+    # 20 keys of 100 references each would be 10 * 100**19 characters: refused at once
+    with pytest.raises(ConfigError, match=r"over the limit of 4096$"):
+        load_config(overrides=doubling(len(CHAIN) - 1, width=100))
+
+
+def test_a_reference_cycle_is_named():
+    with pytest.raises(ConfigError, match=r"^config key 'model.policy': .*Recursive interpolation"):
+        load_config(overrides=["model.policy=${model.reward}", "model.reward=a${model.policy}"])
+
+
+def test_a_long_literal_value_is_refused():
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=["data.raw_dir=" + "d" * 5000])
+    assert str(info.value) == "data.raw_dir must be at most 4096 characters long, got 5000"
+
+
+LONG = "z" * 10_000
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        [f"kl.estimator={LONG}"],
+        [f"seed={LONG}"],
+        [f"ppo={LONG}"],
+        [f"schedule.timezone={LONG[:3000]}"],
+        [f"model.policy={LONG[:3000]}", "optim.betas=${model.policy}"],
+        [f"model.policy={LONG[:3000]}", "seed=${model.policy}"],
+        ["optim.betas=[" + ",".join(["0.5"] * 3000) + "]"],
+        [LONG],
+        [f"ppo.epochs={LONG}:"],
+    ],
+)
+def test_rejected_values_are_shortened_in_messages(overrides):
+    """A rejected value may hold a secret or megabytes, and messages reach logs."""
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=overrides)
+    message = str(info.value)
+    assert len(message) < 400 and "z" * 41 not in message and "0.5," * 41 not in message, message
+
+
+# ---- upper bounds on sizes, counts and lengths -----------------------------------------------
+
+BOUNDED = {
+    "ppo.rollout_batch_size": 1_000_000,
+    "generation.max_new_tokens": 1_000_000,
+    "eval.num_prompts": 10_000_000,
+    "eval.samples_per_prompt": 10_000,
+    "validation.max_tokens": 1_000_000,
+    "train.keep_checkpoints": 10_000,
+    "train.iterations": 100_000_000,
+    "ppo.epochs": 10_000,
+    "data.max_rows_per_file": 1_000_000_000,
+}
+
+
+@pytest.mark.parametrize(("key", "bound"), BOUNDED.items())
+def test_sizes_have_an_upper_bound_naming_the_key(key, bound):
+    assert load_config(overrides=[f"{key}={bound}"])  # the bound itself is allowed
+    with pytest.raises(ConfigError) as info:
+        load_config(overrides=[f"{key}={bound * 1000}"])
+    assert str(info.value) == f"{key} must be at most {bound}, got {bound * 1000}"
+
+
+def test_a_float_for_an_integer_key_is_refused():
+    # YAML reads 1e9 as a float; OmegaConf does not turn it into an integer
+    with pytest.raises(ConfigError, match=r"'ppo.rollout_batch_size'.*converted to Integer"):
+        load_config(overrides=["ppo.rollout_batch_size=1e9"])
+
+
+SEEDS = {"seed", "base.tiny_seed", "data.split_seed", "eval.seed"}
+
+
+def test_every_integer_key_but_the_seeds_has_an_upper_bound_above_its_default():
+    from ppo_core.config import UPPER_BOUNDS
+
+    defaults = flatten(Config())
+    integers = {
+        key
+        for key, value in defaults.items()
+        if isinstance(value, int) and not isinstance(value, bool)
+    } | {"ppo.generation_batch_size", "ppo.scoring_batch_size"}
+    assert set(UPPER_BOUNDS) == integers - SEEDS
+    assert all(defaults[key] is None or defaults[key] <= UPPER_BOUNDS[key] for key in UPPER_BOUNDS)

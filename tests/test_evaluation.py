@@ -5,9 +5,12 @@ explicitly (a baseline is scored without KL, a candidate is refused)."""
 from __future__ import annotations
 
 import dataclasses
+import html
 import json
+import re
 import shutil
 import sys
+from html.parser import HTMLParser
 from pathlib import Path
 
 import pytest
@@ -26,12 +29,22 @@ from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismat
 
 REWARD_MODULE = "evaluation_test_rewards"
 REWARDS = """
+import threading
+
+RELEASE = threading.Event()
+
+
 def seven(prompts, responses):
     return [7.0] * len(responses)
 
 
 def minus_three(prompts, responses):
     return [-3.0] * len(responses)
+
+
+def hang(prompts, responses):
+    RELEASE.wait(60)
+    return [0.0] * len(responses)
 """
 
 
@@ -125,7 +138,7 @@ def test_training_records_its_reward_and_evaluation_uses_it_unless_eval_reward_s
     models = read(out, "models.json")
     assert models["reward"] == trained_with
     assert models["reward_source"].startswith("recorded with the candidate")
-    assert f"reward `{trained_with}` (recorded with the candidate" in read(out, "report.md")
+    assert f"reward {trained_with} (recorded with the candidate" in read(out, "report.md")
 
     chosen = f"{reward_module}:minus_three"
     config = small_config(tmp_path, tiny_model_dir, prompt_files, f"eval.reward={chosen}")
@@ -133,7 +146,24 @@ def test_training_records_its_reward_and_evaluation_uses_it_unless_eval_reward_s
         reports = evaluate(config, candidate, tiny_model_dir)
     assert [reports[s].metrics["score"] for s in ("candidate", "baseline")] == [-3.0, -3.0]
     assert read(out, "models.json")["reward"] == chosen
-    assert f"reward `{chosen}` (eval.reward)" in read(out, "report.md")
+    assert f"reward {chosen} (eval.reward)" in read(out, "report.md")
+
+
+def test_a_hanging_reward_stops_evaluation_within_the_timeout(
+    tmp_path, tiny_model_dir, prompt_files, reward_module
+):
+    from ppo_core.modeling.reward_loading import RewardTimeoutError
+
+    spec = f"{reward_module}:hang"
+    config = small_config(
+        tmp_path, tiny_model_dir, prompt_files, f"eval.reward={spec}", "model.reward_timeout=1"
+    )
+    try:
+        with pytest.raises(RewardTimeoutError, match=rf"'{spec}' did not return within 1 s"):
+            evaluate(config, tiny_model_dir)
+    finally:
+        sys.modules[reward_module].RELEASE.set()
+    assert not (tmp_path / "eval").exists()
 
 
 def test_the_reward_choice_without_a_record(tmp_path, tiny_model_dir, prompt_files):
@@ -273,3 +303,168 @@ def small_overrides(tmp: Path, model: Path, prompts: tuple[Path, Path]) -> dict[
         "promote.registry": tmp / "registry.json",
         "promote.production_dir": tmp / "production",
     }
+
+
+# --- the Markdown report is inert to the text it quotes ------------------------------------------
+
+HOSTILE = [
+    "<script>alert(1)</script> after",
+    "[click me](javascript:alert(1)) and ![pic](http://x.test/p.png)",
+    "a | b | c |",
+    "`code` and ``more`` and ~~struck~~ and ~~~",
+    "*em* _em_ **strong** __strong__ a*b*c",
+    "line one\n# heading\n- item\n> quote\r\n\n    indented code\rlast",
+    "<!-- comment --> <img src=x onerror=alert(1)> <div>block</div>",
+    "# heading at the start",
+    "- a list at the start",
+    "+ another list",
+    "12. an ordered list",
+    "> a quote at the start",
+    "     five spaces first",
+    "&lt;script&gt; &#60;b&#62; &amp; entities",
+    "<https://evil.test/x> https://evil.test/y www.evil.test me@evil.test",
+    "[ref]: javascript:alert(1)\n[ref]",
+    "ends with a backslash \\",
+    "\\| an escaped pipe \\\\ and \\* star",
+    "{braces} and [^1] footnote and ---",
+    "snake_case_name and _leading and trailing_",
+]
+
+
+def hostile_reports():
+    from ppo_core.evaluation import ModelReport
+
+    def samples(offset):
+        return [
+            {"prompt": HOSTILE[i], "response": HOSTILE[-1 - i], "score": 0.5 - i / 10}
+            for i in range(offset, len(HOSTILE), 2)
+        ]
+
+    return {
+        "candidate": ModelReport(
+            "candidate", "/tmp/a|b/<script>x</script>/[x](javascript:y)", {"score": 0.5}, samples(0)
+        ),
+        "baseline": ModelReport(
+            "baseline",
+            "models/`base`\n# x",
+            {"score": 0.25},
+            samples(1),
+            unmeasured={"kl_to_reference": "other tokenizer than the reference"},
+        ),
+    }
+
+
+def hostile_report() -> str:
+    from ppo_core.evaluation import RewardChoice, markdown_report
+
+    return markdown_report(
+        hostile_reports(),
+        len(HOSTILE),
+        load_config(),
+        reward=RewardChoice(
+            "evil_module:score|<script>x</script>",
+            "recorded with the candidate in /tmp/[x](javascript:y)/training_summary.json",
+        ),
+        reference="/models/<b>ref</b>|x",
+    )
+
+
+class _Rendered(HTMLParser):
+    """Tags of rendered HTML, and the text of each list item (a ``<br>`` read as a newline)."""
+
+    def __init__(self, rendered_html: str):
+        super().__init__(convert_charrefs=True)
+        self.tags: list[tuple[str, dict]] = []
+        self.items: list[str] = []
+        self.rows: list[int] = []
+        self._item: list[str] | None = None
+        self.feed(rendered_html)
+
+    def handle_starttag(self, tag, attrs):
+        self.tags.append((tag, dict(attrs)))
+        if tag == "li":
+            self._item = []
+        elif tag == "tr":
+            self.rows.append(0)
+        elif tag in ("td", "th"):
+            self.rows[-1] += 1
+        elif tag == "br" and self._item is not None:
+            self._item.append("\n")
+
+    def handle_endtag(self, tag):
+        if tag == "li" and self._item is not None:
+            self.items.append("".join(self._item))
+            self._item = None
+
+    def handle_data(self, data):
+        if self._item is not None:
+            self._item.append(data)
+
+    def handle_comment(self, data):
+        self.tags.append(("!--", {}))
+
+
+def _render_commonmark(text: str) -> str:
+    markdown_it = pytest.importorskip("markdown_it")
+    return markdown_it.MarkdownIt("commonmark").enable(["table", "strikethrough"]).render(text)
+
+
+def _render_python_markdown(text: str) -> str:
+    markdown = pytest.importorskip("markdown")
+    return markdown.markdown(text, extensions=["tables"])
+
+
+def test_escape_markdown_keeps_plain_text_plain():
+    from ppo_core.evaluation import escape_markdown
+
+    assert escape_markdown("a plain review of the film") == "a plain review of the film"
+    assert escape_markdown("models/base_v2/my_module:score") == "models/base_v2/my_module:score"
+    assert escape_markdown("<b>") == "&lt;b&gt;"
+    assert escape_markdown("one\ntwo\r\nthree") == "one<br>two<br>three"
+    assert escape_markdown("a | b") == "a \\| b"
+
+
+def test_the_report_text_has_no_raw_markup_from_prompts_responses_paths_or_reward():
+    report = hostile_report()
+    lowered = report.lower()
+    for raw in ("<script", "<img", "<div", "<!--", "](", "<https", "``", "~~", "<b>"):
+        assert raw not in lowered, raw
+    # one line per sample: a newline in a prompt or response never starts a block of its own
+    listed = [line for line in report.splitlines() if line.startswith("- ")]
+    assert len(listed) == len(HOSTILE)
+    # the table keeps its columns: every row has the header's cell count (unescaped pipes)
+    table = [line for line in report.splitlines() if line.startswith("|")]
+    cells = {len(re.split(r"(?<!\\)\|", line)) for line in table}
+    assert len(cells) == 1
+
+
+@pytest.mark.parametrize("render", [_render_commonmark, _render_python_markdown])
+def test_the_rendered_report_shows_hostile_text_as_text(render):
+    rendered_html = render(hostile_report())
+    rendered = _Rendered(rendered_html)
+    tags = [tag for tag, _ in rendered.tags]
+    for forbidden in ("script", "img", "a", "div", "!--", "code", "pre", "blockquote", "s", "del"):
+        assert forbidden not in tags, (forbidden, rendered_html)
+    assert tags.count("h1") == 1 and tags.count("h2") == 2  # "Evaluation", one per model
+    assert tags.count("ul") == 2 and tags.count("ol") == 0  # one flat list of samples per model
+    assert tags.count("em") == 0
+    assert tags.count("strong") == len(HOSTILE)  # the report's own bold responses only
+    allowed = {"h1", "h2", "p", "table", "thead", "tbody", "tr", "th", "td", "ul", "li", "strong"}
+    assert set(tags) <= allowed | {"br"}
+    assert len(rendered.rows) == 3 and len(set(rendered.rows)) == 1  # header + 2 metrics, 3 cells
+    # Nothing was lost: each list item reads as the prompt and response as given.
+    reports = hostile_reports()
+    expected = [
+        f"{_as_shown(s['prompt'])} → {_as_shown(s['response'])} ({s['score']:+.3f})"
+        for name in ("candidate", "baseline")
+        for s in reports[name].samples
+    ]
+    assert rendered.items == expected
+    text = html.unescape(re.sub(r"<[^>]+>", "", rendered_html))
+    for path in (reports["candidate"].path, "evil_module:score|<script>x</script>"):
+        assert path in text
+
+
+def _as_shown(text: str) -> str:
+    """How a prompt or response reads in the report: trimmed, each line break a ``<br>``."""
+    return text.strip().replace("\r\n", "\n").replace("\r", "\n")

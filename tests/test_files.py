@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import os
 import stat
+import time
 
 import pytest
 
+from ppo_core import files
 from ppo_core.files import (
+    OUTPUT_MARKER,
+    ForeignFolderError,
     RunLockedError,
+    UnsafeCopyError,
     atomic_folder,
     atomic_write_text,
+    copy_regular_tree,
     discard,
     exclusive_run,
     file_sha256,
@@ -33,7 +39,7 @@ def test_atomic_folder_keeps_the_old_version_on_failure(tmp_path):
     assert (target / "a.txt").read_text() == "v1"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
     atomic_folder(target, lambda tmp: (tmp / "b.txt").write_text("v2"))
-    assert sorted(p.name for p in target.iterdir()) == ["b.txt"]
+    assert sorted(p.name for p in target.iterdir()) == [OUTPUT_MARKER, "b.txt"]
 
 
 def test_atomic_folder_reports_a_foreign_full_disk_as_oserror(tmp_path):
@@ -50,6 +56,7 @@ def test_an_interrupted_swap_is_undone_by_the_next_writer(tmp_path):
     old = tmp_path / f".out.old-{2**22 + 12345}"  # a pid no process has
     old.mkdir()
     (old / "a.txt").write_text("v1")
+    (old / OUTPUT_MARKER).write_text("")  # it had passed as an output before it was hidden
 
     def check_and_write(tmp):
         assert (tmp_path / "out" / "a.txt").read_text() == "v1"  # restored before writing
@@ -145,3 +152,200 @@ def test_the_lock_never_writes_through_a_link(tmp_path):
     ):
         pass
     assert victim.read_text() == "seed: 0\n"
+
+
+# --- an output folder replaces only what the pipeline wrote ----------------------------------
+
+
+def test_atomic_folder_marks_what_it_writes(tmp_path):
+    target = atomic_folder(tmp_path / "out", lambda tmp: (tmp / "a.txt").write_text("v1"))
+    assert (target / OUTPUT_MARKER).is_file()
+    # a writer's own file of that name (a copied output) is replaced, never written through
+    victim = tmp_path / "victim"
+    victim.write_text("keep me")
+    atomic_folder(target, lambda tmp: (tmp / OUTPUT_MARKER).symlink_to(victim))
+    assert not (target / OUTPUT_MARKER).is_symlink() and victim.read_text() == "keep me"
+
+
+def test_atomic_folder_refuses_to_replace_a_folder_it_did_not_write(tmp_path):
+    target = tmp_path / "notes"
+    target.mkdir()
+    (target / "todo.txt").write_text("keep me")
+    written = []
+    with pytest.raises(ForeignFolderError) as raised:
+        atomic_folder(target, written.append)
+    message = str(raised.value)
+    assert str(target) in message and "move it away or choose another" in message
+    assert "\n" not in message and isinstance(raised.value, FileExistsError)
+    assert written == []  # refused before anything was written
+    assert [p.name for p in target.iterdir()] == ["todo.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["notes"]
+
+
+def test_atomic_folder_refuses_a_folder_that_appears_while_it_writes(tmp_path):
+    target = tmp_path / "out"
+
+    def write(tmp):
+        (tmp / "a.txt").write_text("new")
+        target.mkdir()  # someone else's folder, made meanwhile
+        (target / "theirs.txt").write_text("keep me")
+
+    with pytest.raises(ForeignFolderError):
+        atomic_folder(target, write)
+    assert [p.name for p in target.iterdir()] == ["theirs.txt"]
+    assert [p.name for p in tmp_path.iterdir()] == ["out"]
+
+
+def test_atomic_folder_replaces_an_empty_folder(tmp_path):
+    (tmp_path / "out").mkdir()
+    atomic_folder(tmp_path / "out", lambda tmp: (tmp / "a.txt").write_text("v1"))
+    assert (tmp_path / "out" / "a.txt").read_text() == "v1"
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        ("manifest.json", "train.parquet", "eval.parquet"),  # data/interim, data/prepared
+        ("tiny_default.json", "config.json"),  # models/base built by `ppo base`
+        ("imported_from.json", "config.json"),  # models/base imported by `ppo base`
+        ("training_summary.json", "config.json"),  # models/candidate
+        ("trainer_state.json", "checksums.json", "optimizer.pt"),  # checkpoints/step-*
+        ("metrics.json", "report.md", "samples.json"),  # reports/eval
+        ("metrics.json",),  # reports/eval in a fresh clone: git keeps this file alone
+    ],
+)
+def test_outputs_of_earlier_versions_without_a_marker_are_replaced(tmp_path, names):
+    target = tmp_path / "out"
+    target.mkdir()
+    for name in names:
+        (target / name).write_text("old")
+    atomic_folder(target, lambda tmp: (tmp / "a.txt").write_text("new"))
+    assert sorted(p.name for p in target.iterdir()) == [OUTPUT_MARKER, "a.txt"]
+
+
+def test_a_folder_with_a_metrics_file_among_others_is_not_an_earlier_output(tmp_path):
+    target = tmp_path / "experiments"
+    target.mkdir()
+    (target / "metrics.json").write_text("{}")
+    (target / "notes.md").write_text("keep me")
+    with pytest.raises(ForeignFolderError):
+        atomic_folder(target, lambda tmp: (tmp / "a.txt").write_text("new"))
+    assert sorted(p.name for p in target.iterdir()) == ["metrics.json", "notes.md"]
+
+
+@pytest.mark.parametrize("kind", ["file", "link to a folder", "dangling link"])
+def test_atomic_folder_refuses_to_replace_what_is_not_a_folder(tmp_path, kind):
+    target, real = tmp_path / "out", tmp_path / "real"
+    real.mkdir()
+    (real / "keep.txt").write_text("keep me")
+    if kind == "file":
+        target.write_text("keep me")
+    elif kind == "link to a folder":
+        target.symlink_to(real)
+    else:
+        target.symlink_to(tmp_path / "missing")
+    with pytest.raises(ForeignFolderError, match="move it away or choose another"):
+        atomic_folder(target, lambda tmp: (tmp / "a.txt").write_text("new"))
+    assert target.is_symlink() or target.read_text() == "keep me"
+    assert (real / "keep.txt").read_text() == "keep me"
+
+
+# --- copies of model folders: regular files only, within a cap ----------------------------
+
+
+def test_copy_regular_tree_copies_files_and_folders(tmp_path):
+    source = tmp_path / "model"
+    (source / "sub" / "deeper").mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    (source / "sub" / "deeper" / "w.bin").write_bytes(b"x" * 3_000_000)
+    (source / "empty").mkdir()
+    (source / "config.json").chmod(0o640)
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    listing = copy_regular_tree(source, dest)
+    assert listing == [("config.json", 2), ("sub/deeper/w.bin", 3_000_000)]
+    assert (dest / "sub" / "deeper" / "w.bin").read_bytes() == b"x" * 3_000_000
+    assert (dest / "empty").is_dir()
+    assert stat.S_IMODE((dest / "config.json").stat().st_mode) == 0o640
+
+
+@pytest.mark.parametrize(
+    ("kind", "what"),
+    [
+        ("link to a private file", "is a symbolic link"),
+        ("link to /dev/zero", "is a symbolic link"),
+        ("link to a folder", "is a symbolic link"),
+        ("fifo", "is a FIFO"),
+        ("socket", "is a socket"),
+    ],
+)
+def test_copy_regular_tree_refuses_links_and_special_files(tmp_path, kind, what):
+    source = tmp_path / "model"
+    (source / "sub").mkdir(parents=True)
+    (source / "config.json").write_text("{}")
+    entry = source / "sub" / "entry"
+    secret = tmp_path / "id_rsa"
+    secret.write_text("private")
+    if kind == "link to a private file":
+        entry.symlink_to(secret)
+    elif kind == "link to /dev/zero":
+        entry.symlink_to("/dev/zero")
+    elif kind == "link to a folder":
+        entry.symlink_to(tmp_path)
+    elif kind == "fifo":
+        os.mkfifo(entry)
+    else:
+        import socket
+
+        server = socket.socket(socket.AF_UNIX)
+        short = f"/tmp/ppo-test-{os.getpid()}.sock"  # socket paths are short
+        server.bind(short)
+        os.rename(short, entry)
+        server.close()
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    started = time.monotonic()
+    with pytest.raises(UnsafeCopyError, match=f"sub/entry {what}") as raised:
+        copy_regular_tree(source, dest)
+    assert time.monotonic() - started < 5
+    assert isinstance(raised.value, FileExistsError) and "\n" not in str(raised.value)
+    assert list(dest.iterdir()) == []  # refused before anything was copied
+
+
+def test_copy_regular_tree_refuses_over_the_cap_before_copying(tmp_path, monkeypatch):
+    source = tmp_path / "model"
+    source.mkdir()
+    (source / "a.bin").write_bytes(b"x" * 600)
+    (source / "b.bin").write_bytes(b"x" * 600)
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    with pytest.raises(UnsafeCopyError, match="1200 bytes, more than the 1000 bytes"):
+        copy_regular_tree(source, dest, max_bytes=1000)
+    assert list(dest.iterdir()) == []
+    monkeypatch.setattr(files, "MAX_COPY_BYTES", 1000)  # the default cap is read at each call
+    with pytest.raises(UnsafeCopyError, match="more than the 1000 bytes"):
+        copy_regular_tree(source, dest)
+    assert files.MAX_COPY_BYTES == 1000
+    monkeypatch.undo()
+    assert files.MAX_COPY_BYTES >= 200 * 10**9
+    assert copy_regular_tree(source, dest) == [("a.bin", 600), ("b.bin", 600)]
+
+
+def test_copy_regular_tree_refuses_a_file_that_grows_while_it_is_copied(tmp_path, monkeypatch):
+    source = tmp_path / "model"
+    source.mkdir()
+    grower = source / "a.bin"
+    grower.write_bytes(b"x" * 100)
+    real_scan = files._scan
+
+    def scan_then_grow(folder, max_bytes):
+        found = real_scan(folder, max_bytes)
+        with grower.open("ab") as handle:  # a writer appends after the check
+            handle.write(b"y" * 100)
+        return found
+
+    monkeypatch.setattr(files, "_scan", scan_then_grow)
+    dest = tmp_path / "copy"
+    dest.mkdir()
+    with pytest.raises(UnsafeCopyError, match="changed while it was copied"):
+        copy_regular_tree(source, dest)

@@ -4,10 +4,18 @@ and a rejection changes no production version."""
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 
-from ppo_core.registry import current_production, gate, load_registry, record_decision
+from ppo_core.files import OUTPUT_MARKER, UnsafeCopyError
+from ppo_core.registry import (
+    RegistryError,
+    current_production,
+    gate,
+    load_registry,
+    record_decision,
+)
 
 GOOD = {"score": 0.80, "kl_to_reference": 2.5, "eos_rate": 0.99}
 RULES = {"min_improvement": 0.02, "max_kl": 4.0, "min_eos_rate": 0.85}
@@ -94,3 +102,80 @@ def test_a_second_promotion_at_once_refuses_and_changes_nothing(tmp_path):
             lineage={},
         )
     assert not registry.exists() and not production.exists()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        b'[1, "x"]',
+        b'{"versions": 5}',
+        b'{"current": null, "entries": 5}',
+        b'{"current": null, "entries": [1, "x"]}',
+        b'{"current": null, "entries": [null]}',
+        b'{"current": null, "entries": [["v0001"]]}',
+        b'{"current": 5, "entries": []}',
+        b'{"current": null, "entries": [{"version": 5}]}',
+        b"\xff\xfe{}",  # not UTF-8
+        b"[" * 100_000,  # nested past the parser's recursion limit
+    ],
+)
+def test_a_malformed_registry_is_one_registry_error(tmp_path, content):
+    registry = tmp_path / "registry.json"
+    registry.write_bytes(content)
+    for action in (
+        lambda: load_registry(registry),
+        lambda: current_production(registry, tmp_path / "production"),
+        lambda: record_decision(
+            registry_path=registry,
+            production_dir=tmp_path / "production",
+            candidate_dir=candidate(tmp_path, "c1", "weights-1"),
+            decision=gate(GOOD, None, **RULES),
+            lineage={},
+        ),
+    ):
+        with pytest.raises(RegistryError, match=f"model registry {registry}") as raised:
+            action()
+        assert "\n" not in str(raised.value)
+        shutil.rmtree(tmp_path / "c1", ignore_errors=True)
+    assert registry.read_bytes() == content
+    assert not (tmp_path / "production").exists()
+
+
+def test_a_registry_that_is_a_folder_is_an_error(tmp_path):
+    registry = tmp_path / "registry.json"
+    registry.mkdir()
+    with pytest.raises(RegistryError, match="is not a file"):
+        load_registry(registry)
+
+
+def test_promotion_copies_no_link_and_changes_nothing(tmp_path):
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("private")
+    folder = candidate(tmp_path, "c1", "weights-1")
+    (folder / "key").symlink_to(secret)
+    registry, production = tmp_path / "models" / "registry.json", tmp_path / "models" / "production"
+    with pytest.raises(UnsafeCopyError, match="key is a symbolic link"):
+        record_decision(
+            registry_path=registry,
+            production_dir=production,
+            candidate_dir=folder,
+            decision=gate(GOOD, None, **RULES),
+            lineage={},
+        )
+    assert not registry.exists()
+    assert not production.exists() or list(production.iterdir()) == []
+    (folder / "key").unlink()
+    entry = record_decision(
+        registry_path=registry,
+        production_dir=production,
+        candidate_dir=folder,
+        decision=gate(GOOD, None, **RULES),
+        lineage={},
+    )
+    promoted = production / entry["version"]
+    assert (promoted / "model.safetensors").read_text() == "weights-1"
+    assert sorted(p.name for p in promoted.iterdir()) == [
+        OUTPUT_MARKER,
+        "config.json",
+        "model.safetensors",
+    ]

@@ -177,6 +177,18 @@ def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, tiny_model_dir, pr
     assert not (tmp_path / "checkpoints").exists()
 
 
+def test_a_foreign_folder_as_output_fails_before_training(tmp_path, tiny_model_dir, prompt_files):
+    from ppo_core.files import ForeignFolderError
+
+    foreign = tmp_path / "candidate"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("kept")
+    with pytest.raises(ForeignFolderError, match="candidate"):
+        train(small_config(tmp_path, tiny_model_dir, prompt_files))
+    assert not (tmp_path / "checkpoints").exists()  # stopped before the first iteration
+    assert (foreign / "notes.txt").read_text() == "kept"
+
+
 def wrong_length_reward(prompts, responses):
     return [0.0, 1.0, 2.0]
 

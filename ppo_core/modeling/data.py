@@ -1,49 +1,63 @@
-"""Reading prompt files (layer 2): JSONL with one object a line, or Parquet."""
+"""Reading prompt files (layer 2): JSONL with one object a line, or Parquet.
+
+A file is bounded before it is read whole: at most ``max_rows`` prompts and ``max_bytes`` bytes
+(``data.max_rows_per_file``, ``data.max_bytes_per_file``). A Parquet file is measured first by
+its metadata (rows, the prompt column's uncompressed size) and then by the length of its text,
+read as a dictionary so that repeated strings are counted without being built: a file of a few
+hundred bytes can hold gigabytes of one string repeated.
+"""
 
 from __future__ import annotations
 
-import contextlib
 import json
+import os
 from pathlib import Path
+from typing import Any
 
-__all__ = ["PromptFileError", "load_prompts", "read_manifest_hash"]
+__all__ = [
+    "MAX_BYTES_PER_FILE",
+    "MAX_ROWS_PER_FILE",
+    "PromptFileError",
+    "load_prompts",
+    "parquet_size",
+    "project_path",
+    "read_manifest_hash",
+]
 
 
 MAX_LINE_BYTES = 1 << 20  # one prompt record; longer lines are rejected before being read whole
+# The defaults of data.max_rows_per_file and data.max_bytes_per_file.
+MAX_ROWS_PER_FILE = 1_000_000
+MAX_BYTES_PER_FILE = 1 << 30
+_RAISE = "; split the file or raise the limit"
 
 
 class PromptFileError(ValueError):
     """A prompt file is missing, malformed or empty; the message names the file and line."""
 
 
-def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = False) -> list[str]:
+def load_prompts(
+    path: str | Path,
+    field: str = "prompt",
+    allow_empty: bool = False,
+    *,
+    max_rows: int = MAX_ROWS_PER_FILE,
+    max_bytes: int = MAX_BYTES_PER_FILE,
+) -> list[str]:
     """The prompts of a ``.jsonl`` or ``.parquet`` file, in file order.
 
     Raises:
         PromptFileError: missing file, unknown extension, a line that is not a JSON object with a
             string ``field`` (named by line number), or no prompt at all. Blank prompts are an
-            error too, unless ``allow_empty`` (the prepare stage drops and counts them).
+            error too, unless ``allow_empty`` (the prepare stage drops and counts them). More
+            than ``max_rows`` prompts or ``max_bytes`` bytes (module docstring), naming the
+            config key that sets the limit.
     """
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"prompt file {str(path)!r} does not exist")
     if path.suffix == ".parquet":
-        import pandas as pd
-
-        try:
-            frame = pd.read_parquet(path)
-        except Exception as exc:  # pyarrow raises many kinds for a damaged or foreign file
-            raise PromptFileError(
-                f"{path}: not a readable parquet file ({_one_line(exc)})"
-            ) from None
-        if field not in frame.columns:
-            raise PromptFileError(
-                f"{path}: no column {field!r} (columns: {', '.join(map(str, frame.columns))})"
-            )
-        try:
-            values = frame[field].tolist()
-        except Exception as exc:  # strings are decoded only here: invalid UTF-8 in a damaged file
-            raise PromptFileError(_unreadable_column(path, field, exc)) from None
+        values = _parquet_values(path, field, max_rows, max_bytes)
         prompts = []
         for row, value in enumerate(values):
             if not isinstance(value, str) or not (value.strip() or allow_empty):
@@ -55,16 +69,32 @@ def load_prompts(path: str | Path, field: str = "prompt", allow_empty: bool = Fa
                 )
             prompts.append(value)
     elif path.suffix in (".jsonl", ".json"):
+        size = path.stat().st_size
+        if size > max_bytes:
+            raise PromptFileError(
+                f"{path}: {size} bytes, more than data.max_bytes_per_file={max_bytes}{_RAISE}"
+            )
         prompts = []
         with path.open("rb") as handle:
-            number = 0
+            number = read = 0
             while raw := handle.readline(MAX_LINE_BYTES + 1):
                 number += 1
+                read += len(raw)
+                if read > max_bytes:  # the file grew while it was read
+                    raise PromptFileError(
+                        f"{path}: at least {read} bytes, more than "
+                        f"data.max_bytes_per_file={max_bytes}{_RAISE}"
+                    )
                 if len(raw) > MAX_LINE_BYTES:
                     raise PromptFileError(
                         f"{path}:{number}: line longer than the limit of {MAX_LINE_BYTES} bytes"
                     )
                 prompts.extend(_parse_line(path, number, raw, field, allow_empty))
+                if len(prompts) > max_rows:
+                    raise PromptFileError(
+                        f"{path}:{number}: more than data.max_rows_per_file={max_rows} "
+                        f"prompts{_RAISE}"
+                    )
     else:
         raise PromptFileError(
             f"{path}: unknown prompt file type {path.suffix!r}; use .jsonl or .parquet"
@@ -113,18 +143,137 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
 
 
-def _unreadable_column(path: Path, field: str, exc: BaseException) -> str:
-    """The message for a column that pyarrow read but cannot turn into Python strings, naming the
-    first row that fails (found on this error path only)."""
+def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> list[Any]:
+    """The values of column ``field``, after the file is measured against the caps.
+
+    Order matters: the metadata alone (rows, the column's declared uncompressed size), then the
+    column read as a dictionary a row group at a time (its distinct values once, an index a row)
+    and the length of its text added up from those, and only under every cap the values built.
+    """
+    import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
-    with contextlib.suppress(Exception):  # the reader failed again: report the first error
-        for row, value in enumerate(pq.read_table(path, columns=[field]).column(field)):
-            try:
-                value.as_py()
-            except UnicodeDecodeError:
-                return f"{path}: row {row}: {field!r} is not valid UTF-8"
-    return f"{path}: column {field!r} is not readable ({_one_line(exc)})"
+    try:
+        schema = pq.ParquetFile(path).schema_arrow
+    except Exception as exc:  # pyarrow raises many kinds for a damaged or foreign file
+        raise PromptFileError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
+    if field not in schema.names:
+        raise PromptFileError(
+            f"{path}: no column {field!r} (columns: {', '.join(map(str, schema.names))})"
+        )
+    if schema.names.count(field) > 1:
+        try:  # pyarrow's own words for a name that matches several columns, as reading gives
+            schema.empty_table().filter(pc.field(field).is_valid())
+        except pa.ArrowInvalid as exc:
+            raise PromptFileError(
+                f"{path}: not a readable parquet file ({_one_line(exc)})"
+            ) from None
+        raise PromptFileError(f"{path}: {schema.names.count(field)} columns named {field!r}")
+    kind = schema.field(field).type
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
+    try:
+        # read_dictionary applies to text (byte-array) columns only
+        file = pq.ParquetFile(path, read_dictionary=[field] if text else None)
+        rows, declared = _metadata_size(file.metadata, field)
+    except Exception as exc:
+        raise PromptFileError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
+    if rows > max_rows:
+        raise PromptFileError(
+            f"{path}: {rows} rows, more than data.max_rows_per_file={max_rows}{_RAISE}"
+        )
+    if declared > max_bytes:
+        raise PromptFileError(
+            f"{path}: column {field!r} is {declared} bytes uncompressed, more than "
+            f"data.max_bytes_per_file={max_bytes}{_RAISE}"
+        )
+    if not text:
+        # numbers, bytes, lists, nulls...: no row holds a string, so the first one is the error
+        # (the caller names it), and nothing needs to be read
+        return [None] * min(rows, 1)
+    chunks = []
+    read = measured = 0
+    for group in range(file.num_row_groups):
+        try:
+            column = file.read_row_group(group, columns=[field]).column(0)
+        except Exception as exc:
+            raise PromptFileError(
+                f"{path}: not a readable parquet file ({_one_line(exc)})"
+            ) from None
+        for chunk in column.chunks:
+            # each row's length, taken from its dictionary entry: no row's text is copied
+            lengths = pc.take(pc.binary_length(chunk.dictionary), chunk.indices)
+            measured += pc.sum(lengths).as_py() or 0
+            read += len(chunk)
+            chunks.append(chunk)
+        if read > max_rows:  # metadata that does not match the data
+            raise PromptFileError(
+                f"{path}: at least {read} rows, more than data.max_rows_per_file={max_rows}{_RAISE}"
+            )
+        if measured > max_bytes:
+            raise PromptFileError(
+                f"{path}: the prompts of column {field!r} are at least {measured} bytes of text, "
+                f"more than data.max_bytes_per_file={max_bytes}{_RAISE}"
+            )
+    values: list[Any] = []
+    for offset, chunk in enumerate(chunks):
+        try:
+            distinct = chunk.dictionary.to_pylist()  # strings are decoded only here
+        except UnicodeDecodeError:
+            start = sum(len(earlier) for earlier in chunks[:offset])
+            raise PromptFileError(_invalid_utf8(path, field, chunk, start)) from None
+        values.extend(None if i is None else distinct[i] for i in chunk.indices.to_pylist())
+    return values
+
+
+def _invalid_utf8(path: Path, field: str, chunk: Any, start: int) -> str:
+    """The message for a dictionary chunk whose text is not valid UTF-8 (``start``: the row of
+    its first value), naming the first row that holds a bad value."""
+    bad = set()
+    for position, value in enumerate(chunk.dictionary):
+        try:
+            value.as_py()
+        except UnicodeDecodeError:
+            bad.add(position)
+    for row, index in enumerate(chunk.indices.to_pylist()):
+        if index in bad:
+            return f"{path}: row {start + row}: {field!r} is not valid UTF-8"
+    return f"{path}: column {field!r} is not valid UTF-8"
+
+
+def parquet_size(path: str | Path, field: str) -> tuple[int, int]:
+    """Rows and the declared uncompressed bytes of column ``field`` of a Parquet file, from its
+    metadata: what :func:`load_prompts` compares with its caps before reading."""
+    import pyarrow.parquet as pq
+
+    return _metadata_size(pq.ParquetFile(path).metadata, field)
+
+
+def _metadata_size(metadata: Any, field: str) -> tuple[int, int]:
+    """Rows, and the uncompressed bytes of ``field``'s column chunks (every leaf of it, for a
+    nested column) summed over the row groups, as the file's metadata states them."""
+    declared = sum(
+        group.column(c).total_uncompressed_size
+        for group in map(metadata.row_group, range(metadata.num_row_groups))
+        for c in range(group.num_columns)
+        if group.column(c).path_in_schema.split(".")[0] == field
+    )
+    return metadata.num_rows, declared
+
+
+def project_path(path: str | Path) -> str:
+    """``path`` as a record (a manifest, a report) names it: as given when relative, relative
+    to the working folder when it lies inside it, else its name alone. An absolute path would
+    record the user's folders in files that are shared."""
+    path = Path(path)
+    if not path.is_absolute():
+        return path.as_posix()
+    try:  # both resolved: the working folder is reported with its links resolved
+        return Path(os.path.realpath(path)).relative_to(os.path.realpath(os.getcwd())).as_posix()
+    except ValueError:
+        return path.name
 
 
 def read_manifest_hash(prompt_file: str | Path) -> str | None:

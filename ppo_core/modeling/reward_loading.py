@@ -10,12 +10,17 @@ tensor ``[B]``. Three sources:
   installed packages.
 - a local folder of a Hugging Face sequence-classification model: the score is the logit of a
   one-label model, or the log-odds of the last label against the first for a two-label one.
+
+Whatever its source, one call of the reward may take at most ``timeout`` seconds
+(``model.reward_timeout``); a call that takes longer is a :class:`RewardTimeoutError`, so that a
+reward that hangs stops the run, and releases its lock, instead of blocking it for ever.
 """
 
 from __future__ import annotations
 
 import importlib
 import sys
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -23,7 +28,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["RewardError", "build_reward_fn", "checked_scores"]
+__all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
 
 RewardFn = Callable[[list[str], list[str]], Tensor]
 
@@ -32,20 +37,36 @@ class RewardError(ValueError):
     """The reward source is unknown, cannot be loaded, or returned something unusable."""
 
 
+class RewardTimeoutError(RewardError):
+    """One call of the reward did not return within ``model.reward_timeout`` seconds."""
+
+
+TIMEOUT_KEY = "model.reward_timeout"
+
+
 def build_reward_fn(
-    spec: str, device: torch.device | str = "cpu", trust_remote_code: bool = False
+    spec: str,
+    device: torch.device | str = "cpu",
+    trust_remote_code: bool = False,
+    timeout: float = 0.0,
 ) -> RewardFn:
-    """The reward function described by ``spec`` (see the module docstring)."""
+    """The reward function described by ``spec`` (see the module docstring); each call that
+    takes longer than ``timeout`` seconds raises :class:`RewardTimeoutError` (0: no limit)."""
+    return _checked(_reward_callable(spec, device, trust_remote_code), spec, timeout)
+
+
+def _reward_callable(spec: str, device: torch.device | str, trust_remote_code: bool) -> RewardFn:
+    """The bare function named by ``spec``, before any check or time limit."""
     if spec == "builtin:sentiment":
         from ppo_core.modeling.rewards import SentimentScorer
 
-        return _checked(SentimentScorer(), spec)
+        return SentimentScorer()
     if spec.startswith("builtin:"):
         raise RewardError(
             f"unknown built-in reward {spec!r}; the built-in one is builtin:sentiment"
         )
     if Path(spec).is_dir():
-        return _checked(_RewardModel(spec, device, trust_remote_code), spec)
+        return _RewardModel(spec, device, trust_remote_code)
     if ":" in spec:
         module_name, _, function_name = spec.partition(":")
         module = _import_reward_module(spec, module_name)
@@ -54,7 +75,7 @@ def build_reward_fn(
             raise RewardError(
                 f"model.reward={spec!r}: {module_name} has no callable {function_name!r}"
             )
-        return _checked(function, spec)
+        return function
     raise RewardError(
         f"model.reward={spec!r} is neither builtin:sentiment, a module:function, nor an existing "
         "folder of a sequence-classification model"
@@ -80,17 +101,71 @@ def _import_reward_module(spec: str, module_name: str) -> Any:
             sys.path.remove(working_folder)
 
 
-def _checked(function: RewardFn, name: str) -> RewardFn:
-    """Wrap a reward function so that errors and bad outputs name it."""
+def _checked(function: RewardFn, name: str, timeout: float = 0.0) -> RewardFn:
+    """Wrap a reward function so that errors, bad outputs and calls longer than ``timeout``
+    seconds (0: no limit) name it."""
 
     def reward(prompts: list[str], responses: list[str]) -> Tensor:
         try:
-            raw = function(prompts, responses)
+            if timeout > 0:
+                raw = _call_with_timeout(function, prompts, responses, timeout, name)
+            else:
+                raw = function(prompts, responses)
+        except RewardTimeoutError:
+            raise
         except Exception as exc:
             raise RewardError(f"the reward {name!r} raised {type(exc).__name__}: {exc}") from exc
         return checked_scores(raw, len(prompts), name)
 
     return reward
+
+
+def _call_with_timeout(
+    function: RewardFn, prompts: list[str], responses: list[str], timeout: float, name: str
+) -> object:
+    """``function(prompts, responses)``, run in a daemon thread that the caller waits for at most
+    ``timeout`` seconds; raises :class:`RewardTimeoutError` when it has not returned by then.
+
+    Python cannot stop a running function from outside, so the watchdog stops *waiting*: the
+    caller raises, the run unwinds (its lock is released, nothing more is written) and the
+    process exits with the error while the hung call is abandoned. The thread is a daemon
+    ``threading.Thread`` because the interpreter does not wait for daemon threads at exit; a
+    ``ThreadPoolExecutor`` joins its workers at exit and would hang on the abandoned call.
+    ``signal.alarm`` was not chosen: it can be set in the main thread of a Unix process only (a
+    stage run from a task or test thread would have no watchdog, nor would Windows), and its
+    handler runs only between Python bytecodes, so it cannot end a long C computation either.
+    Neither way stops a call that holds the GIL and never releases it (a C loop, a regular
+    expression that backtracks for minutes): the waiting thread cannot run until it returns.
+    Only killing the process stops that, which is a supervisor's timeout's job.
+    """
+    outcome: list[object] = []
+    failure: list[BaseException] = []
+    done = threading.Event()
+    # Grad mode and the current CUDA device are per thread in torch: the call sees the caller's.
+    grad_enabled = torch.is_grad_enabled()
+    cuda_device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+
+    def call() -> None:
+        try:
+            if cuda_device is not None:
+                torch.cuda.set_device(cuda_device)
+            with torch.set_grad_enabled(grad_enabled):
+                outcome.append(function(prompts, responses))
+        except BaseException as exc:  # handed to the caller, which decides what it means
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=call, name=f"reward {name}", daemon=True).start()
+    if not done.wait(timeout):
+        raise RewardTimeoutError(
+            f"the reward {name!r} did not return within {timeout:g} s ({TIMEOUT_KEY}="
+            f"{timeout:g}) for a batch of {len(prompts)} responses; fix or speed up the reward, "
+            f"or raise {TIMEOUT_KEY} (0 waits without limit)"
+        )
+    if failure:
+        raise failure[0]
+    return outcome[0]
 
 
 def checked_scores(raw: object, expected: int, name: str = "reward") -> Tensor:

@@ -78,4 +78,6 @@ def test_ppo_train_stops_on_stale_data_before_writing_anything(tmp_path, prepare
     message = " ".join(result.output.split())
     assert "new mine.jsonl" in message and "ppo prepare && ppo validate" in message
     assert "Traceback" not in result.output
-    assert not any((tmp_path / name).exists() for name in ("candidate", "checkpoints", "train-metrics"))
+    assert not any(
+        (tmp_path / name).exists() for name in ("candidate", "checkpoints", "train-metrics")
+    )

@@ -62,6 +62,8 @@ def test_clean_data_passes_and_writes_reports_offline(tmp_path, monkeypatch):
     assert len(summary["splits"]["eval"]["expectations"]) == 7
     assert "passed" in result.describe()
     assert list(cwd.iterdir()) == []  # GE wrote nothing into the working directory
+    # the report folder is outside the working folder: paths are relative to the report folder
+    assert summary["docs_index"] == "data_docs/index.html"
 
 
 def test_null_prompt(tmp_path):
@@ -179,6 +181,20 @@ def test_error_message_names_failures_and_docs(tmp_path):
     assert json.loads(result.summary_path.read_text())["success"] is False
     pages = list((tmp_path / "reports" / "data_docs" / "validations").rglob("*.html"))
     assert len(pages) == 2  # this run's train and eval pages only
+
+
+def test_reports_record_no_absolute_path(tmp_path, monkeypatch):
+    """summary.json and the Data Docs are shared (DVC, CI artifacts): an absolute path would
+    record the user's folders. Paths are recorded relative to the working folder."""
+    project = tmp_path / "home" / "someone" / "project"
+    project.mkdir(parents=True)
+    monkeypatch.chdir(project)
+    result = validate(tmp_path, eval_=[*EVAL, TRAIN[0]], report_dir=project / "reports")
+    summary = json.loads(result.summary_path.read_text())
+    assert summary["docs_index"] == "reports/data_docs/index.html"
+    for path in (project / "reports").rglob("*"):
+        if path.is_file() and path.suffix in (".json", ".html"):
+            assert "someone" not in path.read_text(), path
 
 
 def test_token_counter_must_return_one_count_per_text(tmp_path):

@@ -1,6 +1,10 @@
+import inspect
 import json
+import re
 
 import pandas as pd
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from ppo_core.modeling.data import PromptFileError, load_prompts
@@ -54,3 +58,87 @@ def test_missing_and_unknown_files(tmp_path):
         load_prompts(tmp_path / "r.jsonl")
     assert str(info.value) == f"{tmp_path / 'r.jsonl'}:1: {FIELD}"
     assert load_prompts(tmp_path / "r.jsonl", allow_empty=True) == ["   "]  # prepare drops it
+
+
+# ---- bounded reads: rows and bytes per file, measured before a file is read whole -------------
+
+
+def write_jsonl(path, count):
+    path.write_text("".join(json.dumps({"prompt": f"p{i}"}) + "\n" for i in range(count)))
+    return path
+
+
+def test_jsonl_rows_over_the_cap_are_refused_at_the_first_extra_row(tmp_path):
+    path = write_jsonl(tmp_path / "p.jsonl", 11)
+    assert len(load_prompts(path, max_rows=11)) == 11
+    with pytest.raises(PromptFileError) as info:
+        load_prompts(path, max_rows=10)
+    assert str(info.value) == (
+        f"{path}:11: more than data.max_rows_per_file=10 prompts; split the file or raise the limit"
+    )
+
+
+def test_jsonl_bytes_over_the_cap_are_refused_before_reading(tmp_path, monkeypatch):
+    path = write_jsonl(tmp_path / "p.jsonl", 10)
+    size = path.stat().st_size
+    assert len(load_prompts(path, max_bytes=size)) == 10
+    monkeypatch.setattr(type(path), "open", lambda *a, **k: pytest.fail("the file was opened"))
+    with pytest.raises(PromptFileError) as info:
+        load_prompts(path, max_bytes=size - 1)
+    assert str(info.value) == (
+        f"{path}: {size} bytes, more than data.max_bytes_per_file={size - 1}; "
+        "split the file or raise the limit"
+    )
+
+
+def test_parquet_rows_over_the_cap_are_refused_from_the_metadata(tmp_path, monkeypatch):
+    path = tmp_path / "p.parquet"
+    pd.DataFrame({"prompt": [f"p{i}" for i in range(11)]}).to_parquet(path)
+    assert len(load_prompts(path, max_rows=11)) == 11
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda *a, **k: pytest.fail("read"))
+    with pytest.raises(PromptFileError) as info:
+        load_prompts(path, max_rows=10)
+    assert str(info.value) == (
+        f"{path}: 11 rows, more than data.max_rows_per_file=10; split the file or raise the limit"
+    )
+
+
+def test_parquet_declared_size_over_the_cap_is_refused_from_the_metadata(tmp_path, monkeypatch):
+    path = tmp_path / "p.parquet"
+    pq.write_table(pa.table({"prompt": ["x" * 5000, "y" * 5000]}), path, compression="zstd")
+    monkeypatch.setattr(pq.ParquetFile, "read_row_group", lambda *a, **k: pytest.fail("read"))
+    with pytest.raises(PromptFileError) as info:
+        load_prompts(path, max_bytes=9000)
+    assert re.fullmatch(
+        re.escape(f"{path}: column 'prompt' is ")
+        + r"\d+"
+        + re.escape(
+            " bytes uncompressed, more than data.max_bytes_per_file=9000; "
+            "split the file or raise the limit"
+        ),
+        str(info.value),
+    ), str(info.value)
+
+
+def test_a_parquet_file_that_expands_is_refused_before_its_text_is_built(tmp_path):
+    """One 100 kB string repeated by a dictionary: a file of a few hundred bytes, 200 MB of text."""
+    path = tmp_path / "bomb.parquet"
+    indices = pa.array([0] * 2000, type=pa.int32())
+    column = pa.DictionaryArray.from_arrays(indices, pa.array(["a" * 100_000]))
+    pq.write_table(pa.table({"prompt": column}), path, compression="zstd")
+    assert path.stat().st_size < 2000
+    with pytest.raises(PromptFileError) as info:
+        load_prompts(path, max_bytes=10_000_000)
+    assert str(info.value) == (
+        f"{path}: the prompts of column 'prompt' are at least 200000000 bytes of text, more than "
+        "data.max_bytes_per_file=10000000; split the file or raise the limit"
+    )
+
+
+def test_the_default_caps_are_the_config_defaults():
+    from ppo_core.config import Config
+
+    parameters = inspect.signature(load_prompts).parameters
+    data = Config().data
+    assert parameters["max_rows"].default == data.max_rows_per_file == 1_000_000
+    assert parameters["max_bytes"].default == data.max_bytes_per_file == 1 << 30
