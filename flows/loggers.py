@@ -62,7 +62,12 @@ class DVCLiveLogger:
                 dir=str(self.folder), resume=False, save_dvc_exp=False, dvcyaml=None, report=None
             )
         self.live.step = iteration
+        from ppo_core.modeling.checkpoint import METRIC_NAME
+
         for name, value in metrics.items():
+            # The name becomes a path under the folder (metric_file): never "../x" or "/x".
+            if not METRIC_NAME.fullmatch(name):
+                raise ValueError(f"metric name {name[:40]!r} is not group/name in lowercase words")
             self.live.log_metric(name, value, plot=True)
         self.live.make_summary()
 

@@ -35,6 +35,7 @@ from ppo_core.distributed import DataParallel, is_main_process
 from ppo_core.files import atomic_folder, check_replaceable, discard, exclusive_run
 from ppo_core.math.kl import AdaptiveKLController, FixedKLController
 from ppo_core.modeling.checkpoint import (
+    checked_history,
     list_checkpoints,
     load_latest_good,
     remove_partial,
@@ -367,7 +368,7 @@ class TrainState:
         state = checkpoint["state"]
         self.iteration = int(state["iteration"])
         self.kl_controller.value = float(state["kl_coef"])
-        self.history = list(state.get("history", []))
+        self.history = checked_history(state.get("history", []), "checkpoint trainer state")
 
     def save(
         self,

@@ -124,6 +124,35 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prompt_fi
     assert state["iteration"] == 3 and "config" in state
 
 
+def test_a_tampered_metric_name_in_a_checkpoint_writes_no_file_outside(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    """Checksums guard against damage, not against someone who rewrites them too: the history's
+    metric names become file paths in the metrics logger, so they are checked on resume."""
+    from flows.loggers import DVCLiveLogger
+    from ppo_core.files import file_sha256
+    from ppo_core.modeling.checkpoint import CheckpointError
+
+    run = tmp_path / "run"
+    train(small_config(run, tiny_model_dir, prompt_files, "train.iterations=1"))
+    step = run / "checkpoints" / "step-000001"
+    state_file = step / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    state["history"][0]["../../escaped"] = 1.0
+    state_file.write_text(json.dumps(state))
+    sums = json.loads((step / "checksums.json").read_text())
+    sums["trainer_state.json"] = file_sha256(state_file)
+    (step / "checksums.json").write_text(json.dumps(sums))
+    config = small_config(run, tiny_model_dir, prompt_files, "train.iterations=2")
+    with pytest.raises(CheckpointError, match=r"metric name '\.\./\.\./escaped', not group/name"):
+        train(config, loggers=[DVCLiveLogger(run / "metrics")])
+    assert not list(tmp_path.rglob("escaped*"))
+    # and the logger itself refuses such a name, whoever passes it
+    with pytest.raises(ValueError, match="not group/name"):
+        DVCLiveLogger(tmp_path / "metrics").log(1, {"../x": 1.0})
+    assert not (tmp_path / "x.tsv").exists()
+
+
 def test_outputs_carry_config_and_lineage(tmp_path, tiny_model_dir, prompt_files):
     summary = train(small_config(tmp_path, tiny_model_dir, prompt_files, "train.iterations=1"))
     out = summary.output_dir

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,9 @@ import torch
 from ppo_core.files import atomic_folder, discard, file_sha256, first_line, is_partial
 
 __all__ = [
+    "METRIC_NAME",
     "CheckpointError",
+    "checked_history",
     "list_checkpoints",
     "load_checkpoint_state",
     "load_latest_good",
@@ -38,6 +41,34 @@ MODEL_DIR = "model"
 
 class CheckpointError(RuntimeError):
     """A checkpoint is missing, incomplete or damaged."""
+
+
+METRIC_NAME = re.compile(r"[a-z][a-z0-9_]*/[a-z][a-z0-9_]*")
+"""A metric name as the trainer writes it, ``group/name`` in lowercase words. Names become file
+paths in the metrics logger, so a name from a checkpoint's history must be one of these."""
+
+
+def checked_history(history: object, where: str) -> list[dict[str, float]]:
+    """The metric history stored in a checkpoint, each row ``{"iteration": n, "group/name": x}``,
+    or a :class:`CheckpointError` naming ``where`` and the first thing that is not."""
+    if not isinstance(history, list):
+        raise CheckpointError(f"{where}: history is not a list")
+    rows = []
+    for number, row in enumerate(history):
+        if not isinstance(row, dict):
+            raise CheckpointError(f"{where}: history row {number} is not a mapping")
+        for name, value in row.items():
+            if not isinstance(name, str) or not (
+                name == "iteration" or METRIC_NAME.fullmatch(name)
+            ):
+                shown = repr(name)[:40]
+                raise CheckpointError(
+                    f"{where}: history row {number} has the metric name {shown}, not group/name"
+                )
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise CheckpointError(f"{where}: history row {number}: {name} is not a number")
+        rows.append({name: float(value) for name, value in row.items()})
+    return rows
 
 
 def remove_partial(checkpoint_dir: str | Path) -> list[str]:
