@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -137,6 +138,14 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
             run.stdout + run.stderr + (logs / "serve.log").read_text()[-3000:]
         )
         assert "Completed" in run.stdout
+        # The decision ends what --watch shows (a server streams events out, not logs): promoted,
+        # or nothing to decide when the schedule has just run on the same inputs.
+        watched = " ".join(run.stdout.split())  # the console wraps long lines
+        decision = re.search(
+            r"ppo\.candidate\.(promoted|unchanged) \* (promoted as v\d{4}|nothing changed)", watched
+        )
+        assert decision is not None, run.stdout
+        assert decision.start() > watched.rfind("prefect.task-run.Completed * promote") > 0
     finally:
         if served is not None:
             stop(served)

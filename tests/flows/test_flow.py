@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +16,8 @@ from tests.flows.conftest import environment, read_json
 def prefect_harness():
     from prefect.testing.utilities import prefect_test_harness
 
-    with prefect_test_harness():
+    # A first start creates the server's database: about 40 s on two busy cores, not 30.
+    with prefect_test_harness(server_startup_timeout=120):
         yield
 
 
@@ -26,7 +30,12 @@ def test_retrain_flow_runs_every_stage_and_publishes_artifacts(
     from flows.pipeline import retrain
 
     monkeypatch.setenv("PATH", environment()["PATH"])
-    outputs = retrain(repo_dir=str(tiny_project))
+    state = retrain(repo_dir=str(tiny_project), return_state=True)
+    # The decision is the run's final message (the UI, `prefect flow-run inspect`) ...
+    assert state.is_completed()
+    assert state.message == "promoted as v0001: models/production/v0001"
+    # ... and the outputs its result, as retrain() returns them.
+    outputs = state.result()
     assert outputs["stages"] == {
         stage: "ran" for stage in ("prepare", "base", "validate", "train", "evaluate", "promote")
     }
@@ -48,25 +57,60 @@ def test_retrain_flow_runs_every_stage_and_publishes_artifacts(
     )
     again = retrain(repo_dir=str(tiny_project), from_production=True)
     assert again["stages"]["prepare"] == "ran" and again["stages"]["train"] == "ran"
+    assert again["message"] == "promoted as v0002: models/production/v0002"
+    assert again["production"] == str(tiny_project / "models" / "production" / "v0002")
     params = (tiny_project / "params.yaml").read_text()
     assert "source: models/production/v0001" in params
     registry = read_json(tiny_project / "models" / "registry.json")
     assert len(registry["entries"]) == 2
 
 
+def run_like_make_run(project: Path, prefect_home: Path) -> str:
+    """`python -m flows.pipeline run` in ``project`` on its own temporary Prefect server, as
+    `make run` does for a new user (no Prefect settings); stdout and stderr as one text."""
+    env = environment() | {"PREFECT_HOME": str(prefect_home)}
+    for name in [n for n in env if n.startswith("PREFECT_") and n != "PREFECT_HOME"]:
+        del env[name]
+    done = subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "run"],
+        cwd=project,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+        timeout=1200,
+    )
+    assert done.returncode == 0, done.stdout[-5000:]
+    return done.stdout
+
+
 @pytest.mark.slow
-def test_bad_data_stops_the_flow_at_validation(tiny_project, prefect_harness, monkeypatch):
+def test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validation(
+    tiny_project, prefect_harness, monkeypatch, tmp_path
+):
     from flows.pipeline import StageFailed, retrain
 
+    output = run_like_make_run(tiny_project, tmp_path / "prefect-home")
+    # Nothing that reads as a failure (the temporary server's telemetry), no progress bars,
+    # and DVC's advice to `git add dvc.lock` once for the run, not once per stage.
+    assert "Traceback" not in output and "| ERROR" not in output, output
+    assert "Loading weights" not in output and "autostage" not in output, output
+    assert output.count("git add") == 1, output
+    assert "dvc.lock changed: `git add dvc.lock` records this run in git" in output
+    promoted = tiny_project / "models" / "production" / "v0001"
+    assert f"production: {promoted} (promoted as v0001 by this run)" in output
+    decision = "promoted as v0001: models/production/v0001"
+    assert f"Finished in state Completed('{decision}')" in output  # the run's final state
+    assert f"decision:   {decision}" in output
+
     monkeypatch.setenv("PATH", environment()["PATH"])
-    first = retrain(repo_dir=str(tiny_project))
     prepared = tiny_project / "data" / "prepared"
     before = {p.name: p.read_bytes() for p in prepared.iterdir()}
     production = (
         tiny_project / "models" / "production" / "v0001" / "model.safetensors"
     ).read_bytes()
     registry = (tiny_project / "models" / "registry.json").read_text()
-    assert first["decision"] == "promoted"
 
     long_prompt = " ".join(["great"] * 60)
     (tiny_project / "data" / "raw" / "bad.jsonl").write_text(

@@ -1,0 +1,252 @@
+"""What the flow makes of a stage's output (live lines, progress bars, DVC's advice, warnings)
+and how it words the promotion decision, without a Prefect server."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import pytest
+
+from flows.pipeline import (
+    StageFailed,
+    StageRelay,
+    _environment,
+    decision_message,
+    output_segments,
+    relay_command,
+    run_stage,
+    summary,
+)
+
+
+class Recorder:
+    """Log records as (seconds since creation, level, text)."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+        self.records: list[tuple[float, int, str]] = []
+
+    def __call__(self, level: int, text: str) -> None:
+        self.records.append((time.monotonic() - self.start, level, text))
+
+    def at(self, level: int) -> list[str]:
+        return [text for _, lvl, text in self.records if lvl == level]
+
+
+def test_a_stage_s_lines_reach_the_log_while_it_runs(tmp_path, monkeypatch):
+    monkeypatch.delenv("PYTHONUNBUFFERED", raising=False)  # as in a plain shell
+    log = Recorder()
+    script = "import time; print('first'); time.sleep(1.5); print('second')"
+    code = relay_command(
+        [sys.executable, "-c", script], str(tmp_path), _environment(), StageRelay("x", log)
+    )
+    assert code == 0
+    (first, _, text1), (second, _, text2) = log.records
+    assert (text1, text2) == ("first", "second")
+    # The first line was logged as it was printed, not when the process ended.
+    assert second - first >= 1.0
+
+
+def test_output_is_cut_at_line_ends_and_carriage_returns(tmp_path):
+    raw = tmp_path / "out"
+    raw.write_bytes("a\r\nb\rc\r\rd\né\n\rlast".encode())
+    with raw.open("rb") as stream:
+        assert list(output_segments(stream)) == [
+            ("a", True),
+            ("b", False),
+            ("c", False),
+            ("", False),
+            ("d", True),
+            ("é", True),
+            ("", False),
+            ("last", True),
+        ]
+
+
+def test_a_progress_bar_is_logged_every_interval_and_a_short_one_at_debug():
+    now = [0.0]
+    log = Recorder()
+    relay = StageRelay("train", log, progress_every=10.0, clock=lambda: now[0])
+    for second in range(26):  # a bar redrawn every second for 25 s
+        now[0] = float(second)
+        relay.feed(f"PPO {second}/25", finished=False)
+    relay.feed("PPO 25/25 done", finished=True)
+    relay.feed("", finished=False)  # tqdm: \r, two quick states, then \n
+    relay.feed("Loading weights: 0%", finished=False)
+    relay.feed("Loading weights: 100%", finished=True)
+    relay.feed("trained 25 iterations", finished=True)
+    assert log.at(logging.INFO) == ["PPO 10/25", "PPO 20/25", "PPO 25/25 done", *relay.tail]
+    assert log.at(logging.DEBUG) == ["Loading weights: 100%"]
+    assert list(relay.tail) == ["trained 25 iterations"]
+
+
+# What `dvc repro --single-item train` prints after a stage that changed dvc.lock.
+DVC_OUTPUT = """Running stage 'train':
+> ppo train --quiet --config params.yaml
+Updating lock file 'dvc.lock'
+
+To track the changes with git, run:
+
+\tgit add dvc.lock models/.gitignore
+
+To enable auto staging, run:
+
+\tdvc config core.autostage true
+Use `dvc push` to send your updates to remote storage.
+git add is how a stage may say it, too
+trained 2 iterations"""
+
+
+def test_dvc_s_git_add_advice_is_kept_back_and_its_files_noted():
+    log = Recorder()
+    relay = StageRelay("train", log)
+    for line in DVC_OUTPUT.splitlines():
+        relay.feed(line, finished=True)
+    assert log.at(logging.INFO) == [
+        "Running stage 'train':",
+        "> ppo train --quiet --config params.yaml",
+        "Updating lock file 'dvc.lock'",
+        "git add is how a stage may say it, too",
+        "trained 2 iterations",
+    ]
+    assert relay.to_track == ["dvc.lock", "models/.gitignore"]
+    assert not relay.skipped
+    relay.feed("Stage 'train' didn't change, skipping", finished=True)
+    assert relay.skipped
+
+
+def test_a_warning_is_logged_without_the_source_line_under_it(tmp_path):
+    script = tmp_path / "stage.py"
+    script.write_text(
+        "import warnings\n\nprint('before')\nwarnings.warn('careful\\nsecond line')\n"
+        "print('after')\n"
+    )
+    log = Recorder()
+    code = relay_command(
+        [sys.executable, str(script)], str(tmp_path), _environment(), StageRelay("x", log, tmp_path)
+    )
+    assert code == 0
+    assert [(level, text) for _, level, text in log.records] == [
+        (logging.INFO, "before"),
+        (logging.WARNING, "UserWarning: careful (stage.py:4)"),
+        (logging.INFO, "second line"),
+        (logging.INFO, "after"),
+    ]
+
+
+def test_a_failing_stage_fails_with_the_end_of_its_output(tmp_path, monkeypatch):
+    import flows.pipeline
+
+    monkeypatch.setattr(flows.pipeline, "get_run_logger", lambda: logging.getLogger("stage"))
+    with pytest.raises(
+        StageFailed,
+        match=r"stage train failed with exit code \d+:\nERROR: .*not inside of a DVC repo",
+    ):
+        run_stage.fn("train", str(tmp_path))  # not a DVC repository
+
+
+PROMOTED = {
+    "decision": "promoted",
+    "reasons": ["pass: score 0.7 vs baseline 0.1: gain +0.6 (needs >= +0.02)"],
+    "version": "v0003",
+    "path": "models/production/v0003",
+}
+REJECTED = {
+    "decision": "rejected",
+    "reasons": [
+        "FAIL: score 0.1 vs baseline 0.7: gain -0.6 (needs >= +0.02)",
+        "pass: KL to reference 2.6 nats (budget 4.0)",
+        "FAIL: EOS rate 0.5 (needs >= 0.85)",
+    ],
+}
+
+
+def test_the_decision_names_the_new_version_or_why_not_and_what_stays():
+    assert decision_message(PROMOTED, "models/production/v0003") == (
+        "promoted as v0003: models/production/v0003"
+    )
+    assert decision_message(REJECTED, "models/production/v0002") == (
+        "rejected (score 0.1 vs baseline 0.7: gain -0.6 (needs >= +0.02); EOS rate 0.5 "
+        "(needs >= 0.85)); production stays v0002: models/production/v0002"
+    )
+    assert decision_message(REJECTED, None).endswith("; no production model yet")
+    assert decision_message(PROMOTED, "models/production/v0003", decided=False) == (
+        "nothing changed since the last decision (promoted); production stays v0003: "
+        "models/production/v0003"
+    )
+
+
+def test_the_run_summary_names_the_production_model():
+    paths = {
+        "report": "/p/reports/eval/report.md",
+        "metrics": "/p/reports/eval/metrics.json",
+        "candidate": "/p/models/candidate",
+        "registry": "/p/models/registry.json",
+    }
+    promoted = summary(
+        paths
+        | {
+            "decision": "promoted",
+            "decided": True,
+            "version": "v0003",
+            "production": "/p/models/production/v0003",
+            "reasons": PROMOTED["reasons"],
+            "message": "promoted as v0003: models/production/v0003",
+        }
+    )
+    assert "production: /p/models/production/v0003 (promoted as v0003 by this run)" in promoted
+    assert promoted.endswith("decision:   promoted as v0003: models/production/v0003")
+    rejected = summary(
+        paths
+        | {
+            "decision": "rejected",
+            "decided": True,
+            "version": None,
+            "production": "/p/models/production/v0002",
+            "reasons": REJECTED["reasons"],
+            "message": decision_message(REJECTED, "models/production/v0002"),
+        }
+    )
+    assert "production: /p/models/production/v0002 (stays: the candidate was rejected)" in rejected
+    assert "\n  FAIL: EOS rate 0.5 (needs >= 0.85)\n" in rejected
+    unchanged = summary(
+        paths
+        | {
+            "decision": "promoted",
+            "decided": False,
+            "version": None,
+            "production": "/p/models/production/v0003",
+            "reasons": PROMOTED["reasons"],
+            "message": decision_message(PROMOTED, "models/production/v0003", decided=False),
+        }
+    )
+    assert "production: /p/models/production/v0003 (stays: nothing changed" in unchanged
+
+
+def test_the_temporary_server_s_telemetry_is_off_unless_the_user_sets_it():
+    from prefect.settings import (
+        PREFECT_SERVER_ANALYTICS_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        get_current_settings,
+        temporary_settings,
+    )
+
+    from flows.pipeline import local_server_settings
+
+    def server() -> tuple[bool, int]:
+        with local_server_settings():
+            settings = get_current_settings().server
+            return settings.analytics_enabled, settings.ephemeral.startup_timeout_seconds
+
+    set_here = get_current_settings().server.model_fields_set
+    if "analytics_enabled" not in set_here:
+        assert server() == (False, 120)
+    # As from the environment or a Prefect profile.
+    user = {
+        PREFECT_SERVER_ANALYTICS_ENABLED: True,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 30,
+    }
+    with temporary_settings(updates=user):
+        assert server() == (True, 30)
