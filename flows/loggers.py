@@ -76,11 +76,24 @@ class DVCLiveLogger:
             self.live.end()
 
 
+def headline(metrics: Mapping[str, float]) -> str:
+    """The metrics worth a glance, short-named: ``score 0.42  kl 1.3  ...``."""
+    return "  ".join(
+        f"{short} {metrics[key]:.3g}" for key, short in HEADLINE.items() if key in metrics
+    )
+
+
 class ConsoleProgress:
-    """A progress bar with the headline metrics of the last iteration."""
+    """A progress bar with the headline metrics of the last iteration; where stderr is not a
+    terminal (a log: DVC run by the Prefect flow, CI), a plain line every tenth of the run."""
 
     def __init__(self, total: int, console: Console | None = None):
         self.console = console or Console(stderr=True)
+        self.total = total
+        self.every = max(1, total // 10)
+        if not self.console.is_terminal:
+            self.started = False
+            return
         self.progress = Progress(
             TextColumn("[bold]PPO"),
             BarColumn(),
@@ -94,13 +107,18 @@ class ConsoleProgress:
         self.started = False
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
+        if not self.console.is_terminal:
+            if iteration % self.every == 0 or iteration == self.total:
+                self.console.print(
+                    f"PPO iteration {iteration}/{self.total}  {headline(metrics)}",
+                    soft_wrap=True,
+                    highlight=False,
+                )
+            return
         if not self.started:
             self.progress.start()
             self.started = True
-        line = "  ".join(
-            f"{short} {metrics[key]:.3g}" for key, short in HEADLINE.items() if key in metrics
-        )
-        self.progress.update(self.task, completed=iteration, line=line)
+        self.progress.update(self.task, completed=iteration, line=headline(metrics))
 
     def close(self) -> None:
         if self.started:

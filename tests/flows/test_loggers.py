@@ -34,3 +34,22 @@ def test_metric_group_reads_one_side_of_a_flat_mapping():
     assert metric_group(flat, "candidate") == {"score": 0.7, "kl_to_reference": 2.0}
     assert metric_group(flat, "baseline") == {"score": 0.1}
     assert metric_group(flat, "production") == {}
+
+
+def test_progress_in_a_log_is_a_plain_line_every_tenth_of_the_run():
+    """Under DVC run by the Prefect flow, stderr is a pipe: a bar would come out as one block at
+    the end, so the progress is a line every tenth of the run, streamed as it happens."""
+    import io
+
+    from rich.console import Console
+
+    from flows.loggers import ConsoleProgress
+
+    out = io.StringIO()
+    progress = ConsoleProgress(20, console=Console(file=out, force_terminal=False))
+    for iteration in range(1, 21):
+        progress.log(iteration, {"rollout/score": 0.5, "rollout/kl": 1.25})
+    progress.close()
+    lines = out.getvalue().splitlines()
+    assert lines[0] == "PPO iteration 2/20  score 0.5  kl 1.25"
+    assert [line.split()[2] for line in lines] == [f"{i}/20" for i in range(2, 21, 2)]
