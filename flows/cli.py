@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated
 
@@ -37,7 +38,8 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
     rich_markup_mode="markdown",
 )
-console = Console(stderr=True)
+# soft_wrap: in a log (DVC, Prefect) a line is not cut at 80 columns mid-path.
+console = Console(stderr=True, soft_wrap=True)
 
 # Read when no --config is given, as `dvc repro` reads it for every stage.
 DEFAULT_CONFIG = Path("params.yaml")
@@ -83,8 +85,15 @@ def _config_file(given: Path | None) -> Path | None:
     return DEFAULT_CONFIG
 
 
+def _warning_line(message, category, filename, lineno, line=None) -> str:
+    """A warning as users read it: what happened, not the project's source line that warned."""
+    return f"warning: {message}\n"
+
+
 def _load(config_file: Path | None, overrides: list[str] | None):
     from ppo_core.config import load_config
+
+    warnings.formatwarning = _warning_line
 
     if not sys.stderr.isatty():
         # transformers draws a bar per model load and save ("Loading weights"); in a log (DVC,

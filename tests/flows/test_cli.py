@@ -13,7 +13,7 @@ from ppo_core.config import Config, flatten, to_yaml
 runner = CliRunner()
 
 
-COMMANDS = ["config", "prepare", "validate", "base", "train", "evaluate", "promote"]
+COMMANDS = ["config", "prepare", "validate", "base", "train", "evaluate", "promote", "compare"]
 NOTICE = "config: params.yaml (--config FILE for another, --config none for the defaults)\n"
 
 
@@ -180,3 +180,16 @@ def test_a_missing_model_folder_is_one_clear_error(tmp_path):
         f"error: model.policy folder '{tmp_path / 'missing'}' does not exist;"
     )
     assert "Traceback" not in result.output
+
+
+def test_a_warning_is_one_line_without_the_source_line(tmp_path, monkeypatch):
+    """`ppo` prints a warning as what happened, not as the project's file:line and code."""
+    import warnings
+
+    from flows.cli import _load
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
+    _load(None, [])
+    text = warnings.formatwarning("not resuming from step-000080", UserWarning, __file__, 1)
+    assert text == "warning: not resuming from step-000080\n"
