@@ -26,6 +26,7 @@ from ppo_core.evaluation import (
 )
 from ppo_core.modeling.policy import load_tokenizer
 from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
+from tests.test_trainer import small_config as trainer_config
 
 REWARD_MODULE = "evaluation_test_rewards"
 REWARDS = """
@@ -49,28 +50,20 @@ def hang(prompts, responses):
 
 
 def small_config(tmp: Path, model: Path, prompts: tuple[Path, Path], *extra: str):
-    return load_config(
-        overrides=[
-            f"model.policy={model}",
-            f"data.train_file={prompts[0]}",
-            f"data.eval_file={prompts[1]}",
-            f"train.output_dir={tmp / 'candidate'}",
-            f"train.checkpoint_dir={tmp / 'checkpoints'}",
-            f"train.metrics_dir={tmp / 'metrics'}",
-            f"eval.output_dir={tmp / 'eval'}",
-            f"promote.registry={tmp / 'registry.json'}",
-            f"promote.production_dir={tmp / 'production'}",
-            f"promote.report={tmp / 'promotion.json'}",
-            "ppo.rollout_batch_size=16",
-            "ppo.mini_batch_size=8",
-            "ppo.micro_batch_size=8",
-            "ppo.epochs=1",
-            "generation.max_new_tokens=6",
-            "train.iterations=1",
-            "eval.num_prompts=4",
-            "eval.samples_per_prompt=1",
-            *extra,
-        ]
+    """The trainer tests' small run, with evaluation and promotion outputs under ``tmp``."""
+    return trainer_config(
+        tmp,
+        model,
+        prompts,
+        f"eval.output_dir={tmp / 'eval'}",
+        f"promote.registry={tmp / 'registry.json'}",
+        f"promote.production_dir={tmp / 'production'}",
+        f"promote.report={tmp / 'promotion.json'}",
+        "ppo.epochs=1",
+        "train.iterations=1",
+        "eval.num_prompts=4",
+        "eval.samples_per_prompt=1",
+        *extra,
     )
 
 
