@@ -84,6 +84,10 @@ def _name(entry: dict[str, Any]) -> str:
     return entry.get("name") or (rev if rev == "workspace" else rev[:7])
 
 
+# `dvc exp show` reads git and DVC's cache only; far longer than this means it is stuck.
+EXP_SHOW_TIMEOUT_S = 600
+
+
 def compare_runs(repo: str | Path = ".", all_commits: bool = False) -> Comparison:
     """Read the experiments of ``repo`` with ``dvc exp show --json``.
 
@@ -94,7 +98,19 @@ def compare_runs(repo: str | Path = ".", all_commits: bool = False) -> Compariso
     command = [str(dvc) if dvc.exists() else "dvc", "exp", "show", "--json"]
     if all_commits:
         command.append("--all-commits")
-    done = subprocess.run(command, cwd=repo, capture_output=True, text=True, check=False)
+    try:
+        done = subprocess.run(
+            command,
+            cwd=repo,
+            capture_output=True,
+            text=True,
+            check=False,
+            timeout=EXP_SHOW_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        raise RuntimeError(
+            f"dvc exp show did not finish within {EXP_SHOW_TIMEOUT_S} s and was stopped"
+        ) from None
     if done.returncode != 0:
         lines = [line for line in done.stderr.splitlines() if line.strip()]
         raise RuntimeError(f"dvc exp show failed: {lines[-1] if lines else done.returncode}")

@@ -364,6 +364,27 @@ class ScheduleConfig:
 
 
 @dataclass
+class FlowConfig:
+    """The Prefect flow ``retrain``: how long each stage may run before it is stopped (seconds;
+    0 waits without limit). A stage over its limit is stopped with every process it started,
+    is not retried, and fails the run with an error naming the key; the retraining lock is
+    released, and a stopped ``train`` resumes from its last checkpoint on the next run."""
+
+    prepare_timeout: float = 3600.0
+    """Seconds ``prepare`` may run (reading and splitting the raw prompt files)."""
+    base_timeout: float = 3600.0
+    """Seconds ``base`` may run (building the tiny model, or copying ``base.source``)."""
+    validate_timeout: float = 3600.0
+    """Seconds ``validate`` may run (the data checks)."""
+    train_timeout: float = 172800.0
+    """Seconds ``train`` may run, each attempt (the flow retries a failed one twice)."""
+    evaluate_timeout: float = 21600.0
+    """Seconds ``evaluate`` may run."""
+    promote_timeout: float = 3600.0
+    """Seconds ``promote`` may run (copying the candidate into a production version)."""
+
+
+@dataclass
 class Config:
     """The whole configuration."""
 
@@ -389,6 +410,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     promote: PromoteConfig = field(default_factory=PromoteConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    flow: FlowConfig = field(default_factory=FlowConfig)
 
 
 def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -> Config:
@@ -902,6 +924,7 @@ def validate_config(config: Config) -> None:
         "validation.min_train_rows": config.validation.min_train_rows,
         "validation.min_eval_rows": config.validation.min_eval_rows,
         "model.reward_timeout": config.model.reward_timeout,
+        **{f"flow.{name}": value for name, value in vars(config.flow).items()},
     }.items():
         _positive(key, value, allow_zero=True)
     for key, value in {

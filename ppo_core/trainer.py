@@ -193,6 +193,7 @@ RESUME_FREE_KEYS = (
     "eval.",
     "promote.",
     "schedule.",
+    "flow.",
     "validation.",
 )
 

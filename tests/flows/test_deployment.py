@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import set_params
+from flows.run_params import set_params
 from tests.flows.conftest import BIN, environment, read_json
 
 
@@ -49,6 +49,19 @@ def stop(process: subprocess.Popen) -> None:
             process.wait(timeout=20)
         except subprocess.TimeoutExpired:
             os.killpg(process.pid, signal.SIGKILL)
+
+
+def deployment_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
+    """`prefect deployment run 'retrain/manual' ARGS`, its output as one text."""
+    return subprocess.run(
+        [str(BIN / "prefect"), "deployment", "run", "retrain/manual", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        check=False,
+        timeout=300,
+    )
 
 
 @pytest.mark.slow
@@ -117,6 +130,16 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
             return any(r.get("parameters", {}).get("from_production") for r in runs)
 
         wait_for(scheduled_run_completed, 240, "a run started by the schedule to complete")
+        # No more runs every minute: each would now retrain (it starts from production, and
+        # params.yaml goes back to the configured base after every run) and hold the one slot.
+        paused = subprocess.run(
+            [str(BIN / "prefect"), "--no-prompt", "deployment", "schedule", "pause", "--all"],
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert paused.returncode == 0, paused.stdout + paused.stderr
         assert read_json(tiny_project / "models" / "registry.json")["current"] == "v0001"
         run = subprocess.run(
             [
@@ -146,6 +169,17 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         )
         assert decision is not None, run.stdout
         assert decision.start() > watched.rfind("prefect.task-run.Completed * promote") > 0
+
+        # A run cannot point the flow at another folder, nor set what is not a training setting.
+        registry = (tiny_project / "models" / "registry.json").read_bytes()
+        params_file = (tiny_project / "params.yaml").read_bytes()
+        elsewhere = deployment_run(env, "-p", f"repo_dir={tmp_path}")
+        assert elsewhere.returncode != 0
+        assert "not found on the deployment: 'repo_dir'" in " ".join(elsewhere.stdout.split())
+        reward = deployment_run(env, "-p", 'params={"model.reward": "pty:spawn"}', "--watch")
+        assert reward.returncode != 0 and "Failed" in reward.stdout, reward.stdout
+        assert (tiny_project / "models" / "registry.json").read_bytes() == registry
+        assert (tiny_project / "params.yaml").read_bytes() == params_file
     finally:
         if served is not None:
             stop(served)

@@ -123,3 +123,12 @@ def test_compare_reads_runs_params_and_metrics_from_exp_show():
     assert runs[2].metrics == {"candidate/score": 0.7, "perf.tokens_per_s": 100.0}
     unnamed = parse_exp_show([entry("0123456789abcdef", None, 0.2, 0.5)])
     assert unnamed[0].name == "0123456"
+
+
+def test_a_stuck_dvc_exp_show_is_stopped_with_one_message(tmp_path, monkeypatch):
+    import flows.experiments
+
+    # DVC takes far longer than this to start: the real command runs past its limit.
+    monkeypatch.setattr(flows.experiments, "EXP_SHOW_TIMEOUT_S", 0.01)
+    with pytest.raises(RuntimeError, match=r"dvc exp show did not finish within 0.01 s"):
+        flows.experiments.compare_runs(tmp_path)

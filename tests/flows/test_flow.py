@@ -27,10 +27,11 @@ def test_retrain_flow_runs_every_stage_and_publishes_artifacts(
 ):
     from prefect.client.orchestration import get_client
 
-    from flows.pipeline import retrain
+    from flows.pipeline import PROJECT_ENV, retrain
 
     monkeypatch.setenv("PATH", environment()["PATH"])
-    state = retrain(repo_dir=str(tiny_project), return_state=True)
+    monkeypatch.setenv(PROJECT_ENV, str(tiny_project))
+    state = retrain(return_state=True)
     # The decision is the run's final message (the UI, `prefect flow-run inspect`) ...
     assert state.is_completed()
     assert state.message == "promoted as v0001: models/production/v0001"
@@ -55,12 +56,16 @@ def test_retrain_flow_runs_every_stage_and_publishes_artifacts(
     raw.write_text(
         "".join(json.dumps({"prompt": f"The sequel number {i} was"}) + "\n" for i in range(30))
     )
-    again = retrain(repo_dir=str(tiny_project), from_production=True)
+    params_before = (tiny_project / "params.yaml").read_bytes()
+    again = retrain(from_production=True)
     assert again["stages"]["prepare"] == "ran" and again["stages"]["train"] == "ran"
     assert again["message"] == "promoted as v0002: models/production/v0002"
     assert again["production"] == str(tiny_project / "models" / "production" / "v0002")
-    params = (tiny_project / "params.yaml").read_text()
-    assert "source: models/production/v0001" in params
+    # It started from production, and params.yaml holds that only while the run lasts.
+    imported = read_json(tiny_project / "models" / "base" / "imported_from.json")
+    assert imported["source"] == "models/production/v0001", imported
+    assert (tiny_project / "params.yaml").read_bytes() == params_before
+    assert not (tiny_project / ".retrain-params.json").exists()
     registry = read_json(tiny_project / "models" / "registry.json")
     assert len(registry["entries"]) == 2
 
@@ -89,7 +94,7 @@ def run_like_make_run(project: Path, prefect_home: Path) -> str:
 def test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validation(
     tiny_project, prefect_harness, monkeypatch, tmp_path
 ):
-    from flows.pipeline import StageFailed, retrain
+    from flows.pipeline import PROJECT_ENV, StageFailed, retrain
 
     output = run_like_make_run(tiny_project, tmp_path / "prefect-home")
     # Nothing that reads as a failure (the temporary server's telemetry), no progress bars,
@@ -116,8 +121,9 @@ def test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validatio
     (tiny_project / "data" / "raw" / "bad.jsonl").write_text(
         json.dumps({"prompt": long_prompt}) + "\n"
     )
+    monkeypatch.setenv(PROJECT_ENV, str(tiny_project))
     with pytest.raises(StageFailed, match="validate"):
-        retrain(repo_dir=str(tiny_project))
+        retrain()
     report = tiny_project / "reports" / "validation"
     summary = read_json(report / "summary.json")
     assert summary["success"] is False
@@ -130,11 +136,12 @@ def test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validatio
 
 
 @pytest.mark.slow  # starts a Prefect test server (about 27 s)
-def test_a_second_retraining_run_refuses_while_one_runs(tmp_path, prefect_harness):
-    from flows.pipeline import retrain
+def test_a_second_retraining_run_refuses_while_one_runs(tmp_path, prefect_harness, monkeypatch):
+    from flows.pipeline import PROJECT_ENV, retrain
     from ppo_core.files import RunLockedError, exclusive_run
 
     holder = exclusive_run(tmp_path / ".retrain.lock", "retraining run")  # e.g. the schedule's
     refused = pytest.raises(RunLockedError, match="another retraining run in this repository")
+    monkeypatch.setenv(PROJECT_ENV, str(tmp_path))
     with holder, refused:
-        retrain(repo_dir=str(tmp_path))
+        retrain()

@@ -3,22 +3,18 @@ and how it words the promotion decision, without a Prefect server."""
 
 from __future__ import annotations
 
+import json
 import logging
+import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
-from flows.pipeline import (
-    StageFailed,
-    StageRelay,
-    _environment,
-    decision_message,
-    output_segments,
-    relay_command,
-    run_stage,
-    summary,
-)
+from flows.pipeline import StageFailed, decision_message, run_stage, summary
+from flows.relay import StageRelay, output_segments, relay_command
+from flows.relay import stage_environment as _environment
 
 
 class Recorder:
@@ -147,6 +143,68 @@ def test_a_failing_stage_fails_with_the_end_of_its_output(tmp_path, monkeypatch)
         run_stage.fn("train", str(tmp_path))  # not a DVC repository
 
 
+# A stage that hangs, with a child of its own as `dvc repro` has: it prints the child's pid.
+HANGING = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)
+
+
+def test_a_command_over_its_timeout_is_stopped_with_every_process_it_started(tmp_path):
+    import psutil
+
+    from flows.relay import CommandTimedOut
+
+    log = Recorder()
+    with pytest.raises(CommandTimedOut, match=r"ran longer than 2 s and was stopped"):
+        relay_command(
+            [sys.executable, "-c", HANGING],
+            str(tmp_path),
+            _environment(),
+            StageRelay("x", log),
+            timeout=2,
+        )
+    [(_, _, child_pid)] = log.records
+    try:  # gone, or dead and not yet reaped by whoever inherited it
+        assert psutil.Process(int(child_pid)).status() == psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        pass
+
+
+def test_a_stage_over_its_timeout_fails_naming_the_key_and_releases_dvc_s_lock(
+    tmp_path, monkeypatch
+):
+    import flows.pipeline
+    from flows.pipeline import StageTimedOut
+
+    monkeypatch.setattr(flows.pipeline, "get_run_logger", lambda: logging.getLogger("stage"))
+    dvc = str(Path(sys.executable).parent / "dvc")
+    subprocess.run([dvc, "init", "--no-scm", "-q"], cwd=tmp_path, check=True)
+    script = tmp_path / "stage.py"
+    script.write_text(HANGING)
+    (tmp_path / "dvc.yaml").write_text(f"stages:\n  train:\n    cmd: {sys.executable} stage.py\n")
+    with pytest.raises(
+        StageTimedOut,
+        match=r"stage train ran longer than flow.train_timeout \(3 s\) and was stopped with "
+        r"every process it started; it is not retried.*resumes from its last checkpoint",
+    ):
+        run_stage.fn("train", str(tmp_path), timeout=3)
+    # DVC let go of its lock: the next run of the stage goes ahead at once.
+    script.write_text("print('done')\n")
+    assert run_stage.fn("train", str(tmp_path), timeout=60)["status"] == "ran"
+
+
+def test_a_timed_out_stage_is_not_retried_and_a_failed_one_is():
+    from prefect.states import Failed
+
+    from flows.pipeline import StageTimedOut, _retry_unless_timed_out
+
+    assert not _retry_unless_timed_out(None, None, Failed(data=StageTimedOut("over")))
+    assert _retry_unless_timed_out(None, None, Failed(data=StageFailed("exit code 1")))
+
+
 PROMOTED = {
     "decision": "promoted",
     "reasons": ["pass: score 0.7 vs baseline 0.1: gain +0.6 (needs >= +0.02)"],
@@ -250,3 +308,32 @@ def test_the_temporary_server_s_telemetry_is_off_unless_the_user_sets_it():
     }
     with temporary_settings(updates=user):
         assert server() == (True, 30)
+
+
+def test_the_artifact_header_shows_promotion_reasons_as_text(tmp_path, monkeypatch):
+    """The reasons quote folder and model names from the config: markup in them must not
+    become a link, an image or HTML in the Prefect UI."""
+    import shutil
+
+    import flows.pipeline
+    from tests.flows.conftest import ROOT
+
+    shutil.copy2(ROOT / "params.yaml", tmp_path / "params.yaml")
+    (tmp_path / "reports" / "eval").mkdir(parents=True)
+    (tmp_path / "reports" / "eval" / "report.md").write_text("# Evaluation\n")
+    (tmp_path / "reports" / "eval" / "metrics.json").write_text('{"candidate/score": 0.5}')
+    hostile = "FAIL: baseline [click me](http://evil.example) <img src=x onerror=alert(1)>"
+    (tmp_path / "reports" / "promotion.json").write_text(
+        json.dumps({"decision": "rejected", "reasons": [hostile]})
+    )
+    published = {}
+    monkeypatch.setattr(
+        flows.pipeline, "create_markdown_artifact", lambda **kw: published.update(kw)
+    )
+    monkeypatch.setattr(flows.pipeline, "create_table_artifact", lambda **kw: None)
+    outputs = flows.pipeline.publish_results(str(tmp_path), {"promote": "ran"})
+    header = published["markdown"].split("# Evaluation")[0]
+    assert "**Decision: rejected**" in header
+    for markup in ("[click me](", "<img", "http://"):
+        assert markup not in header, header
+    assert outputs["reasons"] == [hostile]  # the outputs keep the text as it is

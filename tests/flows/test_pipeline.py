@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from flows.pipeline import deployments, set_params
+from flows.pipeline import deployments
+from flows.run_params import set_params
 from tests.flows.conftest import ROOT
 
 
@@ -40,4 +41,7 @@ def test_the_scheduled_deployment_fires_on_cron_in_the_configured_time_zone(proj
     assert (manual.name, manual.schedules) == ("manual", [])
     [entry] = scheduled.schedules
     assert (entry.schedule.cron, entry.schedule.timezone) == ("30 2 * * *", "Europe/Berlin")
-    assert scheduled.parameters == {"repo_dir": str(project.resolve()), "from_production": True}
+    # The project is pinned where the deployments are served, never a run parameter.
+    assert manual.parameters == {}
+    assert scheduled.parameters == {"from_production": True}
+    assert manual.enforce_parameter_schema and scheduled.enforce_parameter_schema

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from flows.pipeline import set_params
+from flows.run_params import set_params
 from tests.flows.conftest import BIN, dvc, environment, make_tiny_project
 
 pytestmark = pytest.mark.slow
