@@ -9,28 +9,71 @@ def assert_close(actual: torch.Tensor, expected, rtol: float = 1e-6, atol: float
     torch.testing.assert_close(actual, expected_t, rtol=rtol, atol=atol)
 
 
-def build_tiny_llama(folder, seed: int = 0):
-    """Save a random-weight Llama-style causal LM (grouped-query attention, RoPE, SwiGLU) with a
-    byte-level BPE tokenizer to ``folder``, as ``save_pretrained`` writes a downloaded one."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+# The model families the pipeline is tested on besides GPT-2, as tiny random-weight configs:
+# grouped-query attention and RoPE (Llama, Qwen2, Mistral with a sliding window) and a
+# parallel-residual GELU model with partial rotary embeddings (GPT-NeoX, the Pythia models).
+FAMILIES = ("llama", "qwen2", "mistral", "gpt_neox")
+
+
+def tiny_family_config(family: str, vocab_size: int, tokenizer):
+    """A 2-layer, 32-wide config of ``family`` whose special ids are ``tokenizer``'s."""
+    from transformers import AutoConfig
+
+    special = {
+        "pad_token_id": tokenizer.pad_token_id,
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+    }
+    sizes = {
+        "vocab_size": vocab_size,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "max_position_embeddings": 128,
+        # Random weights at the usual 0.02 give near-uniform logits: a spread that makes the
+        # sampled tokens, and so the tests, depend on getting every position right.
+        "initializer_range": 0.2,
+    }
+    if family == "gpt_neox":
+        return AutoConfig.for_model(
+            "gpt_neox", rotary_pct=0.25, use_parallel_residual=True, **sizes, **special
+        )
+    extra = {"num_key_value_heads": 2}
+    if family == "mistral":
+        extra["sliding_window"] = 64
+    return AutoConfig.for_model(family, **sizes, **extra, **special)
+
+
+def build_tiny_causal_lm(
+    folder, family: str = "llama", pad: str = "own", model_vocab_size: int = 0, seed: int = 0
+):
+    """Save a random-weight causal LM of ``family`` (one of :data:`FAMILIES`) with a byte-level
+    BPE tokenizer to ``folder``, as ``save_pretrained`` writes a downloaded one.
+
+    ``pad``: ``own`` (a pad token of its own), ``eos`` (pad = EOS, as Qwen2 ships) or ``none``
+    (no pad token, as Llama, Mistral and Pythia ship). ``model_vocab_size``: an embedding
+    larger than the tokenizer, as many checkpoints pad theirs (Qwen2: 151936 rows).
+    """
+    from transformers import AutoModelForCausalLM
 
     from ppo_core.modeling.review_grammar import generate_review_corpus
     from ppo_core.modeling.tiny_default import train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(500, seed=seed), vocab_size=512)
+    if pad == "eos":
+        tokenizer.pad_token = tokenizer.eos_token
+    elif pad == "none":
+        tokenizer.pad_token = None
     torch.manual_seed(seed)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=128,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    LlamaForCausalLM(config).save_pretrained(folder, safe_serialization=True)
+    config = tiny_family_config(family, max(len(tokenizer), model_vocab_size), tokenizer)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(folder, safe_serialization=True)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def build_tiny_llama(folder, seed: int = 0):
+    """Save a random-weight Llama-style causal LM (grouped-query attention, RoPE, SwiGLU) with a
+    byte-level BPE tokenizer to ``folder``."""
+    return build_tiny_causal_lm(folder, "llama", seed=seed)

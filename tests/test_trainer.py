@@ -61,23 +61,33 @@ class Recorder:
         self.rows.append((iteration, dict(metrics)))
 
 
-def test_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_dir, prompt_files):
-    """One iteration with SGD: micro_batch_size=1 and =mini_batch_size reach the same parameters."""
+def parameters_after_one_sgd_iteration(
+    tmp_path: Path, model: Path, prompts: tuple[Path, Path], *extra: str
+) -> dict[int, dict[str, torch.Tensor]]:
+    """The parameters after one iteration with plain SGD (no clipping), by micro-batch size
+    (1, and 8 = the mini-batch size)."""
     results = {}
     for micro in (1, 8):
         folder = tmp_path / f"micro{micro}"
         config = small_config(
             folder,
-            tiny_model_dir,
-            prompt_files,
+            model,
+            prompts,
             f"ppo.micro_batch_size={micro}",
             "optim.name=sgd",
             "optim.lr=0.5",
             "train.iterations=1",
             "ppo.max_grad_norm=null",
+            *extra,
         )
         train(config)
         results[micro] = parameters(folder / "candidate")
+    return results
+
+
+def test_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_dir, prompt_files):
+    """One iteration with SGD: micro_batch_size=1 and =mini_batch_size reach the same parameters."""
+    results = parameters_after_one_sgd_iteration(tmp_path, tiny_model_dir, prompt_files)
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     # the update moved the weights (so the comparison is not vacuous) ...
     moved = {k: v for k, v in results[8].items() if k in base}

@@ -1,12 +1,17 @@
 """Batched sampling of responses with left-padded prompts and the KV cache (layer 2).
 
-Sampling settings are always passed explicitly (temperature, top-k, top-p), so a model's own
-generation config cannot add a hidden top-k and the logprobs computed later describe the
-distribution that was actually sampled (docs/design.md section 8).
+Responses are drawn from ``softmax(logits / temperature)``, cut only by the configured top-k and
+top-p, so that the logprobs computed later describe the distribution that was actually sampled
+(docs/design.md section 8). ``generate`` fills every setting left unset from the model's own
+``generation_config.json`` and then from transformers' defaults (a top-k of 50 among them), so
+:func:`sampling_config` sets each setting that shapes the distribution, and :func:`sample` runs
+``generate`` with the model's own generation settings out of the way.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +24,8 @@ __all__ = [
     "encode_prompts",
     "generate_responses",
     "response_mask_from_ids",
+    "sample",
+    "sampling_config",
 ]
 
 
@@ -57,6 +64,67 @@ def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Ten
     return mask, has_eos
 
 
+def sampling_config(
+    tokenizer,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+):
+    """A ``GenerationConfig`` for plain sampling: every logits processor that ``generate`` could
+    add is either the configured one or set to a value that leaves the distribution as it is
+    (``top_k=0`` is no top-k; transformers would read an unset one as 50)."""
+    from transformers import GenerationConfig
+
+    return GenerationConfig(
+        do_sample=True,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        use_cache=True,
+        num_beams=1,
+        repetition_penalty=1.0,
+        typical_p=1.0,
+        min_p=0.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+        no_repeat_ngram_size=0,
+        encoder_no_repeat_ngram_size=0,
+        exponential_decay_length_penalty=None,
+        renormalize_logits=False,
+    )
+
+
+@contextmanager
+def _without_model_generation_settings(model) -> Iterator[None]:
+    """The model's ``generation_config`` replaced by an empty one for the ``with`` block, so that
+    none of its settings (a checkpoint's ``suppress_tokens``, ``bad_words_ids``, ``top_k``, ...)
+    fills a gap in the sampling config; put back afterwards, so a saved model keeps its own."""
+    from transformers import GenerationConfig
+
+    own = model.generation_config
+    model.generation_config = GenerationConfig()
+    try:
+        yield
+    finally:
+        model.generation_config = own
+
+
+@torch.no_grad()
+def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, config, **outputs):
+    """``model.generate`` with ``config`` (from :func:`sampling_config`) and nothing of the
+    model's own generation settings; ``outputs`` asks for more (``output_logits=True``, ...)."""
+    with _without_model_generation_settings(model):
+        return model.generate(
+            input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config, **outputs
+        )
+
+
 @torch.no_grad()
 def generate_responses(
     model,
@@ -69,30 +137,10 @@ def generate_responses(
     device: torch.device | str = "cpu",
 ) -> GeneratedBatch:
     """Sample one response per prompt with the causal LM ``model`` (eval mode, KV cache)."""
-    from transformers import GenerationConfig
-
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-    eos_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=temperature,
-        top_k=top_k if top_k > 0 else None,
-        top_p=top_p,
-        max_new_tokens=max_new_tokens,
-        min_new_tokens=0,
-        eos_token_id=eos_id,
-        pad_token_id=pad_id,
-        bos_token_id=tokenizer.bos_token_id,
-        use_cache=True,
-        repetition_penalty=1.0,
-        num_beams=1,
-    )
-    output = model.generate(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        generation_config=config,
-    )
+    config = sampling_config(tokenizer, max_new_tokens, temperature, top_k, top_p)
+    output = sample(model, prompt_ids, prompt_mask, config)
+    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     response_ids = output[:, prompt_ids.shape[1] :]
     response_mask, has_eos = response_mask_from_ids(response_ids, eos_id)
     response_ids = torch.where(response_mask, response_ids, pad_id)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
@@ -87,14 +88,25 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False):
     folder = check_model_folder(path, "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
     tokenizer.padding_side = "left"
-    if tokenizer.pad_token_id is None:
-        raise ModelFolderError(
-            f"the tokenizer in {str(folder)!r} has no pad token; add one distinct from EOS "
-            "(a pad equal to EOS is handled, but a missing one cannot be guessed)"
-        )
     if tokenizer.eos_token_id is None:
         raise ModelFolderError(f"the tokenizer in {str(folder)!r} has no EOS token")
+    if tokenizer.pad_token_id is None:
+        # Llama, Mistral and Pythia tokenizers ship without one. Padding with EOS is exact here:
+        # masks come from the attention mask and the first EOS of a response, never from the
+        # pad id, so the EOS that ends a response still counts and is rewarded.
+        tokenizer.pad_token = tokenizer.eos_token
+        warnings.warn(
+            f"the tokenizer in {str(folder)!r} has no pad token: padding with its EOS token "
+            f"{tokenizer.eos_token!r} (id {tokenizer.eos_token_id}); models saved from this run "
+            "keep that choice",
+            PadTokenWarning,
+            stacklevel=2,
+        )
     return tokenizer
+
+
+class PadTokenWarning(UserWarning):
+    """A tokenizer without a pad token pads with its EOS token."""
 
 
 def load_causal_lm(

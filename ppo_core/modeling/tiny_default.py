@@ -1,6 +1,6 @@
 """The embedded default policy: a tiny GPT-2 warm-started on generated movie-review sentences.
 
-Everything here is built locally, from code, with no download (DESIGN.md section 6): the corpus
+Everything here is built locally, from code, with no download (docs/design.md section 6): the corpus
 of :mod:`ppo_core.modeling.review_grammar` (short reviews of mixed sentiment) trains a byte-level
 BPE tokenizer and a 2-layer GPT-2 with plain causal-LM loss in well under a minute on a laptop
 CPU. PPO then pushes the reviews towards positive sentiment, as in the classic TRL sentiment
@@ -85,7 +85,7 @@ def tiny_gpt2_config(
     n_positions: int = 64,
     **overrides: Any,
 ):
-    """Return a ``GPT2Config`` for the tiny default: dropout off (DESIGN.md section 8), special
+    """Return a ``GPT2Config`` for the tiny default: dropout off (docs/design.md section 8), special
     token ids pad 0, bos 1, eos 2 (those of ``train_tokenizer``). ``overrides`` win."""
     from transformers import GPT2Config
 

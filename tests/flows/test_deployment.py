@@ -116,9 +116,10 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         )
         assert scheduled.returncode == 0 and "* * * * *" in scheduled.stdout
 
-        def scheduled_run_completed() -> bool:
+        def scheduled_run_in(*state_types: str) -> bool:
             listing = subprocess.run(
-                [str(BIN / "prefect"), "flow-run", "ls", "--state-type", "COMPLETED", "-o", "json"],
+                [str(BIN / "prefect"), "flow-run", "ls", "-o", "json"]
+                + [arg for state in state_types for arg in ("--state-type", state)],
                 env=env,
                 capture_output=True,
                 text=True,
@@ -129,9 +130,11 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
             runs = json.loads(listing.stdout)
             return any(r.get("parameters", {}).get("from_production") for r in runs)
 
-        wait_for(scheduled_run_completed, 240, "a run started by the schedule to complete")
-        # No more runs every minute: each would now retrain (it starts from production, and
-        # params.yaml goes back to the configured base after every run) and hold the one slot.
+        wait_for(
+            lambda: scheduled_run_in("RUNNING", "COMPLETED"), 180, "the schedule to start a run"
+        )
+        # One scheduled run is enough: later ones would each retrain from production (the
+        # project's params.yaml starts from the configured base) and hold the one slot.
         paused = subprocess.run(
             [str(BIN / "prefect"), "--no-prompt", "deployment", "schedule", "pause", "--all"],
             env=env,
@@ -140,6 +143,7 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
             check=False,
         )
         assert paused.returncode == 0, paused.stdout + paused.stderr
+        wait_for(lambda: scheduled_run_in("COMPLETED"), 240, "the scheduled run to complete")
         assert read_json(tiny_project / "models" / "registry.json")["current"] == "v0001"
         run = subprocess.run(
             [

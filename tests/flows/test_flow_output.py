@@ -3,6 +3,7 @@ and how it words the promotion decision, without a Prefect server."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import subprocess
@@ -167,10 +168,9 @@ def test_a_command_over_its_timeout_is_stopped_with_every_process_it_started(tmp
             timeout=2,
         )
     [(_, _, child_pid)] = log.records
-    try:  # gone, or dead and not yet reaped by whoever inherited it
+    # gone, or dead and not yet reaped by whoever inherited it
+    with contextlib.suppress(psutil.NoSuchProcess):
         assert psutil.Process(int(child_pid)).status() == psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        pass
 
 
 def test_a_stage_over_its_timeout_fails_naming_the_key_and_releases_dvc_s_lock(

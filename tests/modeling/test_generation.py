@@ -6,7 +6,7 @@ from ppo_core.modeling.generation import (
     generate_responses,
     response_mask_from_ids,
 )
-from ppo_core.modeling.policy import load_actor_critic, load_tokenizer, score_sequences
+from ppo_core.modeling.policy import load_actor_critic, load_tokenizer
 
 
 def test_response_mask_keeps_the_first_eos_and_works_when_pad_is_eos():
@@ -19,42 +19,6 @@ def test_response_mask_keeps_the_first_eos_and_works_when_pad_is_eos():
         [True, True, True, True, True],
     ]
     assert has_eos.tolist() == [True, True, False]
-
-
-def test_sampled_and_recomputed_logprobs_agree(tiny_model_dir):
-    """Left padding, positions from the attention mask, same temperature: the forward pass
-    reproduces the distribution that generation sampled from (DESIGN.md section 8)."""
-    model = load_actor_critic(tiny_model_dir)
-    tokenizer = load_tokenizer(tiny_model_dir)
-    prompts = ["The movie was", "Honestly, I thought the acting", "This film"]
-    torch.manual_seed(0)
-    prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts)
-    assert (prompt_mask[:, 0] == 0).any(), "prompts of different lengths should be left-padded"
-    from transformers import GenerationConfig
-
-    config = GenerationConfig(
-        do_sample=True,
-        temperature=0.7,
-        top_k=None,
-        top_p=1.0,
-        max_new_tokens=8,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-        output_logits=True,
-        return_dict_in_generate=True,
-    )
-    out = model.policy.generate(
-        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
-    )
-    response = out.sequences[:, prompt_ids.shape[1] :]
-    mask, _ = response_mask_from_ids(response, tokenizer.eos_token_id)
-    sampled = torch.stack([torch.log_softmax(step / 0.7, -1) for step in out.logits], 1)
-    sampled = sampled.gather(-1, response.unsqueeze(-1)).squeeze(-1)
-    with torch.no_grad():
-        scored = score_sequences(model, prompt_ids, prompt_mask, response, mask, temperature=0.7)
-    diff = torch.where(mask, (scored.logprobs - sampled).abs(), 0.0).max().item()
-    assert diff < 1e-5
-    assert scored.values.shape == response.shape
 
 
 def test_generate_responses_shapes_and_decoding(tiny_model_dir):
@@ -85,3 +49,51 @@ def test_generate_responses_shapes_and_decoding(tiny_model_dir):
             assert length == 12 and (row != eos).all()
             assert text == tokenizer.decode(row, skip_special_tokens=True)
         assert tokenizer.eos_token not in text and tokenizer.pad_token not in text
+
+
+def test_sampling_follows_the_configured_distribution_whatever_the_model_s_own_settings(
+    tiny_model_dir, tmp_path
+):
+    """A checkpoint's generation_config.json may ask for a top-k, a repetition penalty, banned
+    n-grams, suppressed tokens or a min-p, and transformers fills an unset top-k with 50: none of
+    it may shape what PPO samples, or the sampled tokens would not follow the logprobs it
+    computes. Each step's processed scores must be the raw logits over the temperature."""
+    import shutil
+
+    from transformers import GenerationConfig
+
+    from ppo_core.modeling.generation import sample, sampling_config
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = load_tokenizer(folder)
+    own = GenerationConfig(
+        do_sample=True,
+        top_k=3,
+        top_p=0.5,
+        min_p=0.3,
+        repetition_penalty=1.5,
+        no_repeat_ngram_size=1,
+        suppress_tokens=list(range(10, 60)),
+        bad_words_ids=[[70], [71]],
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    own.save_pretrained(folder)
+    model = load_actor_critic(folder)
+    assert model.policy.generation_config.top_k == 3  # the model came with its own settings
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, ["The movie was", "This film"])
+    torch.manual_seed(0)
+    out = sample(
+        model.policy,
+        prompt_ids,
+        prompt_mask,
+        sampling_config(tokenizer, max_new_tokens=8, temperature=0.7),
+        output_logits=True,
+        output_scores=True,
+        return_dict_in_generate=True,
+    )
+    for raw, processed in zip(out.logits, out.scores, strict=True):
+        torch.testing.assert_close(
+            torch.log_softmax(processed, -1), torch.log_softmax(raw / 0.7, -1), rtol=0, atol=1e-5
+        )
+    assert model.policy.generation_config.top_k == 3  # and keeps them for when it is saved
