@@ -37,12 +37,16 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
+# Two pytest workers: most of the suite's time is process start-up, servers and waits, which
+# overlap well on two cores. PYTEST_WORKERS=0 runs the tests in this process, one at a time.
+PYTEST_WORKERS ?= 2
+
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal
 
 # The inner loop: every test not marked slow (no lint), a few minutes.
 test-fast: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

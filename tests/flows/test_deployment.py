@@ -131,7 +131,7 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
             return any(r.get("parameters", {}).get("from_production") for r in runs)
 
         wait_for(
-            lambda: scheduled_run_in("RUNNING", "COMPLETED"), 180, "the schedule to start a run"
+            lambda: scheduled_run_in("RUNNING", "COMPLETED"), 300, "the schedule to start a run"
         )
         # One scheduled run is enough: later ones would each retrain from production (the
         # project's params.yaml starts from the configured base) and hold the one slot.
@@ -143,7 +143,7 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
             check=False,
         )
         assert paused.returncode == 0, paused.stdout + paused.stderr
-        wait_for(lambda: scheduled_run_in("COMPLETED"), 240, "the scheduled run to complete")
+        wait_for(lambda: scheduled_run_in("COMPLETED"), 600, "the scheduled run to complete")
         assert read_json(tiny_project / "models" / "registry.json")["current"] == "v0001"
         run = subprocess.run(
             [
@@ -153,13 +153,13 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
                 "retrain/manual",
                 "--watch",
                 "--watch-timeout",
-                "400",
+                "600",
             ],
             env=env,
             capture_output=True,
             text=True,
             check=False,
-            timeout=460,
+            timeout=660,
         )
         assert run.returncode == 0, (
             run.stdout + run.stderr + (logs / "serve.log").read_text()[-3000:]
