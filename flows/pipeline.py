@@ -414,9 +414,18 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--repo", default=".", help="the project folder (default: here)")
     args = parser.parse_args(argv)
     os.environ[PROJECT_ENV] = str(Path(args.repo).resolve())
+    params: dict[str, Any] = {}
+    if args.command == "run":
+        from flows.run_params import RunParamsError, check_run_params
+        from ppo_core.config import ConfigError
+
+        params = dict(_parse_set(a) for a in args.set)
+        try:  # before a Prefect server starts: a typo is one line, not a flow's traceback
+            check_run_params(project_dir(), params)
+        except (RunParamsError, ConfigError) as exc:
+            raise SystemExit(f"error: {exc}") from None
     with local_server_settings():
         if args.command == "run":
-            params = dict(_parse_set(a) for a in args.set)
             outputs = retrain(from_production=args.from_production, params=params or None)
             print(summary(outputs))
         else:

@@ -192,3 +192,25 @@ def test_the_project_folder_comes_from_where_the_flow_is_served(tmp_path, monkey
     monkeypatch.delenv(PROJECT_ENV)
     monkeypatch.chdir(tmp_path)
     assert project_dir() == tmp_path.resolve()
+
+
+@pytest.mark.parametrize(
+    "assignment, message",
+    [
+        ("model.reward=pty:spawn", "error: params: 'model.reward' cannot be set by a flow run"),
+        ("ppo.epochs=two", "error: params: ppo.epochs takes a number or true/false"),
+        ("ppo.micro_batch_size=64", "error: ppo.micro_batch_size=64 is larger than"),
+        ("epochs", "error: --set takes KEY=VALUE"),
+    ],
+)
+def test_run_with_a_bad_setting_stops_in_one_line_before_a_server_starts(
+    project, assignment, message, monkeypatch
+):
+    from flows.pipeline import PROJECT_ENV, main
+
+    monkeypatch.setenv(PROJECT_ENV, str(project))  # main() sets it: restored after the test
+    before = listing(project)
+    with pytest.raises(SystemExit) as stopped:
+        main(["run", "--repo", str(project), "-S", assignment])
+    assert str(stopped.value.code).startswith(message)
+    assert listing(project) == before
