@@ -148,14 +148,14 @@ def retrain(from_production: bool = False, params: dict[str, Any] | None = None)
         if updates:
             print(f"params.yaml holds this run's values until it ends: {updates}")
         with params_for_this_run(repo_dir, updates):
-            outputs = _retrain(repo_dir)
+            outputs = _retrain(repo_dir, updates)
     # A returned state is the run's final state: its message, the decision, shows in the UI, in
     # `prefect flow-run inspect` and in the run's last log line ("Finished in state
     # Completed('promoted as ...')"); callers of the flow get its data, the outputs.
     return cast("dict[str, Any]", Completed(message=outputs["message"], data=outputs))
 
 
-def _retrain(repo_dir: str) -> dict[str, Any]:
+def _retrain(repo_dir: str, updates: dict[str, Any]) -> dict[str, Any]:
     timeouts = _load_params(repo_dir).flow
     status = {}
     to_track: list[str] = []
@@ -170,6 +170,11 @@ def _retrain(repo_dir: str) -> dict[str, Any]:
         print(
             f"{files} changed: `git add {files}` records this run in git; `dvc push` stores "
             "its outputs in the DVC remote"
+        )
+    if updates:
+        print(
+            f"dvc.lock records this run's values ({', '.join(updates)}) and params.yaml goes "
+            "back to its own: the next run without them trains again"
         )
     # Last, so that it ends the run's log.
     print(f"decision: {outputs['message']}")
