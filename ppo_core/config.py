@@ -156,9 +156,9 @@ class DataConfig:
     measured by its metadata before it is read, a JSONL file is read up to the first extra
     record. ``ppo prepare`` also refuses a split that would hold more."""
     max_bytes_per_file: int = MAX_BYTES_PER_FILE
-    """Most bytes one prompt file may hold (1 GiB): a JSONL file's size; for Parquet, the prompt
-    column's uncompressed size in the metadata and then its text, measured before it is built
-    (a compressed file of a few kB can hold gigabytes of repeated text)."""
+    """Most bytes one prompt file may hold (1 GiB): a JSONL file's size; for Parquet, its data's
+    uncompressed size in the metadata (all columns) and then the prompt column's text, measured
+    before it is built (a compressed file of a few kB can hold gigabytes of repeated text)."""
 
 
 @dataclass

@@ -186,7 +186,7 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> li
         )
     if declared > max_bytes:
         raise PromptFileError(
-            f"{path}: column {field!r} is {declared} bytes uncompressed, more than "
+            f"{path}: its data is {declared} bytes uncompressed, more than "
             f"data.max_bytes_per_file={max_bytes}{_RAISE}"
         )
     if not text:
@@ -244,23 +244,25 @@ def _invalid_utf8(path: Path, field: str, chunk: Any, start: int) -> str:
 
 
 def parquet_size(path: str | Path, field: str) -> tuple[int, int]:
-    """Rows and the declared uncompressed bytes of column ``field`` of a Parquet file, from its
-    metadata: what :func:`load_prompts` compares with its caps before reading."""
+    """Rows and the declared uncompressed bytes of a Parquet file's data, from its metadata:
+    what :func:`load_prompts` compares with its caps before reading ``field``."""
     import pyarrow.parquet as pq
 
     return _metadata_size(pq.ParquetFile(path).metadata, field)
 
 
 def _metadata_size(metadata: Any, field: str) -> tuple[int, int]:
-    """Rows, and the uncompressed bytes of ``field``'s column chunks (every leaf of it, for a
-    nested column) summed over the row groups, as the file's metadata states them."""
-    declared = sum(
-        group.column(c).total_uncompressed_size
-        for group in map(metadata.row_group, range(metadata.num_row_groups))
-        for c in range(group.num_columns)
-        if group.column(c).path_in_schema.split(".")[0] == field
-    )
-    return metadata.num_rows, declared
+    """Rows, and the uncompressed bytes of the file's data (every column, ``field``'s among
+    them) summed over the row groups, as the file's metadata states them.
+
+    Every column, not ``field``'s alone: pyarrow's per-column metadata accessor aborts the whole
+    process (a C++ exception it does not catch) on some damaged files, e.g. a level histogram of
+    the wrong size, while a row group's total is read without it. For a file of prompts alone
+    the two are the same number.
+    """
+    del field  # kept in the signature: the callers name the column they will read
+    groups = map(metadata.row_group, range(metadata.num_row_groups))
+    return metadata.num_rows, sum(group.total_byte_size for group in groups)
 
 
 def project_path(path: str | Path) -> str:

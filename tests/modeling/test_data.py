@@ -110,7 +110,7 @@ def test_parquet_declared_size_over_the_cap_is_refused_from_the_metadata(tmp_pat
     with pytest.raises(PromptFileError) as info:
         load_prompts(path, max_bytes=9000)
     assert re.fullmatch(
-        re.escape(f"{path}: column 'prompt' is ")
+        re.escape(f"{path}: its data is ")
         + r"\d+"
         + re.escape(
             " bytes uncompressed, more than data.max_bytes_per_file=9000; "
@@ -142,3 +142,49 @@ def test_the_default_caps_are_the_config_defaults():
     data = Config().data
     assert parameters["max_rows"].default == data.max_rows_per_file == 1_000_000
     assert parameters["max_bytes"].default == data.max_bytes_per_file == 1 << 30
+
+
+# A three-row prompt file with one byte changed in its footer (found by the fuzz test): its
+# level histogram has the wrong size. pyarrow's per-column metadata accessor then throws a C++
+# exception it does not catch, and the process aborts.
+ABORTING_PARQUET = (
+    "UEFSMRUEFUAVQkwVBhUAEgAAIDAIAAAAYSByZXZpZXcLAQw4bm90aGVyIG9uZQEAAAB4FQAVFBUYLBUGFRAVBhUGHDYAKAF4"
+    "GAhhIHJldmlldxERAAAACiQCAAAABgECAyQAFQQZLDUAGAZzY2hlbWEVAgAVDCV/GAZwcm9tcHQlAEwcAAAAFgYZHBkcJgAc"
+    "FQwZNQAGEBkYBnByb21wdBUCFgYWuAEWvgEmZiYIHDYAKAF4GAhhIHJldmlldxERABksFQQVABUCABUAFRAVAgA8FigZBhkm"
+    "AAYAAAAWuAEWBiYIFr4BADAcGAxBUlJPVzpzY2hlbWEYoAEvLy8vLzNBQUFBQVFBQUFBQUFBS0FBd0FCZ0FGQUFnQUNnbEFB"
+    "QUFCQkFBTUFBQUFDQUFJQUFBQUJBQUlBQUFBQkFBQUFBRUFBQUFVQUFBQUVBQVVBQWdBQmdBSEFBd0FBQUFRQUKKQUFBQUFB"
+    "QUVGRUFBQUFCd0FBQUFFQUFBQUFBQUFBQVlBQUFCd2NtOXRjSFFBQUFRQUJBQUVBQUFBABggcGFycXVldC1jcHAtYXJyb3cg"
+    "dmVyc2lvbiAyNi4wLjEZHBwAAABhAQAAUEFSMQ=="
+)
+
+
+def test_a_parquet_footer_that_aborts_pyarrow_s_column_accessor_is_one_clear_error(tmp_path):
+    import base64
+    import subprocess
+    import sys
+
+    path = tmp_path / "damaged.parquet"
+    path.write_bytes(base64.b64decode(ABORTING_PARQUET))
+    # In a child process: before the fix this aborted the interpreter (SIGABRT), not the test.
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys\n"
+            "from ppo_core.modeling.data import PromptFileError, load_prompts\n"
+            "try:\n"
+            "    load_prompts(sys.argv[1])\n"
+            "except PromptFileError as exc:\n"
+            "    print(exc)\n",
+            str(path),
+        ],
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == (
+        f"{path}: not a readable parquet file (OSError: Definition level histogram size "
+        "mismatch, size: 2, expected: 1)"
+    )
