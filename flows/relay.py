@@ -202,14 +202,23 @@ def stop_process_tree(pid: int, grace: float = STOP_GRACE_S) -> None:
     """
     import psutil
 
+    # Frozen first, parents before their children, so that none can start a process between
+    # the listing and the signal: it would be left running.
+    processes: list[psutil.Process] = []
     try:
-        root = psutil.Process(pid)
-        processes = [root, *root.children(recursive=True)]
+        pending = [psutil.Process(pid)]
     except psutil.NoSuchProcess:
         return
+    while pending:
+        process = pending.pop()
+        with contextlib.suppress(psutil.NoSuchProcess):
+            process.suspend()
+            processes.append(process)
+            pending += [p for p in process.children() if p not in processes]
     for process in processes:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.terminate()
+            process.resume()  # a stopped process acts on SIGTERM once it runs again
     _, alive = psutil.wait_procs(processes, timeout=grace)
     for process in alive:
         with contextlib.suppress(psutil.NoSuchProcess):
@@ -258,5 +267,7 @@ def relay_command(
         deadline.cancel()
     returncode = process.wait()
     if timed_out.is_set():
+        # The output can end (the first process gone) while the deadline still stops the rest.
+        deadline.join()
         raise CommandTimedOut(timeout or 0)
     return returncode
