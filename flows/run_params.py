@@ -178,6 +178,7 @@ def params_for_this_run(repo_dir: str | Path, updates: Mapping[str, Any]) -> Ite
     path = Path(repo_dir) / "params.yaml"
     backup = Path(repo_dir) / BACKUP_NAME
     original = path.read_text()
+    written: str | None = None  # what this run wrote, once params.yaml is replaced
     atomic_write_text(backup, json.dumps({"original": original, "written": None}))
     try:
         set_params(repo_dir, updates)
@@ -185,11 +186,7 @@ def params_for_this_run(repo_dir: str | Path, updates: Mapping[str, Any]) -> Ite
         atomic_write_text(backup, json.dumps({"original": original, "written": written}))
         yield
     finally:
-        saved = json.loads(backup.read_text())
-        if saved["written"] is None:  # set_params failed: params.yaml was never replaced
-            backup.unlink()
-        else:
-            message = _put_back(path, original, saved["written"])
-            backup.unlink()
-            if not message.endswith("as it was"):
-                print(f"warning: {message}")
+        message = None if written is None else _put_back(path, original, written)
+        backup.unlink()
+        if message is not None and not message.endswith("as it was"):
+            print(f"warning: {message}")
