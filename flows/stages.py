@@ -14,11 +14,20 @@ from pathlib import Path
 
 from ppo_core.config import Config
 from ppo_core.files import atomic_folder, atomic_write_text, file_sha256
-from ppo_core.modeling.data import PromptFileError
+from ppo_core.modeling.data import Prompt, PromptFileError, chat_json
 
 
 def _normalise(text: str) -> str:
     return " ".join(text.split())
+
+
+def _normalise_prompt(prompt: Prompt) -> str:
+    """A prompt as a prepared split stores it: plain text with its whitespace normalised, a chat
+    as the canonical JSON of its turns with each content normalised; empty when nothing is left."""
+    if isinstance(prompt, str):
+        return _normalise(prompt)
+    turns = [{"role": turn["role"], "content": _normalise(turn["content"])} for turn in prompt]
+    return chat_json(turns) if any(turn["content"] for turn in turns) else ""
 
 
 def _in_eval_split(prompt: str, seed: int, fraction: float) -> bool:
@@ -79,7 +88,13 @@ def prepare(config: Config) -> Path:
     """
     import pandas as pd
 
-    from ppo_core.modeling.data import load_prompts, parquet_size, project_path
+    from ppo_core.modeling.data import (
+        CHAT_FIELD,
+        is_chat,
+        load_prompts,
+        parquet_size,
+        project_path,
+    )
 
     data = config.data
     raw_dir = Path(data.raw_dir)
@@ -90,6 +105,7 @@ def prepare(config: Config) -> Path:
     prompts: list[str] = []
     counts = {"raw": 0, "empty": 0, "duplicates": 0}
     source_info = []
+    first_of_kind: dict[bool, str] = {}  # is_chat -> the first source file of that kind
     for source in sources:
         rows = load_prompts(
             source,
@@ -102,8 +118,9 @@ def prepare(config: Config) -> Path:
             {"file": project_path(source), "sha256": file_sha256(source), "rows": len(rows)}
         )
         for raw in rows:
+            first_of_kind.setdefault(is_chat(raw), project_path(source))
             counts["raw"] += 1
-            prompt = _normalise(raw)
+            prompt = _normalise_prompt(raw)
             if not prompt:
                 counts["empty"] += 1
             elif prompt in seen:
@@ -111,6 +128,13 @@ def prepare(config: Config) -> Path:
             else:
                 seen.add(prompt)
                 prompts.append(prompt)
+    if len(first_of_kind) > 1:
+        raise PromptFileError(
+            f"{first_of_kind[False]} holds plain {data.prompt_field!r} rows and "
+            f"{first_of_kind[True]} chat {CHAT_FIELD!r} rows; a data version holds one kind "
+            "(write a plain prompt as a chat with one user turn to mix them)"
+        )
+    column = CHAT_FIELD if first_of_kind.get(True) else data.prompt_field
     evals = [p for p in prompts if _in_eval_split(p, data.split_seed, data.eval_fraction)]
     trains = [p for p in prompts if not _in_eval_split(p, data.split_seed, data.eval_fraction)]
     if not trains or not evals:
@@ -141,11 +165,9 @@ def prepare(config: Config) -> Path:
 
     def write(tmp: Path) -> None:
         for split, items in (("train", trains), ("eval", evals)):
-            pd.DataFrame({data.prompt_field: items}).to_parquet(
-                tmp / f"{split}.parquet", index=False
-            )
+            pd.DataFrame({column: items}).to_parquet(tmp / f"{split}.parquet", index=False)
             # the size a reader measures first, known only once written
-            _, size = parquet_size(tmp / f"{split}.parquet", data.prompt_field)
+            _, size = parquet_size(tmp / f"{split}.parquet", column)
             if size > data.max_bytes_per_file:
                 raise PromptFileError(
                     f"{Path(data.interim_dir) / f'{split}.parquet'} would hold {size} bytes "
@@ -264,6 +286,8 @@ def validate(config: Config) -> Path:
     import pandas as pd
 
     from flows.validation import DataValidationError, validate_prompt_splits
+    from ppo_core.modeling.data import CHAT_FIELD, parse_messages
+    from ppo_core.modeling.generation import check_chat_template, prompt_token_ids
     from ppo_core.modeling.policy import load_tokenizer
 
     interim = Path(config.data.interim_dir)
@@ -273,15 +297,27 @@ def validate(config: Config) -> Path:
             raise PromptFileError(f"{path} is missing; run `ppo prepare` first")
     frames = {name: pd.read_parquet(path) for name, path in files.items()}
     tokenizer = load_tokenizer(config.model.policy, config.model.trust_remote_code)
+    # a chat version (written by prepare) stores each chat's turns as JSON text in `messages`
+    chat = (
+        config.data.prompt_field not in frames["train"].columns
+        and CHAT_FIELD in frames["train"].columns
+    )
+    column = CHAT_FIELD if chat else config.data.prompt_field
+    if chat:
+        check_chat_template(tokenizer, [[]], config.model.policy, "model.policy")
 
     def count_tokens(texts: list[str]) -> list[int]:
-        return [len(ids) for ids in tokenizer(texts)["input_ids"]]
+        # what generation sees: a chat rendered by the policy's template (prompt_token_ids)
+        prompts: list[Prompt] = [
+            parse_messages(text, f"{interim}: {CHAT_FIELD}") if chat else text for text in texts
+        ]
+        return [len(ids) for ids in prompt_token_ids(tokenizer, prompts)]
 
     rules = config.validation
     result = validate_prompt_splits(
         frames["train"],
         frames["eval"],
-        prompt_field=config.data.prompt_field,
+        prompt_field=column,
         count_tokens=count_tokens,
         min_tokens=rules.min_tokens,
         max_tokens=rules.max_tokens,

@@ -27,7 +27,8 @@ import torch
 from ppo_core.config import Config, ConfigError
 from ppo_core.files import atomic_folder, first_line
 from ppo_core.math.masked import masked_sum
-from ppo_core.modeling.data import load_prompts
+from ppo_core.modeling.data import Prompt, load_prompts, prompt_text
+from ppo_core.modeling.generation import check_chat_template
 from ppo_core.modeling.policy import (
     load_causal_lm,
     load_tokenizer,
@@ -183,7 +184,7 @@ def evaluate_model(
     path: str | Path,
     reference: torch.nn.Module | None,
     tokenizer,
-    prompts: list[str],
+    prompts: list[Prompt],
     reward_fn: RewardFn,
     config: Config,
     runtime: Runtime,
@@ -223,7 +224,7 @@ def evaluate_model(
         "num_samples": float(len(responses)),
     }
     samples = [
-        {"prompt": p, "response": r, "score": round(float(s), 4)}
+        {"prompt": prompt_text(p), "response": r, "score": round(float(s), 4)}
         for p, r, s in list(zip(expanded, responses, score.tolist(), strict=True))[
             : config.eval.num_examples
         ]
@@ -264,6 +265,8 @@ def evaluate(
     tokenizers = {
         name: load_tokenizer(path, config.model.trust_remote_code) for name, path in models.items()
     }
+    for name, path in models.items():
+        check_chat_template(tokenizers[name], prompts, path, f"the {name}")
     reference_vocab = reference_vocabulary(
         config.model.policy, config.model.reference, config.model.trust_remote_code
     )

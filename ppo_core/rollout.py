@@ -21,6 +21,7 @@ from ppo_core.math.gae import compute_gae, whiten_advantages
 from ppo_core.math.kl import kl_penalty, token_rewards
 from ppo_core.math.masked import masked_moments, masked_sum
 from ppo_core.math.running_mean import RunningMean
+from ppo_core.modeling.data import Prompt
 from ppo_core.modeling.generation import (
     GeneratedBatch,
     concat_generated,
@@ -119,7 +120,7 @@ def build_reward(model: ModelConfig, device: torch.device) -> RewardFn:
 def sample_responses(
     policy: torch.nn.Module,
     tokenizer,
-    prompts: list[str],
+    prompts: Sequence[Prompt],
     generation: GenerationConfig,
     runtime: Runtime,
     chunk_size: int,
@@ -189,7 +190,7 @@ def score_in_chunks(
 
 
 def score_responses(
-    reward_fn: RewardFn, tokenizer, prompts: list[str], generated: GeneratedBatch
+    reward_fn: RewardFn, tokenizer, prompts: list[Prompt], generated: GeneratedBatch
 ) -> tuple[list[str], Tensor]:
     """Decode each response up to EOS and score it: ``(texts, scores [B] float32 on CPU)``; a
     reward that returns the wrong shape or a non-finite number is a ``RewardError``."""
@@ -202,7 +203,7 @@ def collect_rollout(
     actor_critic: ActorCritic,
     reference: torch.nn.Module,
     tokenizer,
-    prompts: list[str],
+    prompts: list[Prompt],
     reward_fn: RewardFn,
     *,
     ppo: PPOConfig,

@@ -41,7 +41,8 @@ from ppo_core.modeling.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from ppo_core.modeling.data import load_prompts, read_manifest_hash
+from ppo_core.modeling.data import Prompt, load_prompts, prompt_text, read_manifest_hash
+from ppo_core.modeling.generation import check_chat_template
 from ppo_core.modeling.policy import (
     ActorCritic,
     ModelFolderError,
@@ -105,8 +106,8 @@ def stream_seed(seed: int, iteration: int, stream: RandomStream, chunk: int = 0)
 
 
 def draw_prompts(
-    train_prompts: Sequence[str], config: Config, iteration: int, parallel: DataParallel
-) -> list[str]:
+    train_prompts: Sequence[Prompt], config: Config, iteration: int, parallel: DataParallel
+) -> list[Prompt]:
     """This rank's rows of the iteration's global prompt batch (drawn with replacement)."""
     draw = torch.Generator().manual_seed(
         stream_seed(config.seed, iteration, RandomStream.PROMPT_DRAW)
@@ -137,7 +138,7 @@ def sampling_seeds(config: Config, iteration: int, parallel: DataParallel) -> li
 class RunInputs:
     """Everything a run reads besides the weights, checked before anything is written."""
 
-    train_prompts: list[str]
+    train_prompts: list[Prompt]
     tokenizer: Any
     data_hash: str | None
     reward_fn: RewardFn
@@ -166,13 +167,15 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
                 f"model.policy {policy_vocab.describe()}: {mismatch}; the KL penalty needs one "
                 "vocabulary (model.reference=null uses the starting policy)"
             )
+    train_prompts = load_prompts(
+        config.data.train_file,
+        config.data.prompt_field,
+        max_rows=config.data.max_rows_per_file,
+        max_bytes=config.data.max_bytes_per_file,
+    )
+    check_chat_template(tokenizer, train_prompts, model.policy, "model.policy")
     return RunInputs(
-        train_prompts=load_prompts(
-            config.data.train_file,
-            config.data.prompt_field,
-            max_rows=config.data.max_rows_per_file,
-            max_bytes=config.data.max_bytes_per_file,
-        ),
+        train_prompts=train_prompts,
         tokenizer=tokenizer,
         data_hash=read_manifest_hash(config.data.train_file),
         reward_fn=build_reward(model, runtime.device),
@@ -411,7 +414,7 @@ def build_train_state(config: Config, actor_critic: ActorCritic) -> TrainState:
 @dataclass
 class IterationResult:
     metrics: dict[str, float]
-    prompts: list[str]
+    prompts: list[Prompt]
     responses: list[str]
 
 
@@ -515,7 +518,8 @@ def _run(
         for logger in loggers:
             logger.log(state.iteration, metrics)
         if on_samples is not None and is_main:
-            on_samples(state.iteration, result.prompts[:4], result.responses[:4])
+            shown = [prompt_text(prompt) for prompt in result.prompts[:4]]
+            on_samples(state.iteration, shown, result.responses[:4])
         if (
             state.iteration % config.train.checkpoint_every == 0
             or state.iteration == config.train.iterations

@@ -45,8 +45,21 @@ def tiny_family_config(family: str, vocab_size: int, tokenizer):
     return AutoConfig.for_model(family, **sizes, **extra, **special)
 
 
+# A ChatML-style template, as Qwen2 ships one, with the BOS a Llama template writes itself.
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def build_tiny_causal_lm(
-    folder, family: str = "llama", pad: str = "own", model_vocab_size: int = 0, seed: int = 0
+    folder,
+    family: str = "llama",
+    pad: str = "own",
+    model_vocab_size: int = 0,
+    seed: int = 0,
+    chat_template: str | None = None,
 ):
     """Save a random-weight causal LM of ``family`` (one of :data:`FAMILIES`) with a byte-level
     BPE tokenizer to ``folder``, as ``save_pretrained`` writes a downloaded one.
@@ -54,6 +67,8 @@ def build_tiny_causal_lm(
     ``pad``: ``own`` (a pad token of its own), ``eos`` (pad = EOS, as Qwen2 ships) or ``none``
     (no pad token, as Llama, Mistral and Pythia ship). ``model_vocab_size``: an embedding
     larger than the tokenizer, as many checkpoints pad theirs (Qwen2: 151936 rows).
+    ``chat_template``: saved with the tokenizer, with ``<|im_start|>`` and ``<|im_end|>`` added
+    as special tokens (:data:`CHAT_TEMPLATE` is one).
     """
     from transformers import AutoModelForCausalLM
 
@@ -65,6 +80,9 @@ def build_tiny_causal_lm(
         tokenizer.pad_token = tokenizer.eos_token
     elif pad == "none":
         tokenizer.pad_token = None
+    if chat_template is not None:
+        tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+        tokenizer.chat_template = chat_template
     torch.manual_seed(seed)
     config = tiny_family_config(family, max(len(tokenizer), model_vocab_size), tokenizer)
     model = AutoModelForCausalLM.from_config(config)

@@ -1,5 +1,11 @@
 """Reading prompt files (layer 2): JSONL with one object a line, or Parquet.
 
+A row holds either a plain ``prompt`` string (``data.prompt_field``), which the policy continues,
+or a chat: ``messages``, a list of ``{"role": ..., "content": ...}`` turns, which the policy's chat
+template renders with the generation prompt (:func:`ppo_core.modeling.generation.prompt_token_ids`).
+In Parquet the ``messages`` column holds each row's list as JSON text. A chat comes back from
+:func:`load_prompts` as its list of message dicts, a plain prompt as its string (:data:`Prompt`).
+
 A file is bounded before it is read whole: at most ``max_rows`` prompts and ``max_bytes`` bytes
 (``data.max_rows_per_file``, ``data.max_bytes_per_file``). A Parquet file is measured first by
 its metadata (rows, the prompt column's uncompressed size) and then by the length of its text,
@@ -15,14 +21,32 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CHAT_FIELD",
+    "CHAT_ROLES",
     "MAX_BYTES_PER_FILE",
     "MAX_ROWS_PER_FILE",
+    "Message",
+    "Prompt",
     "PromptFileError",
+    "chat_json",
+    "is_chat",
     "load_prompts",
     "parquet_size",
+    "parse_messages",
     "project_path",
+    "prompt_text",
     "read_manifest_hash",
 ]
+
+Message = dict[str, str]
+"""One chat turn: ``{"role": "user", "content": "..."}``."""
+Prompt = str | list[Message]
+"""A plain prompt (text the policy continues) or a chat (turns its chat template renders)."""
+
+CHAT_FIELD = "messages"
+"""The field (JSONL) or column (Parquet, JSON text) of a chat prompt."""
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+"""The roles a chat turn may have; a chat needs at least one ``user`` turn."""
 
 
 MAX_LINE_BYTES = 1 << 20  # one prompt record; longer lines are rejected before being read whole
@@ -36,6 +60,68 @@ class PromptFileError(ValueError):
     """A prompt file is missing, malformed or empty; the message names the file and line."""
 
 
+def is_chat(prompt: Prompt) -> bool:
+    """Whether ``prompt`` is a chat (a list of turns) rather than plain text."""
+    return not isinstance(prompt, str)
+
+
+def parse_messages(value: Any, where: str) -> list[Message]:
+    """``value`` as a chat: a non-empty list of ``{"role", "content"}`` objects with known roles
+    (:data:`CHAT_ROLES`), string contents and at least one ``user`` turn; a copy holding exactly
+    those two keys. A string is read as the JSON of such a list (Parquet's form).
+
+    Raises:
+        PromptFileError: naming ``where`` (file and line or row), the turn and what is wrong.
+    """
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except (json.JSONDecodeError, RecursionError, ValueError):
+            raise PromptFileError(
+                f"{where}: {CHAT_FIELD!r} is text that is not the JSON of a list of turns"
+            ) from None
+    if not isinstance(value, list) or not value:
+        raise PromptFileError(
+            f"{where}: {CHAT_FIELD!r} must be a non-empty list of "
+            '{"role": ..., "content": ...} turns'
+        )
+    messages = []
+    for turn, message in enumerate(value):
+        if not isinstance(message, dict) or set(message) != {"role", "content"}:
+            keys = sorted(message) if isinstance(message, dict) else type(message).__name__
+            raise PromptFileError(
+                f"{where}: {CHAT_FIELD}[{turn}] must be an object with exactly the keys role "
+                f"and content, got {keys}"
+            )
+        role, content = message["role"], message["content"]
+        if role not in CHAT_ROLES:
+            raise PromptFileError(
+                f"{where}: {CHAT_FIELD}[{turn}] has the unknown role {str(role)[:40]!r}; "
+                f"roles are {', '.join(CHAT_ROLES)}"
+            )
+        if not isinstance(content, str):
+            raise PromptFileError(
+                f"{where}: {CHAT_FIELD}[{turn}].content is {type(content).__name__}, not text"
+            )
+        messages.append({"role": role, "content": content})
+    if not any(message["role"] == "user" for message in messages):
+        raise PromptFileError(f"{where}: {CHAT_FIELD!r} has no user turn")
+    return messages
+
+
+def chat_json(messages: list[Message]) -> str:
+    """The canonical JSON text of a chat: how a prepared split stores it, dedups and hashes it."""
+    return json.dumps(messages, ensure_ascii=False, separators=(",", ":"))
+
+
+def prompt_text(prompt: Prompt) -> str:
+    """A prompt as a person reads it in a log or a report: plain text as it is, a chat as one
+    ``role: content`` line per turn."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(f"{message['role']}: {message['content']}" for message in prompt)
+
+
 def load_prompts(
     path: str | Path,
     field: str = "prompt",
@@ -43,38 +129,49 @@ def load_prompts(
     *,
     max_rows: int = MAX_ROWS_PER_FILE,
     max_bytes: int = MAX_BYTES_PER_FILE,
-) -> list[str]:
-    """The prompts of a ``.jsonl`` or ``.parquet`` file, in file order.
+) -> list[Prompt]:
+    """The prompts of a ``.jsonl`` or ``.parquet`` file, in file order: a string for a row with
+    ``field``, a list of turns for a row with ``messages`` (:func:`parse_messages`).
 
     Raises:
         PromptFileError: missing file, unknown extension, a line that is not a JSON object with a
-            string ``field`` (named by line number), or no prompt at all. Blank prompts are an
-            error too, unless ``allow_empty`` (the prepare stage drops and counts them). More
-            than ``max_rows`` prompts or ``max_bytes`` bytes (module docstring), naming the
-            config key that sets the limit.
+            string ``field`` or a valid ``messages`` list (named by line number), or no prompt at
+            all. Blank prompts (a chat whose turns are all blank) are an error too, unless
+            ``allow_empty`` (the prepare stage drops and counts them). More than ``max_rows``
+            prompts or ``max_bytes`` bytes (module docstring), naming the config key that sets
+            the limit.
     """
     path = Path(path)
     if not path.is_file():
         raise PromptFileError(f"prompt file {str(path)!r} does not exist")
+    prompts: list[Prompt] = []
     if path.suffix == ".parquet":
-        values = _parquet_values(path, field, max_rows, max_bytes)
-        prompts = []
+        column, values = _parquet_values(path, field, max_rows, max_bytes)
         for row, value in enumerate(values):
             if not isinstance(value, str) or not (value.strip() or allow_empty):
-                raise PromptFileError(f"{path}: row {row}: {field!r} is not a non-empty string")
+                kind = (
+                    "the JSON text of a list of turns (Parquet stores a chat as text)"
+                    if column != field
+                    else "a non-empty string"
+                )
+                raise PromptFileError(f"{path}: row {row}: {column!r} is not {kind}")
             if len(value) > MAX_LINE_BYTES:
                 raise PromptFileError(
-                    f"{path}: row {row}: {field!r} is {len(value)} characters "
+                    f"{path}: row {row}: {column!r} is {len(value)} characters "
                     f"long, over the limit of {MAX_LINE_BYTES}"
                 )
-            prompts.append(value)
+            if column == field:
+                prompts.append(value)
+            else:
+                chat = parse_messages(value, f"{path}: row {row}")
+                _check_not_blank(chat, allow_empty, f"{path}: row {row}")
+                prompts.append(chat)
     elif path.suffix in (".jsonl", ".json"):
         size = path.stat().st_size
         if size > max_bytes:
             raise PromptFileError(
                 f"{path}: {size} bytes, more than data.max_bytes_per_file={max_bytes}{_RAISE}"
             )
-        prompts = []
         with path.open("rb") as handle:
             number = read = 0
             while raw := handle.readline(MAX_LINE_BYTES + 1):
@@ -104,7 +201,12 @@ def load_prompts(
     return prompts
 
 
-def _parse_line(path: Path, number: int, raw: bytes, field: str, allow_empty: bool) -> list[str]:
+def _check_not_blank(chat: list[Message], allow_empty: bool, where: str) -> None:
+    if not allow_empty and not any(message["content"].strip() for message in chat):
+        raise PromptFileError(f"{where}: every turn of {CHAT_FIELD!r} is blank")
+
+
+def _parse_line(path: Path, number: int, raw: bytes, field: str, allow_empty: bool) -> list[Prompt]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -124,18 +226,28 @@ def _parse_line(path: Path, number: int, raw: bytes, field: str, allow_empty: bo
         raise PromptFileError(
             f"{path}:{number}: expected a JSON object, got {type(record).__name__}"
         )
+    if field not in record and CHAT_FIELD in record:
+        chat = parse_messages(record[CHAT_FIELD], f"{path}:{number}")
+        _check_not_blank(chat, allow_empty, f"{path}:{number}")
+        _check_encodable(path, number, CHAT_FIELD, chat_json(chat))
+        return [chat]
     value = record.get(field)
     if not isinstance(value, str) or not (value.strip() or allow_empty):
         raise PromptFileError(
-            f"{path}:{number}: field {field!r} is missing or not a non-empty string"
+            f"{path}:{number}: field {field!r} is missing or not a non-empty string (a chat "
+            f"row has a {CHAT_FIELD!r} list instead)"
         )
+    _check_encodable(path, number, field, value)
+    return [value]
+
+
+def _check_encodable(path: Path, number: int, field: str, value: str) -> None:
     try:
         value.encode("utf-8")
     except UnicodeEncodeError:  # a JSON escape of a lone surrogate, e.g. "\\ud800"
         raise PromptFileError(
             f"{path}:{number}: field {field!r} holds a lone UTF-16 surrogate, which is not text"
         ) from None
-    return [value]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -143,8 +255,9 @@ def _one_line(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {' '.join(str(exc).split())[:200]}"
 
 
-def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> list[Any]:
-    """The values of column ``field``, after the file is measured against the caps.
+def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> tuple[str, list[Any]]:
+    """The column read (``field``, else ``messages`` when only that one is there) and its
+    values, after the file is measured against the caps.
 
     Order matters: the metadata alone (rows, the column's declared uncompressed size), then the
     column read as a dictionary a row group at a time (its distinct values once, an index a row)
@@ -158,9 +271,12 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> li
         schema = pq.ParquetFile(path).schema_arrow
     except Exception as exc:  # pyarrow raises many kinds for a damaged or foreign file
         raise PromptFileError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
+    if field not in schema.names and CHAT_FIELD in schema.names:
+        field = CHAT_FIELD
     if field not in schema.names:
         raise PromptFileError(
-            f"{path}: no column {field!r} (columns: {', '.join(map(str, schema.names))})"
+            f"{path}: no column {field!r} or {CHAT_FIELD!r} "
+            f"(columns: {', '.join(map(str, schema.names))})"
         )
     if schema.names.count(field) > 1:
         try:  # pyarrow's own words for a name that matches several columns, as reading gives
@@ -192,7 +308,7 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> li
     if not text:
         # numbers, bytes, lists, nulls...: no row holds a string, so the first one is the error
         # (the caller names it), and nothing needs to be read
-        return [None] * min(rows, 1)
+        return field, [None] * min(rows, 1)
     chunks = []
     read = measured = 0
     for group in range(file.num_row_groups):
@@ -225,7 +341,7 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> li
             start = sum(len(earlier) for earlier in chunks[:offset])
             raise PromptFileError(_invalid_utf8(path, field, chunk, start)) from None
         values.extend(None if i is None else distinct[i] for i in chunk.indices.to_pylist())
-    return values
+    return field, values
 
 
 def _invalid_utf8(path: Path, field: str, chunk: Any, start: int) -> str:

@@ -10,22 +10,30 @@ top-p, so that the logprobs computed later describe the distribution that was ac
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
+from ppo_core.modeling.data import Prompt, is_chat
+from ppo_core.modeling.policy import ModelFolderError
+
 __all__ = [
+    "ChatTemplateError",
     "GeneratedBatch",
+    "check_chat_template",
     "concat_generated",
     "decode_responses",
     "encode_prompts",
     "generate_responses",
+    "prompt_token_ids",
     "response_mask_from_ids",
     "sample",
     "sampling_config",
+    "stop_token_ids",
 ]
 
 
@@ -40,22 +48,92 @@ class GeneratedBatch:
     has_eos: Tensor  # [B] whether the response ended with EOS before max_new_tokens
 
 
+class ChatTemplateError(ModelFolderError):
+    """Chat prompts meet a tokenizer that has no chat template to render them with."""
+
+
+def check_chat_template(
+    tokenizer, prompts: Sequence[Prompt], folder: str | Path, role: str
+) -> None:
+    """Raise :class:`ChatTemplateError`, naming ``role`` and ``folder``, when ``prompts`` hold a
+    chat and the tokenizer has no chat template."""
+    if getattr(tokenizer, "chat_template", None) is None and any(map(is_chat, prompts)):
+        raise ChatTemplateError(
+            f"{role} {str(folder)!r}: its tokenizer has no chat template, and the prompts are "
+            "chat messages; use a model whose tokenizer_config.json (or chat_template.jinja) "
+            "has one, or plain 'prompt' rows"
+        )
+
+
+def prompt_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
+    """The token ids the policy sees for each prompt, unpadded.
+
+    A plain prompt is tokenised as text, with the tokenizer's own special tokens (a BOS, for
+    Llama). A chat is rendered by the tokenizer's chat template with the generation prompt (the
+    opening of the assistant's turn) and tokenised without adding special tokens: the template
+    writes its own, and a second BOS would put the prompt off the distribution it was trained on.
+    """
+    ids: list[list[int]] = [[] for _ in prompts]
+    plain = [i for i, prompt in enumerate(prompts) if not is_chat(prompt)]
+    chats = [i for i, prompt in enumerate(prompts) if is_chat(prompt)]
+    if plain:
+        for i, row in zip(plain, tokenizer([prompts[i] for i in plain])["input_ids"], strict=True):
+            ids[i] = list(row)
+    if chats:
+        texts = [
+            tokenizer.apply_chat_template(prompts[i], add_generation_prompt=True, tokenize=False)
+            for i in chats
+        ]
+        rows = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        for i, row in zip(chats, rows, strict=True):
+            ids[i] = list(row)
+    return ids
+
+
 def encode_prompts(
-    tokenizer, prompts: list[str], device: torch.device | str = "cpu"
+    tokenizer, prompts: Sequence[Prompt], device: torch.device | str = "cpu"
 ) -> tuple[Tensor, Tensor]:
-    """Tokenise prompts, left-padded: ``(ids [B, P], mask [B, P])``."""
+    """Tokenise prompts (:func:`prompt_token_ids`), left-padded: ``(ids [B, P], mask [B, P])``."""
     tokenizer.padding_side = "left"
-    encoded = tokenizer(prompts, padding=True, return_tensors="pt")
-    return encoded["input_ids"].to(device), encoded["attention_mask"].to(device)
+    rows = prompt_token_ids(tokenizer, prompts)
+    width = max(map(len, rows), default=0)
+    ids = torch.full((len(rows), width), tokenizer.pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.long)
+    for i, row in enumerate(rows):
+        if row:
+            ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+            mask[i, width - len(row) :] = 1
+    return ids.to(device), mask.to(device)
 
 
-def response_mask_from_ids(response_ids: Tensor, eos_token_id: int) -> tuple[Tensor, Tensor]:
-    """Mask of real response tokens, from positions: everything up to and including the first EOS.
+def stop_token_ids(model, tokenizer) -> list[int]:
+    """The ids that end a response: the tokenizer's EOS and every id the model's own
+    ``generation_config.json`` lists as ``eos_token_id`` (an int or a list).
+
+    Chat models end an assistant turn with a token of their own (``<|im_end|>`` in Qwen2,
+    ``<|eot_id|>`` in Llama 3) that their generation config lists beside the tokenizer's EOS;
+    sampling sets the model's config aside (:func:`sample`), so the list is read here first.
+    """
+    ids = [tokenizer.eos_token_id]
+    own = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids.extend([own] if isinstance(own, int) else list(own or ()))
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
+def response_mask_from_ids(
+    response_ids: Tensor, eos_token_id: int | Sequence[int]
+) -> tuple[Tensor, Tensor]:
+    """Mask of real response tokens, from positions: everything up to and including the first
+    stop token (``eos_token_id``: one id or several, :func:`stop_token_ids`).
 
     Works when the pad token equals EOS, since only the first EOS counts. ``[B, T] -> ([B, T],
     [B])``.
     """
-    is_eos = response_ids == eos_token_id
+    stops = torch.as_tensor(
+        [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id),
+        device=response_ids.device,
+    )
+    is_eos = torch.isin(response_ids, stops)
     has_eos = is_eos.any(dim=1)
     length = response_ids.shape[1]
     positions = torch.arange(length, device=response_ids.device).expand_as(response_ids)
@@ -70,10 +148,12 @@ def sampling_config(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    stop_ids: Sequence[int] | None = None,
 ):
     """A ``GenerationConfig`` for plain sampling: every logits processor that ``generate`` could
     add is either the configured one or set to a value that leaves the distribution as it is
-    (``top_k=0`` is no top-k; transformers would read an unset one as 50)."""
+    (``top_k=0`` is no top-k; transformers would read an unset one as 50). Generation stops at
+    any of ``stop_ids`` (default: the tokenizer's EOS)."""
     from transformers import GenerationConfig
 
     return GenerationConfig(
@@ -83,7 +163,7 @@ def sampling_config(
         top_p=top_p,
         max_new_tokens=max_new_tokens,
         min_new_tokens=0,
-        eos_token_id=tokenizer.eos_token_id,
+        eos_token_id=list(stop_ids) if stop_ids else tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
         bos_token_id=tokenizer.bos_token_id,
         use_cache=True,
@@ -129,7 +209,7 @@ def sample(model, prompt_ids: Tensor, prompt_mask: Tensor, config, **outputs):
 def generate_responses(
     model,
     tokenizer,
-    prompts: list[str],
+    prompts: Sequence[Prompt],
     max_new_tokens: int,
     temperature: float = 1.0,
     top_k: int = 0,
@@ -138,17 +218,18 @@ def generate_responses(
 ) -> GeneratedBatch:
     """Sample one response per prompt with the causal LM ``model`` (eval mode, KV cache)."""
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-    config = sampling_config(tokenizer, max_new_tokens, temperature, top_k, top_p)
+    stops = stop_token_ids(model, tokenizer)
+    config = sampling_config(tokenizer, max_new_tokens, temperature, top_k, top_p, stops)
     output = sample(model, prompt_ids, prompt_mask, config)
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     response_ids = output[:, prompt_ids.shape[1] :]
-    response_mask, has_eos = response_mask_from_ids(response_ids, eos_id)
-    response_ids = torch.where(response_mask, response_ids, pad_id)
+    response_mask, has_eos = response_mask_from_ids(response_ids, stops)
+    response_ids = torch.where(response_mask, response_ids, tokenizer.pad_token_id)
     return GeneratedBatch(prompt_ids, prompt_mask, response_ids, response_mask, has_eos)
 
 
 def decode_responses(tokenizer, response_ids: Tensor, response_mask: Tensor) -> list[str]:
-    """Text of each response up to (not including) EOS, special tokens removed."""
+    """Text of each response up to (not including) EOS, special tokens removed (the end-of-turn
+    tokens that chat models stop at, ``<|im_end|>`` or ``<|eot_id|>``, are special tokens)."""
     texts = []
     for ids, mask in zip(response_ids.tolist(), response_mask.tolist(), strict=True):
         kept = [

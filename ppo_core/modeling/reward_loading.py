@@ -1,7 +1,9 @@
 """Turning ``model.reward`` into a reward function (layer 2).
 
-A reward function maps ``(prompts, responses)`` (lists of strings of equal length) to a float32
-tensor ``[B]``. Three sources:
+A reward function maps ``(prompts, responses)`` (lists of equal length) to a float32 tensor
+``[B]``. A response is its text up to EOS. A prompt is what the prompt file holds: a string for a
+plain prompt, or for a chat the list of its turns (``{"role": ..., "content": ...}`` dicts, the
+response being the assistant's next turn). Three sources:
 
 - ``builtin:sentiment``: the VADER scorer of :mod:`ppo_core.modeling.rewards`.
 - ``module:function``: a Python callable you name. **This imports and runs your code**; it is the
@@ -9,7 +11,10 @@ tensor ``[B]``. Three sources:
   folder first (``my_module.py`` beside ``params.yaml``), then on ``PYTHONPATH`` and among the
   installed packages.
 - a local folder of a Hugging Face sequence-classification model: the score is the logit of a
-  one-label model, or the log-odds of the last label against the first for a two-label one.
+  one-label model, or the log-odds of the last label against the first for a two-label one. It
+  reads ``prompt + response`` re-tokenised with its own tokenizer; a chat is rendered by the
+  reward model's chat template with the response as the assistant's turn (its turns' contents
+  one a line when it has no template).
 
 Whatever its source, one call of the reward may take at most ``timeout`` seconds
 (``model.reward_timeout``); a call that takes longer is a :class:`RewardTimeoutError`, so that a
@@ -28,9 +33,11 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_core.modeling.data import Prompt
+
 __all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
 
-RewardFn = Callable[[list[str], list[str]], Tensor]
+RewardFn = Callable[[list[Prompt], list[str]], Tensor]
 
 
 class RewardError(ValueError):
@@ -105,7 +112,7 @@ def _checked(function: RewardFn, name: str, timeout: float = 0.0) -> RewardFn:
     """Wrap a reward function so that errors, bad outputs and calls longer than ``timeout``
     seconds (0: no limit) name it."""
 
-    def reward(prompts: list[str], responses: list[str]) -> Tensor:
+    def reward(prompts: list[Prompt], responses: list[str]) -> Tensor:
         try:
             if timeout > 0:
                 raw = _call_with_timeout(function, prompts, responses, timeout, name)
@@ -121,7 +128,7 @@ def _checked(function: RewardFn, name: str, timeout: float = 0.0) -> RewardFn:
 
 
 def _call_with_timeout(
-    function: RewardFn, prompts: list[str], responses: list[str], timeout: float, name: str
+    function: RewardFn, prompts: list[Prompt], responses: list[str], timeout: float, name: str
 ) -> object:
     """``function(prompts, responses)``, run in a daemon thread that the caller waits for at most
     ``timeout`` seconds; raises :class:`RewardTimeoutError` when it has not returned by then.
@@ -222,10 +229,28 @@ class _RewardModel:
         self.device = device
 
     @torch.no_grad()
-    def __call__(self, prompts: list[str], responses: list[str]) -> Tensor:
-        texts = [p + r for p, r in zip(prompts, responses, strict=True)]
-        encoded = self.tokenizer(texts, padding=True, truncation=True, return_tensors="pt")
-        logits = self.model(**{k: v.to(self.device) for k, v in encoded.items()}).logits.float()
+    def __call__(self, prompts: list[Prompt], responses: list[str]) -> Tensor:
+        rows = [self._token_ids(p, r) for p, r in zip(prompts, responses, strict=True)]
+        limit = self.tokenizer.model_max_length
+        if isinstance(limit, int) and 0 < limit < 1_000_000:
+            rows = [row[:limit] for row in rows]
+        width = max(map(len, rows))
+        pad = self.tokenizer.pad_token_id
+        input_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
+        attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
+        logits = self.model(
+            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
+        ).logits.float()
         if logits.shape[-1] == 1:
             return logits[:, 0].cpu()
         return (logits[:, -1] - logits[:, 0]).cpu()
+
+    def _token_ids(self, prompt: Prompt, response: str) -> list[int]:
+        """The reward model's own tokens of one scored text (module docstring)."""
+        if isinstance(prompt, str):
+            return list(self.tokenizer(prompt + response)["input_ids"])
+        turns = [*prompt, {"role": "assistant", "content": response}]
+        if getattr(self.tokenizer, "chat_template", None) is not None:
+            text = self.tokenizer.apply_chat_template(turns, tokenize=False)
+            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(self.tokenizer("\n".join(turn["content"] for turn in turns))["input_ids"])

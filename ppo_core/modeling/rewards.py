@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from ppo_core.modeling.data import Prompt
+
 
 def sentiment_scores(texts: list[str]) -> list[float]:
     """Return VADER's compound score (in [-1, 1], > 0 positive) for each text."""
@@ -37,12 +39,15 @@ class SentimentScorer:
         """Return the compound score of each whole text."""
         return [float(self._analyzer.polarity_scores(text)["compound"]) for text in texts]
 
-    def __call__(self, prompts: list[str], responses: list[str]) -> torch.Tensor:
-        """Return scores [B] float32 of the reviews ``prompts[i] + responses[i]``."""
+    def __call__(self, prompts: list[Prompt], responses: list[str]) -> torch.Tensor:
+        """Return scores [B] float32 of the reviews ``prompts[i] + responses[i]``; after a chat
+        prompt, of the response alone (the assistant's turn is the review)."""
         if len(prompts) != len(responses):
             raise ValueError(
                 f"SentimentScorer: got {len(prompts)} prompts but {len(responses)} "
                 "responses; pass one response per prompt."
             )
-        texts = [p + r for p, r in zip(prompts, responses, strict=True)]
+        texts = [
+            (p if isinstance(p, str) else "") + r for p, r in zip(prompts, responses, strict=True)
+        ]
         return torch.tensor(self.score_texts(texts), dtype=torch.float32)

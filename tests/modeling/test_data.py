@@ -18,7 +18,9 @@ def test_jsonl_and_parquet(tmp_path):
     assert load_prompts(tmp_path / "p.parquet") == ["x", "y"]
 
 
-FIELD = "field 'prompt' is missing or not a non-empty string"
+FIELD = (
+    "field 'prompt' is missing or not a non-empty string (a chat row has a 'messages' list instead)"
+)
 
 
 @pytest.mark.parametrize(

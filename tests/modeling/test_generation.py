@@ -97,3 +97,50 @@ def test_sampling_follows_the_configured_distribution_whatever_the_model_s_own_s
             torch.log_softmax(processed, -1), torch.log_softmax(raw / 0.7, -1), rtol=0, atol=1e-5
         )
     assert model.policy.generation_config.top_k == 3  # and keeps them for when it is saved
+
+
+def test_the_mask_ends_at_the_first_of_several_stop_ids():
+    ids = torch.tensor([[5, 9, 2, 7], [5, 6, 9, 2], [5, 6, 7, 8]])
+    mask, has_eos = response_mask_from_ids(ids, [2, 9])
+    assert mask.tolist() == [
+        [True, True, False, False],
+        [True, True, True, False],
+        [True, True, True, True],
+    ]
+    assert has_eos.tolist() == [True, True, False]
+
+
+def test_a_response_stops_at_an_end_of_turn_id_the_model_s_generation_config_lists(
+    tiny_model_dir,
+):
+    """Chat models list their end-of-turn token (``<|im_end|>``, ``<|eot_id|>``) beside EOS in
+    generation_config.json: a response ends at the first of them, though sampling sets the
+    model's own config aside. Sampled twice with one seed, the second time with an extra stop
+    id that the first sample drew, the rows agree up to that id and end there."""
+    from ppo_core.modeling.generation import stop_token_ids
+
+    model = load_actor_critic(tiny_model_dir).policy
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompts = ["The plot was", "I think", "The movie was", "This film"]
+    torch.manual_seed(3)
+    free = generate_responses(model, tokenizer, prompts, max_new_tokens=12)
+    extra = int(free.response_ids[0, 1])  # the second token of the first row
+    assert extra != tokenizer.eos_token_id
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, extra]
+    assert stop_token_ids(model, tokenizer) == [tokenizer.eos_token_id, extra]
+    torch.manual_seed(3)
+    stopped = generate_responses(model, tokenizer, prompts, max_new_tokens=12)
+    assert model.generation_config.eos_token_id == [tokenizer.eos_token_id, extra]  # kept
+    lengths = stopped.response_mask.sum(dim=1)
+    assert lengths[0] == 2 and stopped.has_eos[0]
+    for row in range(len(prompts)):
+        length = int(lengths[row])
+        assert (
+            stopped.response_ids[row, :length].tolist() == free.response_ids[row, :length].tolist()
+        )
+        first_stop = [
+            i
+            for i, t in enumerate(free.response_ids[row].tolist())
+            if t in (extra, tokenizer.eos_token_id)
+        ]
+        assert length == (first_stop[0] + 1 if first_stop else 12)

@@ -38,7 +38,9 @@ from ppo_core.config import Config, ConfigError, flatten, load_config
 from ppo_core.modeling.data import MAX_LINE_BYTES, PromptFileError, load_prompts
 
 GOOD = [f"I thought the movie number {i} was" for i in range(40)]
-FIELD = "field 'prompt' is missing or not a non-empty string"
+FIELD = (
+    "field 'prompt' is missing or not a non-empty string (a chat row has a 'messages' list instead)"
+)
 NOT_A_STRING = "'prompt' is not a non-empty string"
 FUZZ_SETTINGS = dict(
     suppress_health_check=[
@@ -385,7 +387,7 @@ def parquet_bytes(table: pa.Table) -> bytes:
 
 UNREADABLE = r": not a readable parquet file \(.+\)"
 ANY_PARQUET_ERROR = (
-    r": (not a readable parquet file \(.+\)|no column 'prompt' \(columns: .*\)|"
+    r": (not a readable parquet file \(.+\)|no column 'prompt' or 'messages' \(columns: .*\)|"
     r"row \d+: 'prompt' is (not a non-empty string|not valid UTF-8)|"
     r"column 'prompt' is not readable \(.+\))"
 )
@@ -462,7 +464,7 @@ def parquet_cases(draw) -> RawCase:
             )
         )
         content = parquet_bytes(pa.table({name: pa.array(["x"]) for name in names}))
-        tail = re.escape(f": no column 'prompt' (columns: {', '.join(names)})")
+        tail = re.escape(f": no column 'prompt' or 'messages' (columns: {', '.join(names)})")
         outcome = dict.fromkeys(("strict", "lenient"), (tail, None))
     elif kind == "empty":
         content = parquet_bytes(pa.table({"prompt": pa.array([], type=pa.string())}))
@@ -642,7 +644,7 @@ def test_each_bad_input_kind_is_named(tmp_path, content, tail):
         ),
         (
             parquet_bytes(pa.table({"text": ["a"], "label": [1]})),
-            ": no column 'prompt' (columns: text, label)",
+            ": no column 'prompt' or 'messages' (columns: text, label)",
         ),
         (
             parquet_bytes(pa.table({"prompt": pa.array(["a", None])})),
