@@ -83,11 +83,39 @@ CHOICES: dict[str, Any] = {
     "device": Device,
     "precision": Precision,
     "model.critic": Critic,
+    "model.reference_dtype": Precision,
     "ppo.loss_agg_mode": LossAggMode,
     "kl.estimator": KLEstimator,
     "optim.name": OptimizerName,
     "optim.scheduler": SchedulerName,
 }
+
+
+@dataclass
+class LoraConfig:
+    """Low-rank adapters (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models")
+    trained with ``peft`` in place of the policy's weights, which stay frozen. The KL reference
+    is then the same weights with the adapter switched off: no second copy of the model."""
+
+    enabled: bool = False
+    """Train LoRA adapters (and the value head) instead of every weight of the policy."""
+    rank: int = 8
+    """Rank ``r`` of each adapter's update ``B A`` (``A``: ``r x in``, ``B``: ``out x r``)."""
+    alpha: float = 16.0
+    """Scale: the update is ``(alpha / rank) B A``."""
+    dropout: float = 0.0
+    """Dropout on each adapter's input during the update's passes (the rollout samples and
+    scores without it); above 0 the update is random, so micro-batch sizes then agree only in
+    expectation."""
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    """Names (or name suffixes) of the linear layers that get adapters, e.g. ``[q_proj,
+    v_proj]``; ``all-linear`` is every linear layer of the trunk (the output layer excluded)."""
+    adapter: str | None = None
+    """A ``peft`` LoRA adapter folder of ``model.policy`` (e.g. from supervised fine-tuning) to
+    start from; the KL reference is then a frozen copy of it, not the bare ``model.policy``."""
+    merge: bool = False
+    """Write the candidate as merged weights (a plain ``save_pretrained`` model) instead of the
+    adapter plus the name and fingerprint of the ``model.policy`` it applies to."""
 
 
 @dataclass
@@ -111,6 +139,12 @@ class ModelConfig:
     initialised from the policy folder."""
     trust_remote_code: bool = False
     """Allow model folders to run their own Python code when loaded. Off unless you trust them."""
+    reference_dtype: Choice[Precision] = "fp32"
+    """Weights of the frozen KL reference loaded from a folder (``model.reference``, or a copy of
+    ``model.policy`` without LoRA): ``bf16`` halves its memory at the cost of a rounded KL term
+    (docs/training.md measures it)."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA adapters instead of full fine-tuning."""
 
 
 @dataclass
@@ -306,6 +340,10 @@ class TrainConfig:
     changed or removed raw files that ``ppo prepare`` and ``ppo validate`` have not taken in)."""
     metrics_dir: str = "reports/train"
     """DVCLive folder for the per-iteration metrics and plots (``curves.png`` too)."""
+    gradient_checkpointing: bool = False
+    """Keep only each transformer block's input during the update's forward passes and compute
+    the rest again in the backward pass (non-reentrant activation checkpointing): less memory,
+    about one more forward pass of time, the same gradients."""
 
 
 @dataclass
@@ -741,6 +779,7 @@ _ROWS = 1_000_000_000
 UPPER_BOUNDS: dict[str, int] = {
     "threads": 4096,
     "base.tiny_steps": 10_000_000,
+    "model.lora.rank": 65_536,
     "data.max_rows_per_file": _ROWS,
     "data.max_bytes_per_file": 1 << 40,
     "validation.min_tokens": _TOKENS,
@@ -784,6 +823,7 @@ WRITE_KEYS = (
 READ_KEYS = (
     "model.policy",
     "model.reference",
+    "model.lora.adapter",
     "base.source",
     "data.raw_dir",
     "data.train_file",
@@ -964,6 +1004,40 @@ def validate_config(config: Config) -> None:
     if len(config.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.optim.betas):
         raise ConfigError(
             f"optim.betas must be two numbers in [0, 1), got {_short(config.optim.betas)}"
+        )
+    _check_lora(config.model)
+
+
+def _check_lora(model: ModelConfig) -> None:
+    """The ``model.lora`` keys, and the modes LoRA does not combine with."""
+    lora = model.lora
+    if not lora.enabled:
+        if lora.adapter is not None:
+            raise ConfigError(
+                f"model.lora.adapter={_short(lora.adapter)} needs model.lora.enabled=true"
+            )
+        return
+    if lora.rank < 1:
+        raise ConfigError(f"model.lora.rank must be >= 1, got {lora.rank}")
+    _positive("model.lora.alpha", lora.alpha)
+    if not 0.0 <= lora.dropout < 1.0:
+        raise ConfigError(f"model.lora.dropout must be in [0, 1), got {lora.dropout}")
+    if not lora.target_modules or not all(
+        isinstance(name, str) and name.strip() for name in lora.target_modules
+    ):
+        raise ConfigError(
+            "model.lora.target_modules must be a non-empty list of module names (or "
+            f"[all-linear]), got {_short(lora.target_modules)}"
+        )
+    if model.critic != "shared":
+        raise ConfigError(
+            "model.critic=separate is not supported with model.lora.enabled=true: the value "
+            "head shares the adapted trunk (model.critic=shared)"
+        )
+    if model.reference_dtype != "fp32" and model.reference is None:
+        raise ConfigError(
+            f"model.reference_dtype={model.reference_dtype} has no effect with LoRA and no "
+            "model.reference: the reference is the policy's own weights with the adapter off"
         )
 
 

@@ -119,7 +119,7 @@ def current_production(registry_path: str | Path, production_dir: str | Path) ->
     if not current:
         return None
     folder = Path(production_dir) / current
-    if not (folder / "config.json").is_file():
+    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
         raise FileNotFoundError(
             f"the registry names production version {current} but {folder} "
             "is missing; restore it (e.g. `dvc pull`) before going on"
@@ -160,6 +160,9 @@ def _record(
         "candidate": str(candidate_dir),
         **lineage,
     }
+    adapter_base = Path(candidate_dir) / "adapter_base.json"
+    if adapter_base.is_file():  # a LoRA adapter: the version needs this base beside it
+        entry["adapter_base"] = json.loads(adapter_base.read_text())
     if decision.promote:
         version = f"v{len(promoted) + 1:04d}"
         target = Path(production_dir) / version

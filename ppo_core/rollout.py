@@ -93,12 +93,23 @@ class RolloutBatch:
 
 
 def load_reference(model: ModelConfig, device: torch.device) -> torch.nn.Module:
-    """The frozen KL reference: ``model.reference``, else the starting policy folder."""
-    reference = load_causal_lm(
-        model.reference or model.policy, "reference", model.trust_remote_code
-    )
+    """The frozen KL reference loaded from a folder: ``model.reference``, else the starting
+    policy (``model.policy`` with ``model.lora.adapter`` merged in when there is one), in
+    ``model.reference_dtype``."""
+    dtype = torch.bfloat16 if model.reference_dtype == "bf16" else torch.float32
+    if model.reference is None and model.lora.adapter is not None:
+        from ppo_core.modeling.lora import load_trainable_adapter
+
+        base = load_causal_lm(model.policy, "model.policy", model.trust_remote_code, dtype)
+        reference: torch.nn.Module = load_trainable_adapter(
+            base, model.lora.adapter, model.policy, "model.lora.adapter"
+        ).merge_and_unload()
+    else:
+        reference = load_causal_lm(
+            model.reference or model.policy, "reference", model.trust_remote_code, dtype
+        )
     reference.requires_grad_(False)
-    return reference.to(device)
+    return reference.eval().to(device)
 
 
 def build_reward(model: ModelConfig, device: torch.device) -> RewardFn:
@@ -223,7 +234,7 @@ def collect_rollout(
     """
     all_ranks = runtime.parallel.active
     generated = sample_responses(
-        actor_critic.policy,
+        actor_critic.causal_lm,
         tokenizer,
         prompts,
         generation,

@@ -43,10 +43,17 @@ from ppo_core.modeling.checkpoint import (
 )
 from ppo_core.modeling.data import Prompt, load_prompts, prompt_text, read_manifest_hash
 from ppo_core.modeling.generation import check_chat_template
+from ppo_core.modeling.lora import (
+    AdapterReference,
+    LoraSettings,
+    adapter_dropout,
+    add_reference_adapter,
+)
 from ppo_core.modeling.policy import (
     ActorCritic,
     ModelFolderError,
     check_model_folder,
+    checkpoint_blocks,
     load_actor_critic,
     load_tokenizer,
 )
@@ -190,6 +197,8 @@ RESUME_FREE_KEYS = (
     "train.keep_set_aside",
     "train.resume",
     "train.allow_stale_data",
+    "train.gradient_checkpointing",
+    "model.lora.merge",
     "model.reward_timeout",
     "threads",
     "ppo.scoring_batch_size",
@@ -299,21 +308,48 @@ class Models:
 
 
 def build_models(config: Config, runtime: Runtime, start_folder: str | Path) -> Models:
-    """The actor-critic from ``start_folder`` (the base or a checkpoint) and the reference."""
+    """The actor-critic from ``start_folder`` (the base or a checkpoint) and the reference.
+
+    With LoRA (``model.lora.enabled``) the policy is ``model.policy`` with an adapter: the
+    checkpoint's, else ``model.lora.adapter``, else a fresh one; and unless ``model.reference``
+    names a folder, the reference is the same weights with the trained adapter off (or with a
+    frozen copy of ``model.lora.adapter`` in its place)."""
     torch.manual_seed(config.seed)
+    model, lora = config.model, config.model.lora
+    if lora.enabled and start_folder == model.policy and lora.adapter is not None:
+        start_folder = lora.adapter
     actor_critic = load_actor_critic(
-        start_folder, config.model.critic, config.model.trust_remote_code
+        start_folder,
+        model.critic,
+        model.trust_remote_code,
+        lora=lora_settings(config) if lora.enabled else None,
+        lora_base=model.policy,
     ).to(runtime.device)
+    if config.train.gradient_checkpointing:
+        checkpoint_blocks(actor_critic)
+    reference: torch.nn.Module
+    if lora.enabled and model.reference is None:
+        if lora.adapter is not None:
+            add_reference_adapter(actor_critic.policy, lora.adapter, model.policy)
+        reference = AdapterReference(actor_critic.policy, lora.adapter is not None)
+    else:
+        reference = load_reference(model, runtime.device)
     update_model: torch.nn.Module = actor_critic
     if runtime.parallel.active:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
         update_model = DistributedDataParallel(actor_critic, device_ids=device_ids)
-    return Models(
-        actor_critic=actor_critic,
-        update_model=update_model,
-        reference=load_reference(config.model, runtime.device),
+    return Models(actor_critic=actor_critic, update_model=update_model, reference=reference)
+
+
+def lora_settings(config: Config) -> LoraSettings:
+    lora = config.model.lora
+    return LoraSettings(
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=tuple(lora.target_modules),
     )
 
 
@@ -445,17 +481,18 @@ def run_iteration(
     shuffle = torch.Generator().manual_seed(
         stream_seed(config.seed, iteration, RandomStream.SHUFFLE)
     )
-    metrics.update(
-        ppo_update(
-            models.update_model,
-            state.optimizer,
-            batch,
-            ppo=config.ppo,
-            temperature=config.generation.temperature,
-            generator=shuffle,
-            runtime=runtime,
+    with adapter_dropout(models.actor_critic.policy, config.model.lora.dropout > 0):
+        metrics.update(
+            ppo_update(
+                models.update_model,
+                state.optimizer,
+                batch,
+                ppo=config.ppo,
+                temperature=config.generation.temperature,
+                generator=shuffle,
+                runtime=runtime,
+            )
         )
-    )
     # 4. Adapt the KL coefficient and the learning rate.
     state.kl_controller.update(metrics["rollout/kl"], len(batch) * parallel.world_size)
     metrics["optim/lr"] = float(state.scheduler.get_last_lr()[0])
@@ -577,7 +614,7 @@ def save_output(
     }
 
     def write(folder: Path) -> None:
-        actor_critic.save(folder, tokenizer)
+        actor_critic.save(folder, tokenizer, merged=config.model.lora.merge)
         save_config(config, folder / "ppo_config.yaml")
         described = {k: v for k, v in summary.items() if k != "config"}
         (folder / "training_summary.json").write_text(

@@ -9,9 +9,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import warnings
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -22,11 +23,14 @@ from ppo_core.math.losses import logprobs_from_logits
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from ppo_core.modeling.lora import LoraSettings
+
 __all__ = [
     "ActorCritic",
     "ModelFolderError",
     "ScoredBatch",
     "check_model_folder",
+    "checkpoint_blocks",
     "fuse_activations",
     "load_actor_critic",
     "load_causal_lm",
@@ -37,6 +41,7 @@ __all__ = [
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_DIR = "critic"
+ADAPTER_CONFIG = "adapter_config.json"
 
 
 class ModelFolderError(FileNotFoundError):
@@ -52,6 +57,8 @@ def check_model_folder(path: str | Path, role: str = "model") -> Path:
             "save_pretrained (models are never downloaded), or run `ppo base` to build the "
             "tiny default"
         )
+    if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
+        return folder  # a LoRA adapter: ppo_core.modeling.lora checks it and its base
     if not (folder / "config.json").is_file():
         raise ModelFolderError(
             f"{role} folder {str(folder)!r} has no config.json; it is not a Hugging Face "
@@ -115,10 +122,18 @@ def load_causal_lm(
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
 ):
-    """An ``AutoModelForCausalLM`` from a local folder, in eval mode (dropout off)."""
+    """An ``AutoModelForCausalLM`` from a local folder, in eval mode (dropout off). A LoRA
+    adapter folder written by this project loads as its recorded base with the adapter merged
+    in (:func:`ppo_core.modeling.lora.load_adapter_model`)."""
     from transformers import AutoModelForCausalLM
 
     folder = check_model_folder(path, role)
+    if (folder / ADAPTER_CONFIG).is_file():
+        from ppo_core.modeling.lora import load_adapter_model
+
+        return load_adapter_model(
+            folder, lambda base: load_causal_lm(base, role, trust_remote_code, dtype), role
+        )
     model = from_pretrained_checked(
         AutoModelForCausalLM, folder, role, dtype=dtype, trust_remote_code=trust_remote_code
     )
@@ -145,6 +160,48 @@ def fuse_activations(model: ModuleT) -> ModuleT:
     return model
 
 
+def checkpoint_blocks(model: nn.Module) -> int:
+    """Non-reentrant activation checkpointing of every transformer block in ``model`` (the
+    classes its Hugging Face models list in ``_no_split_modules``); returns how many blocks.
+
+    While gradients are recorded a block keeps only its inputs, and its forward pass runs again
+    during the backward pass (Chen et al. 2016, "Training Deep Nets with Sublinear Memory
+    Cost"; ``torch.utils.checkpoint`` with ``use_reentrant=False``, which also serves
+    frozen-weight blocks under LoRA). Unlike transformers' own switch this does not depend on
+    train mode, which PPO leaves off (dropout stays off), and gradient-free passes (sampling,
+    scoring) run as before. Same gradients up to float round-off.
+    """
+    from torch.utils.checkpoint import checkpoint
+
+    kinds = {
+        name
+        for module in model.modules()
+        for name in (getattr(module, "_no_split_modules", None) or ())
+    }
+    blocks = [module for module in model.modules() if type(module).__name__ in kinds]
+    if not blocks:
+        raise ModelFolderError(
+            f"train.gradient_checkpointing: found no transformer blocks in a "
+            f"{type(model).__name__} (its models name none in _no_split_modules)"
+        )
+    for block in blocks:
+        if block in _CHECKPOINTED:
+            continue
+        forward = block.forward
+
+        def checkpointed(*args, _forward=forward, **kwargs):
+            if not torch.is_grad_enabled():
+                return _forward(*args, **kwargs)
+            return checkpoint(_forward, *args, use_reentrant=False, **kwargs)
+
+        block.forward = checkpointed
+        _CHECKPOINTED.add(block)
+    return len(blocks)
+
+
+_CHECKPOINTED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+
 def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
     """Positions that skip left padding: ``cumsum(mask) - 1``, clamped at 0. ``[B, L] -> [B, L]``.
 
@@ -162,12 +219,24 @@ class ActorCritic(nn.Module):
     """
 
     def __init__(
-        self, policy: PreTrainedModel, value_head: nn.Linear, critic: PreTrainedModel | None = None
+        self,
+        policy: PreTrainedModel,
+        value_head: nn.Linear,
+        critic: PreTrainedModel | None = None,
+        adapter_base: str | Path | None = None,
     ):
         super().__init__()
         self.policy = policy
         self.value_head = value_head
         self.critic = critic
+        self.adapter_base = adapter_base
+        """The base model folder when ``policy`` is a ``peft`` LoRA model, else None."""
+
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The Hugging Face causal LM that computes the policy: ``policy`` itself, or the model
+        inside the ``peft`` wrapper (its LoRA layers in place)."""
+        return _unwrap(self.policy)
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0
@@ -175,13 +244,13 @@ class ActorCritic(nn.Module):
         """With ``logits_to_keep=n > 0`` only the last ``n`` positions get logits (``[B, n, V]``);
         values always cover all ``L`` positions."""
         position_ids = position_ids_from_mask(attention_mask)
-        out = self.policy(
+        out = self.causal_lm(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
             output_hidden_states=self.critic is None,
             use_cache=False,
-            **_keep_kwargs(self.policy, logits_to_keep),
+            **_keep_kwargs(self.causal_lm, logits_to_keep),
         )
         if self.critic is None:
             hidden = out.hidden_states[-1]
@@ -195,12 +264,27 @@ class ActorCritic(nn.Module):
         values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
         return out.logits, values
 
-    def save(self, folder: str | Path, tokenizer=None) -> None:
-        """Write ``save_pretrained`` folders (safetensors) plus the value head, into ``folder``."""
+    def save(self, folder: str | Path, tokenizer=None, merged: bool = False) -> None:
+        """Write ``save_pretrained`` folders (safetensors) plus the value head, into ``folder``.
+
+        A LoRA policy is written as its adapter (:func:`ppo_core.modeling.lora.save_adapter`),
+        or with ``merged`` as a whole model with the adapter merged in; merging takes the
+        adapter out of this model, so it is for the final save only."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        self.policy.save_pretrained(folder, safe_serialization=True)
+        if self.adapter_base is None:
+            self.policy.save_pretrained(folder, safe_serialization=True)
+        elif merged:
+            from ppo_core.modeling.lora import merged_model
+
+            self.policy = merged_model(self.policy)
+            self.adapter_base = None
+            self.policy.save_pretrained(folder, safe_serialization=True)
+        else:
+            from ppo_core.modeling.lora import save_adapter
+
+            save_adapter(self.policy, folder, self.adapter_base)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
         save_file(
@@ -217,14 +301,32 @@ def load_actor_critic(
     trust_remote_code: bool = False,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    lora: LoraSettings | None = None,
+    lora_base: str | Path | None = None,
 ) -> ActorCritic:
     """Policy (and critic) from a folder; the value head is loaded when the folder has one and
-    initialised to zero otherwise (so the first values are 0, not noise)."""
+    initialised to zero otherwise (so the first values are 0, not noise).
+
+    With ``lora`` the policy is the model in ``lora_base`` (``model.policy``) with a trainable
+    LoRA adapter: the one in ``path`` when it is an adapter folder (a checkpoint, or a starting
+    adapter), else a fresh one of that shape (:mod:`ppo_core.modeling.lora`)."""
     from safetensors.torch import load_file
     from transformers import AutoModel
 
     folder = check_model_folder(path, "policy")
-    policy = load_causal_lm(folder, "policy", trust_remote_code, dtype)
+    adapter_base: Path | None = None
+    policy: Any
+    if lora is None:
+        policy = load_causal_lm(folder, "policy", trust_remote_code, dtype)
+    else:
+        from ppo_core.modeling.lora import add_lora, load_trainable_adapter
+
+        adapter_base = check_model_folder(lora_base or folder, "model.policy")
+        policy = load_causal_lm(adapter_base, "model.policy", trust_remote_code, dtype)
+        if (folder / ADAPTER_CONFIG).is_file():
+            policy = load_trainable_adapter(policy, folder, adapter_base, "adapter").eval()
+        else:
+            policy = add_lora(policy, lora).eval()
     hidden = _hidden_size(policy.config)
     critic_trunk: PreTrainedModel | None = None
     if critic == "separate":
@@ -252,7 +354,7 @@ def load_actor_critic(
     else:
         nn.init.zeros_(value_head.weight)
         nn.init.zeros_(value_head.bias)
-    return ActorCritic(policy, value_head, critic_trunk).eval()
+    return ActorCritic(policy, value_head, critic_trunk, adapter_base).eval()
 
 
 def _hidden_size(config) -> int:
@@ -331,7 +433,11 @@ def score_sequences(
 
 
 def _unwrap(model: nn.Module) -> nn.Module:
-    return getattr(model, "module", model)
+    """The module inside a DDP wrapper, a ``peft`` wrapper or both."""
+    inner: Any = getattr(model, "module", model)
+    if type(inner).__module__.startswith("peft."):
+        inner = inner.get_base_model()
+    return inner
 
 
 def _keep_kwargs(model: nn.Module, logits_to_keep: int) -> dict[str, int]:

@@ -53,9 +53,13 @@ def vocabulary_of(folder: str | Path, tokenizer: Any) -> Vocabulary:
     digest = hashlib.sha256(
         json.dumps(sorted(mapping.items()), ensure_ascii=False).encode()
     ).hexdigest()
+    config_file = Path(folder) / "config.json"
+    adapter_base = Path(folder) / "adapter_base.json"
     try:
-        model_config = json.loads((Path(folder) / "config.json").read_text())
-    except (OSError, ValueError):
+        if not config_file.is_file() and adapter_base.is_file():  # a LoRA adapter: its base's
+            config_file = Path(json.loads(adapter_base.read_text())["base"]) / "config.json"
+        model_config = json.loads(config_file.read_text())
+    except (OSError, ValueError, KeyError, TypeError):
         model_config = {}
     if not isinstance(model_config, dict):
         model_config = {}

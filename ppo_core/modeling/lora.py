@@ -1,0 +1,386 @@
+"""LoRA adapters with ``peft`` (layer 2): adding, loading and saving them, the KL reference that
+shares the policy's weights, and adapter folders as models.
+
+Hu et al. (2021), "LoRA: Low-Rank Adaptation of Large Language Models": each targeted linear
+layer computes ``W x + (alpha / r) B A x`` with ``W`` frozen and only ``A`` (``r x in``) and ``B``
+(``out x r``, initialised to zero) trained, so a fresh adapter starts as the base model exactly.
+
+An adapter folder is what ``peft`` writes (``adapter_config.json``, ``adapter_model.safetensors``)
+plus, when this project wrote it, ``adapter_base.json``: the base model folder it applies to,
+named as the project records paths, and the SHA-256 of that folder's config and weights
+(:func:`base_fingerprint`), so that an adapter is never applied to another base, a rebuilt base
+of the same shapes included.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import warnings
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+from torch import nn
+
+from ppo_core.files import file_sha256, first_line
+from ppo_core.modeling.policy import ModelFolderError, check_model_folder
+
+__all__ = [
+    "ADAPTER_BASE_FILE",
+    "ADAPTER_CONFIG_FILE",
+    "AdapterError",
+    "AdapterReference",
+    "LoraSettings",
+    "adapter_base_folder",
+    "adapter_dropout",
+    "add_lora",
+    "add_reference_adapter",
+    "base_fingerprint",
+    "is_adapter_folder",
+    "is_peft_model",
+    "load_adapter_model",
+    "load_trainable_adapter",
+    "merged_model",
+    "save_adapter",
+    "trainable_parameter_count",
+]
+
+ADAPTER_CONFIG_FILE = "adapter_config.json"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+ADAPTER_BASE_FILE = "adapter_base.json"
+POLICY_ADAPTER = "default"
+"""The trained adapter's name in the ``peft`` model (``peft``'s own default)."""
+REFERENCE_ADAPTER = "reference"
+"""The frozen copy of a starting adapter that serves as the KL reference."""
+
+
+class AdapterError(ModelFolderError):
+    """An adapter cannot be added or loaded: unknown target modules, another base, a damaged
+    folder. The message names the config key or the folder."""
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    """A fresh adapter's shape (``model.lora.*``)."""
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("all-linear",)
+
+
+def is_adapter_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a ``peft`` adapter rather than a whole model."""
+    return (Path(folder) / ADAPTER_CONFIG_FILE).is_file()
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return type(model).__module__.startswith("peft.")
+
+
+def add_lora(model: nn.Module, settings: LoraSettings) -> Any:
+    """``model`` (a causal LM) wrapped by ``peft`` with a fresh trainable adapter; every base
+    weight is frozen. A target module the model does not have is an :class:`AdapterError` that
+    names ``model.lora.target_modules`` and the model's linear layers."""
+    from peft import LoraConfig, get_peft_model
+
+    targets: str | list[str] = (
+        "all-linear"
+        if list(settings.target_modules) == ["all-linear"]
+        else list(settings.target_modules)
+    )
+    config = LoraConfig(
+        r=settings.rank,
+        lora_alpha=cast(Any, settings.alpha),  # peft annotates int; the scale is alpha / r
+        lora_dropout=settings.dropout,
+        target_modules=targets,
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    names = [name for name, _ in model.named_modules()]
+    missing = [
+        target
+        for target in targets
+        if targets != "all-linear"
+        and not any(name == target or name.endswith(f".{target}") for name in names)
+    ]
+    if missing:
+        raise AdapterError(
+            f"model.lora.target_modules={list(settings.target_modules)}: the model has no "
+            f"module named {', '.join(map(repr, missing))}; its linear layers end in: "
+            f"{', '.join(_linear_names(model))}"
+        )
+    try:
+        with quiet_peft():
+            return get_peft_model(model, config)
+    except ValueError as exc:
+        raise AdapterError(
+            f"model.lora.target_modules={list(settings.target_modules)}: {first_line(exc)}; "
+            f"the model's linear layers end in: {', '.join(_linear_names(model))}"
+        ) from None
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """Without the warnings peft gives that say nothing to the user: GPT-2's Conv1D layers get
+    ``fan_in_fan_out`` (right), and transformers' deprecation of the name peft reads
+    (``is_gradient_checkpointing``)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*fan_in_fan_out.*")
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*")
+        yield
+
+
+def _linear_names(model: nn.Module) -> list[str]:
+    names = {
+        name.rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) or type(module).__name__ == "Conv1D"
+    }
+    return sorted(names)
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def base_fingerprint(base: str | Path) -> str:
+    """SHA-256 over a model folder's ``config.json`` and weight files (``*.safetensors``, by
+    name and content). Remembered per process while the files' sizes and times are unchanged:
+    checkpoints record it every few iterations, and the weights of an 8B model take a while."""
+    folder = Path(base).resolve()
+    files = sorted([folder / "config.json", *folder.glob("*.safetensors")])
+    stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+    key = (str(folder), stats)
+    if key not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for name, *_ in stats:
+            digest.update(f"\0{name}\0{file_sha256(folder / name)}".encode())
+        _FINGERPRINTS[key] = digest.hexdigest()
+    return _FINGERPRINTS[key]
+
+
+def adapter_base_folder(folder: str | Path) -> Path:
+    """The base model folder an adapter written by this project applies to (relative paths are
+    the project's, i.e. the working folder's), checked against its recorded fingerprint."""
+    folder = Path(folder)
+    record_file = folder / ADAPTER_BASE_FILE
+    if not record_file.is_file():
+        raise AdapterError(
+            f"adapter folder {str(folder)!r} has no {ADAPTER_BASE_FILE}, so the base it applies "
+            "to is unknown; load it on its base with model.policy=BASE model.lora.adapter=FOLDER"
+        )
+    try:
+        record = json.loads(record_file.read_text())
+        base, fingerprint = Path(record["base"]), record["base_sha256"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise AdapterError(f"{record_file} is damaged ({first_line(exc)})") from None
+    check_model_folder(base, f"the base model of adapter {str(folder)!r}")
+    check_base_matches(folder, base, fingerprint)
+    return base
+
+
+def check_base_matches(adapter: str | Path, base: str | Path, recorded: str | None) -> None:
+    """Raise :class:`AdapterError` when ``base``'s fingerprint is not the one the adapter was
+    trained on (``recorded``; nothing to compare for an adapter written elsewhere)."""
+    if recorded is None:
+        return
+    actual = base_fingerprint(base)
+    if actual != recorded:
+        raise AdapterError(
+            f"adapter folder {str(adapter)!r} was trained on a base with fingerprint "
+            f"{recorded[:12]}, but {str(base)!r} has {actual[:12]}: it is another model (or a "
+            "rebuilt one); give the base it was trained on"
+        )
+
+
+def _recorded_fingerprint(adapter: str | Path) -> str | None:
+    record_file = Path(adapter) / ADAPTER_BASE_FILE
+    if not record_file.is_file():
+        return None
+    try:
+        return json.loads(record_file.read_text()).get("base_sha256")
+    except (json.JSONDecodeError, AttributeError):
+        raise AdapterError(f"{record_file} is damaged") from None
+
+
+def _check_adapter_folder(folder: str | Path, role: str) -> Path:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterError(f"{role} folder {str(folder)!r} does not exist")
+    if not is_adapter_folder(folder):
+        raise AdapterError(
+            f"{role} folder {str(folder)!r} has no {ADAPTER_CONFIG_FILE}; it is not a peft "
+            "adapter folder"
+        )
+    if not (folder / ADAPTER_WEIGHTS_FILE).is_file():
+        raise AdapterError(
+            f"{role} folder {str(folder)!r} has no {ADAPTER_WEIGHTS_FILE} (adapters load from "
+            "safetensors only)"
+        )
+    try:
+        kind = json.loads((folder / ADAPTER_CONFIG_FILE).read_text()).get("peft_type")
+    except (json.JSONDecodeError, AttributeError):
+        raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE} is not valid JSON") from None
+    if kind != "LORA":
+        raise AdapterError(f"{role} folder {str(folder)!r} holds a {kind} adapter, not LoRA")
+    return folder
+
+
+def load_trainable_adapter(
+    model: nn.Module, folder: str | Path, base: str | Path, role: str
+) -> Any:
+    """``model`` (the base, loaded from ``base``) with the adapter in ``folder`` as the trained
+    adapter."""
+    from peft import PeftModel
+
+    folder = _check_adapter_folder(folder, role)
+    check_base_matches(folder, base, _recorded_fingerprint(folder))
+    try:
+        with quiet_peft():
+            return PeftModel.from_pretrained(
+                model, folder, adapter_name=POLICY_ADAPTER, is_trainable=True
+            )
+    except (ValueError, RuntimeError, KeyError, OSError) as exc:
+        raise AdapterError(
+            f"{role} {str(folder)!r} does not fit model.policy {str(base)!r}: {first_line(exc)}"
+        ) from None
+
+
+def add_reference_adapter(peft_model: Any, folder: str | Path, base: str | Path) -> None:
+    """Load the adapter in ``folder`` beside the trained one, frozen, as the KL reference
+    (:class:`AdapterReference`); the trained adapter stays the active one."""
+    folder = _check_adapter_folder(folder, "model.lora.adapter")
+    check_base_matches(folder, base, _recorded_fingerprint(folder))
+    try:
+        with quiet_peft():
+            peft_model.load_adapter(folder, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
+    except (ValueError, RuntimeError, KeyError, OSError) as exc:
+        raise AdapterError(
+            f"model.lora.adapter {str(folder)!r} does not fit model.policy {str(base)!r}: "
+            f"{first_line(exc)}"
+        ) from None
+    peft_model.set_adapter(POLICY_ADAPTER)
+
+
+def load_adapter_model(folder: str | Path, load_base, role: str) -> nn.Module:
+    """An adapter folder written by this project as a plain causal LM for sampling and scoring:
+    its recorded base (``load_base(path)`` loads it) with the adapter merged in."""
+    from peft import PeftModel
+
+    folder = _check_adapter_folder(folder, role)
+    base_folder = adapter_base_folder(folder)
+    base = load_base(base_folder)
+    try:
+        with quiet_peft():
+            model = PeftModel.from_pretrained(base, folder, adapter_name=POLICY_ADAPTER)
+    except (ValueError, RuntimeError, KeyError, OSError) as exc:
+        raise AdapterError(
+            f"{role} adapter {str(folder)!r} does not fit its base {str(base_folder)!r}: "
+            f"{first_line(exc)}"
+        ) from None
+    return model.merge_and_unload().eval()
+
+
+def save_adapter(peft_model: Any, folder: str | Path, base: str | Path) -> None:
+    """Write the trained adapter to ``folder`` with ``adapter_base.json`` naming ``base``."""
+    folder = Path(folder)
+    peft_model.save_pretrained(folder, selected_adapters=[POLICY_ADAPTER], safe_serialization=True)
+    config_file = folder / ADAPTER_CONFIG_FILE
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = base_record_path(base)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+    # peft's model card names the base by the absolute path it was loaded from: a shared file
+    # must not record the user's folders, and adapter_base.json says what the card would
+    (folder / "README.md").unlink(missing_ok=True)
+    (folder / ADAPTER_BASE_FILE).write_text(
+        json.dumps(
+            {"base": base_record_path(base), "base_sha256": base_fingerprint(base)}, indent=1
+        )
+    )
+
+
+def base_record_path(base: str | Path) -> str:
+    """How an adapter names its base: relative to the project (the working folder) when the
+    base lies inside it, as ``models/base`` does, so the project can move; else the absolute
+    path, because the adapter cannot be used without finding its base there."""
+    path = Path(base)
+    if not path.is_absolute():
+        return path.as_posix()
+    real = Path(os.path.realpath(path))
+    try:
+        return real.relative_to(os.path.realpath(os.getcwd())).as_posix()
+    except ValueError:
+        return str(real)
+
+
+def merged_model(peft_model: Any) -> Any:
+    """The causal LM with the trained adapter merged into its weights (in place: the adapter
+    is gone afterwards, so this is for the final save only)."""
+    for name in list(peft_model.peft_config):
+        if name != POLICY_ADAPTER:
+            peft_model.delete_adapter(name)
+    return peft_model.merge_and_unload()
+
+
+class AdapterReference(nn.Module):
+    """The frozen KL reference of a LoRA policy, sharing its weights: the policy's causal LM with
+    the trained adapter switched off, or with the frozen :data:`REFERENCE_ADAPTER` (a copy of
+    the starting adapter) in its place. Called like the causal LM; gradient-free use only."""
+
+    _peft_model: Any
+
+    def __init__(self, peft_model: Any, reference_adapter: bool):
+        super().__init__()
+        # not registered as a submodule: the policy's weights belong to the actor-critic
+        object.__setattr__(self, "_peft_model", peft_model)
+        self.reference_adapter = reference_adapter
+
+    @property
+    def module(self) -> nn.Module:
+        """The causal LM itself (what the scoring code inspects for ``logits_to_keep``)."""
+        return self._peft_model.get_base_model()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        model = self._peft_model
+        if not self.reference_adapter:
+            with model.disable_adapter():
+                yield
+            return
+        model.set_adapter(REFERENCE_ADAPTER, inference_mode=True)
+        try:
+            yield
+        finally:
+            model.set_adapter(POLICY_ADAPTER)  # trainable again (set_adapter sets requires_grad)
+
+    def forward(self, **kwargs: Any) -> Any:
+        with self.active():
+            return self.module(**kwargs)
+
+
+@contextlib.contextmanager
+def adapter_dropout(model: nn.Module, enabled: bool) -> Iterator[None]:
+    """The adapters' dropout modules in training mode for the block, the rest of the model as it
+    is (eval mode: PPO keeps the base model's dropout off, docs/design.md section 8)."""
+    dropouts: Sequence[nn.Module] = (
+        [m for name, m in model.named_modules() if ".lora_dropout." in f".{name}."]
+        if enabled
+        else []
+    )
+    for module in dropouts:
+        module.train()
+    try:
+        yield
+    finally:
+        for module in dropouts:
+            module.eval()
+
+
+def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
+    """``(trainable, total)`` parameter counts."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return trainable, sum(p.numel() for p in model.parameters())

@@ -1,0 +1,304 @@
+"""LoRA with peft: the reference is the policy's own weights with the adapter off (or a frozen
+copy of a starting adapter), the exact update and resume hold, candidates are an adapter plus
+the base it needs or merged weights, and bad adapters are refused before anything is written.
+Gradient checkpointing leaves the gradients as they were, with and without LoRA."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ppo_core.config import ConfigError, load_config
+from ppo_core.modeling.lora import (
+    AdapterError,
+    AdapterReference,
+    LoraSettings,
+    add_lora,
+    save_adapter,
+)
+from ppo_core.modeling.policy import (
+    checkpoint_blocks,
+    load_actor_critic,
+    load_causal_lm,
+    load_tokenizer,
+    score_sequences,
+)
+from ppo_core.registry import load_registry, record_decision
+from ppo_core.trainer import train
+from tests.helpers import build_tiny_causal_lm
+from tests.test_trainer import max_relative_difference, small_config
+
+VARIED = "model.reward=tests.modeling.test_families:varied_reward"
+LORA = "model.lora.enabled=true"
+PROMPTS = ["The movie was", "Honestly, I thought the acting", "This film"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("lora") / "llama", "llama")
+
+
+def adapter_parameters(folder) -> dict[str, torch.Tensor]:
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    head = load_file(str(folder / "value_head.safetensors"))
+    return {**weights, **{f"value_head.{k}": v for k, v in head.items()}}
+
+
+def batch_for(folder):
+    """Prompts and fixed responses of the tiny tokenizer, left-padded."""
+    from ppo_core.modeling.generation import encode_prompts
+
+    tokenizer = load_tokenizer(folder)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, PROMPTS)
+    torch.manual_seed(0)
+    response_ids = torch.randint(3, 200, (len(PROMPTS), 5))
+    response_mask = torch.ones_like(response_ids, dtype=torch.bool)
+    response_mask[1, 3:] = False
+    return prompt_ids, prompt_mask, response_ids, response_mask
+
+
+def logprobs(model, batch):
+    with torch.no_grad():
+        return score_sequences(model, *batch, with_values=False).logprobs
+
+
+def random_adapter(base, folder, seed=1):
+    """A LoRA adapter of ``base`` with random (non-zero) weights, as supervised fine-tuning
+    would leave one, saved by this project's writer."""
+    model = add_lora(load_causal_lm(base), LoraSettings(rank=4))
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "lora_" in name:
+                parameter.normal_(0, 0.3)
+    save_adapter(model, folder, base)
+    return folder
+
+
+# -- the reference --------------------------------------------------------------------------------
+
+
+def test_a_fresh_adapter_starts_as_the_base_and_the_reference_shares_its_weights(llama):
+    batch = batch_for(llama)
+    base_logprobs = logprobs(load_causal_lm(llama), batch)
+    actor_critic = load_actor_critic(llama, lora=LoraSettings(rank=4), lora_base=llama)
+    reference = AdapterReference(actor_critic.policy, reference_adapter=False)
+    # B starts at zero: the adapted policy is the base exactly
+    assert torch.equal(logprobs(actor_critic.policy, batch), base_logprobs)
+    # only the adapters and the value head train; the reference holds no weights of its own
+    trainable = {n for n, p in actor_critic.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n or n.startswith("value_head.") for n in trainable)
+    assert list(reference.parameters()) == []
+    with torch.no_grad():
+        for name, parameter in actor_critic.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)
+    moved = logprobs(actor_critic.policy, batch)
+    assert (moved - base_logprobs).abs().max() > 1e-3  # the adapter now changes the policy ...
+    assert torch.equal(logprobs(reference, batch), base_logprobs)  # ... and the reference not
+    assert torch.equal(logprobs(actor_critic.policy, batch), moved)  # the adapter is back on
+    assert all(p.requires_grad for n, p in actor_critic.named_parameters() if n in trainable)
+
+
+def test_with_a_starting_adapter_the_reference_is_a_frozen_copy_of_it(
+    tmp_path, llama, prompt_files
+):
+    """An adapter from supervised fine-tuning: PPO trains it further, and the KL is measured
+    against it, not against the bare base (whose KL would not start at 0)."""
+    sft = random_adapter(llama, tmp_path / "sft")
+    extra = (LORA, f"model.lora.adapter={sft}", "train.iterations=1", VARIED)
+    own = train(small_config(tmp_path / "own", llama, prompt_files, *extra, "train.iterations=2"))
+    assert own.history[0]["rollout/kl"] == 0.0  # policy = starting adapter = reference
+    # then the trained adapter moves away from the frozen copy
+    assert abs(own.history[1]["rollout/kl"]) > 1e-6
+    against_base = train(
+        small_config(tmp_path / "bare", llama, prompt_files, *extra, f"model.reference={llama}")
+    )
+    assert abs(against_base.history[0]["rollout/kl"]) > 1e-2
+    # the reference copy stayed where it started while the trained adapter moved
+    trained = adapter_parameters(tmp_path / "own" / "candidate")
+    started = load_file(str(sft / "adapter_model.safetensors"))
+    assert max_relative_difference({k: trained[k] for k in started}, started) > 1e-4
+
+
+# -- the exact update -------------------------------------------------------------------------------
+
+
+def test_micro_batch_size_does_not_change_the_lora_update(tmp_path, llama, prompt_files):
+    results = {}
+    for micro in (1, 8):
+        folder = tmp_path / f"micro{micro}"
+        config = small_config(
+            folder,
+            llama,
+            prompt_files,
+            f"ppo.micro_batch_size={micro}",
+            "optim.name=sgd",
+            "optim.lr=0.5",
+            "train.iterations=1",
+            "ppo.max_grad_norm=null",
+            LORA,
+            VARIED,
+        )
+        train(config)
+        results[micro] = adapter_parameters(folder / "candidate")
+    lora_b = {k: v for k, v in results[8].items() if "lora_B" in k}
+    assert max(float(v.abs().max()) for v in lora_b.values()) > 1e-4  # B left zero: it trained
+    assert max_relative_difference(results[1], results[8]) <= 1e-3
+
+
+def test_a_resumed_lora_run_matches_an_uninterrupted_one(tmp_path, llama, prompt_files):
+    train(small_config(tmp_path / "full", llama, prompt_files, "train.iterations=3", LORA, VARIED))
+    part = tmp_path / "part"
+    train(small_config(part, llama, prompt_files, "train.iterations=1", LORA, VARIED))
+    checkpoint = sorted((part / "checkpoints").glob("step-*"))[-1] / "model"
+    assert (checkpoint / "adapter_model.safetensors").is_file()
+    assert not (checkpoint / "model.safetensors").exists()  # only the adapter is checkpointed
+    summary = train(small_config(part, llama, prompt_files, "train.iterations=3", LORA, VARIED))
+    assert summary.resumed_from == 1
+    assert (
+        max_relative_difference(
+            adapter_parameters(part / "candidate"),
+            adapter_parameters(tmp_path / "full" / "candidate"),
+        )
+        == 0.0
+    )
+
+
+# -- candidates -----------------------------------------------------------------------------------
+
+
+def test_adapter_and_merged_candidates_are_the_same_policy_and_promote(
+    tmp_path, llama, prompt_files
+):
+    common = ("train.iterations=1", LORA, VARIED)
+    train(small_config(tmp_path / "adapter", llama, prompt_files, *common))
+    train(small_config(tmp_path / "merged", llama, prompt_files, *common, "model.lora.merge=true"))
+    adapter, merged = tmp_path / "adapter" / "candidate", tmp_path / "merged" / "candidate"
+    assert (adapter / "adapter_base.json").is_file() and not (adapter / "config.json").exists()
+    assert not (adapter / "README.md").exists()  # peft's card would name absolute paths
+    assert (merged / "model.safetensors").is_file() and not (
+        merged / "adapter_config.json"
+    ).exists()
+    record = json.loads((adapter / "adapter_base.json").read_text())
+    assert record["base"] == str(llama) and len(record["base_sha256"]) == 64
+
+    batch = batch_for(llama)
+    from_adapter = logprobs(load_causal_lm(adapter), batch)
+    from_merged = logprobs(load_causal_lm(merged), batch)
+    assert (from_adapter - logprobs(load_causal_lm(llama), batch)).abs().max() > 1e-4
+    torch.testing.assert_close(from_adapter, from_merged, rtol=0, atol=1e-5)
+
+    from ppo_core.registry import GateDecision
+
+    registry = tmp_path / "registry.json"
+    entry = record_decision(
+        registry_path=registry,
+        production_dir=tmp_path / "production",
+        candidate_dir=adapter,
+        decision=GateDecision(True, []),
+        lineage={},
+    )
+    assert entry["adapter_base"] == record  # the registry says which base the version needs
+    production = tmp_path / "production" / entry["version"]
+    assert load_registry(registry)["current"] == entry["version"]
+    torch.testing.assert_close(logprobs(load_causal_lm(production), batch), from_adapter)
+
+
+def test_an_adapter_on_another_base_is_refused_by_name(tmp_path, llama, prompt_files):
+    adapter = random_adapter(llama, tmp_path / "sft")
+    other = build_tiny_causal_lm(tmp_path / "other", "llama", seed=5)  # same shapes
+    with pytest.raises(AdapterError, match=r"adapter folder .*sft.* was trained on a base"):
+        train(
+            small_config(
+                tmp_path / "run", other, prompt_files, LORA, f"model.lora.adapter={adapter}"
+            )
+        )
+    assert not (tmp_path / "run" / "candidate").exists()
+    # a production adapter whose base was rebuilt is refused too, naming both folders
+    record = json.loads((adapter / "adapter_base.json").read_text())
+    record["base"] = str(other)
+    (adapter / "adapter_base.json").write_text(json.dumps(record))
+    with pytest.raises(AdapterError, match=rf"{other}"):
+        load_causal_lm(adapter)
+
+
+def test_bad_lora_settings_are_named(tmp_path, llama, prompt_files):
+    with pytest.raises(ConfigError, match="model.lora.rank must be >= 1, got 0"):
+        load_config(overrides=[LORA, "model.lora.rank=0"])
+    with pytest.raises(ConfigError, match="model.lora.adapter=.* needs model.lora.enabled=true"):
+        load_config(overrides=["model.lora.adapter=somewhere"])
+    with pytest.raises(ConfigError, match="model.critic=separate is not supported"):
+        load_config(overrides=[LORA, "model.critic=separate"])
+    config = small_config(
+        tmp_path, llama, prompt_files, LORA, "model.lora.target_modules=[q_proj,attn_out]"
+    )
+    with pytest.raises(
+        AdapterError,
+        match=r"model.lora.target_modules=\['q_proj', 'attn_out'\]: the model has no module named 'attn_out'.*"
+        r"linear layers end in: .*o_proj",
+    ):
+        train(config)
+    assert not (tmp_path / "candidate").exists() and not (tmp_path / "checkpoints").exists()
+    with pytest.raises(AdapterError, match="has no adapter_config.json"):
+        train(small_config(tmp_path, llama, prompt_files, LORA, f"model.lora.adapter={llama}"))
+
+
+# -- gradient checkpointing -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, llama, lora):
+    """float64, 1e-10: the same gradients, and each block's forward pass really runs again in
+    the backward pass (so the memory saving is real)."""
+    batch = batch_for(llama)
+    settings = LoraSettings(rank=4) if lora else None
+
+    def gradients(checkpointed: bool):
+        torch.manual_seed(0)
+        model = load_actor_critic(llama, dtype=torch.float64, lora=settings, lora_base=llama)
+        with torch.no_grad():  # a non-zero B and value head, so every gradient is non-zero
+            for name, parameter in model.named_parameters():
+                if "lora_B" in name or name.startswith("value_head."):
+                    parameter.normal_(0, 0.1)
+        calls = []
+        blocks = [m for m in model.modules() if type(m).__name__ == "LlamaDecoderLayer"]
+        if checkpointed:
+            assert checkpoint_blocks(model) == len(blocks) == 2
+        mlp_forward = blocks[0].mlp.forward  # counted inside the block: a recompute runs it
+
+        def counted(*args, **kwargs):
+            calls.append(1)
+            return mlp_forward(*args, **kwargs)
+
+        blocks[0].mlp.forward = counted
+        out = score_sequences(model, *batch, with_values=True)
+        (out.logprobs.sum() + out.values.square().sum()).backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        return grads, len(calls)
+
+    plain, plain_calls = gradients(False)
+    checkpointed, checkpointed_calls = gradients(True)
+    assert (plain_calls, checkpointed_calls) == (1, 2)
+    assert plain.keys() == checkpointed.keys()
+    for name in plain:
+        assert plain[name].abs().max() > 0, name
+        torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=1e-10)
+
+
+def test_gradient_checkpointing_in_a_run_changes_nothing(tmp_path, llama, prompt_files):
+    for name, extra in (("plain", ()), ("checkpointed", ("train.gradient_checkpointing=true",))):
+        train(
+            small_config(tmp_path / name, llama, prompt_files, "train.iterations=1", VARIED, *extra)
+        )
+    a = load_file(str(tmp_path / "plain" / "candidate" / "model.safetensors"))
+    b = load_file(str(tmp_path / "checkpointed" / "candidate" / "model.safetensors"))
+    assert max_relative_difference(a, b) <= 1e-5
+
+
+_ = (shutil, warnings)
