@@ -501,3 +501,27 @@ def test_a_run_that_fails_its_checks_after_a_completed_run_keeps_everything(
     # the lock was let go: the original run resumes at its end and changes nothing
     summary = train(small_config(tmp_path, tiny_model_dir, prompt_files))
     assert summary.resumed_from == 2
+
+
+def test_a_bf16_reference_rounds_the_kl_term_only_slightly(tmp_path, tiny_model_dir, prompt_files):
+    """model.reference_dtype=bf16 loads the reference's weights in bf16 (half the bytes); at the
+    first iteration policy and reference are the same model, so the fp32 KL is exactly 0 and
+    the bf16 one is the rounding alone (bench/reference_dtype.py measures it on a trained run)."""
+    from ppo_core.rollout import load_reference
+
+    kl = {}
+    for dtype in ("fp32", "bf16"):
+        config = small_config(
+            tmp_path / dtype,
+            tiny_model_dir,
+            prompt_files,
+            "train.iterations=1",
+            f"model.reference_dtype={dtype}",
+        )
+        reference = load_reference(config.model, torch.device("cpu"))
+        assert {p.dtype for p in reference.parameters()} == {
+            torch.bfloat16 if dtype == "bf16" else torch.float32
+        }
+        kl[dtype] = train(config).history[0]["rollout/kl"]
+    assert kl["fp32"] == 0.0
+    assert 0.0 < abs(kl["bf16"]) < 0.05

@@ -1,0 +1,62 @@
+"""The README's "Chat prompts and LoRA" block, run verbatim on a tiny Qwen2-style model with a
+ChatML template: chats are prepared and rendered, LoRA trains an adapter, and the adapter
+candidate is evaluated and promoted or rejected with the base it needs recorded."""
+
+import json
+import re
+import subprocess
+
+import pandas as pd
+import pytest
+
+from tests.flows.conftest import ROOT, environment, make_tiny_project
+from tests.helpers import CHAT_TEMPLATE, build_tiny_causal_lm
+
+SECTION = "### Chat prompts and LoRA"
+
+
+def readme_block() -> str:
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index(SECTION) :]
+    return re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL).group(1)
+
+
+@pytest.mark.slow
+def test_the_readme_chat_and_lora_block_runs_verbatim(tmp_path):
+    project = make_tiny_project(tmp_path / "project")
+    model = build_tiny_causal_lm(tmp_path / "hf-chat-model", "qwen2", chat_template=CHAT_TEMPLATE)
+    chats = [
+        {"messages": [{"role": "user", "content": f"Review film number {i} in one line."}]}
+        for i in range(80)
+    ]
+    (project / "my_chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
+    block = readme_block()
+    assert "/path/to/hf-chat-model" in block and "model.lora.enabled=true" in block
+    script = "set -euo pipefail\n" + block.replace("/path/to/hf-chat-model", str(model))
+    done = subprocess.run(
+        ["bash", "-c", script],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Traceback" not in output
+
+    prepared = pd.read_parquet(project / "data" / "prepared" / "train.parquet")
+    assert list(prepared.columns) == ["messages"]
+    candidate = project / "models" / "candidate"
+    assert (candidate / "adapter_model.safetensors").is_file()
+    assert not (candidate / "model.safetensors").exists()
+    record = json.loads((candidate / "adapter_base.json").read_text())
+    assert record["base"] == "models/base"  # relative: the project can move
+    samples = json.loads((project / "reports" / "eval" / "samples.json").read_text())
+    first = samples["candidate"][0] if isinstance(samples, dict) else samples[0]
+    assert "user: Review film number" in json.dumps(first)
+    decision = json.loads((project / "reports" / "promotion.json").read_text())["decision"]
+    assert decision in ("promoted", "rejected")
+    if decision == "promoted":
+        registry = json.loads((project / "models" / "registry.json").read_text())
+        assert registry["entries"][-1]["adapter_base"] == record
