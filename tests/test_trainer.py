@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -62,10 +63,15 @@ class Recorder:
 
 
 def parameters_after_one_sgd_iteration(
-    tmp_path: Path, model: Path, prompts: tuple[Path, Path], *extra: str
+    tmp_path: Path,
+    model: Path,
+    prompts: tuple[Path, Path],
+    *extra: str,
+    read: Callable[[Path], dict[str, torch.Tensor]] | None = None,
 ) -> dict[int, dict[str, torch.Tensor]]:
     """The parameters after one iteration with plain SGD (no clipping), by micro-batch size
-    (1, and 8 = the mini-batch size)."""
+    (1, and 8 = the mini-batch size), as ``read`` (default :func:`parameters`) reads them from
+    the candidate folder."""
     results = {}
     for micro in (1, 8):
         folder = tmp_path / f"micro{micro}"
@@ -81,7 +87,7 @@ def parameters_after_one_sgd_iteration(
             *extra,
         )
         train(config)
-        results[micro] = parameters(folder / "candidate")
+        results[micro] = (read or parameters)(folder / "candidate")
     return results
 
 

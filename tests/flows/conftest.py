@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -95,3 +96,31 @@ def dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
 
 def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
+
+
+def readme_block(section: str) -> str:
+    """The first ```bash block after the heading ``section`` of the README."""
+    text = (ROOT / "README.md").read_text()
+    return re.search(r"```bash\n(.*?)```", text[text.index(section) :], flags=re.DOTALL).group(1)
+
+
+def run_readme_block(project: Path, section: str, replace: dict[str, str]) -> str:
+    """Run a README block verbatim (``set -euo pipefail``) in ``project``, with each key of
+    ``replace`` (a placeholder path) replaced; returns its output after checking it succeeded
+    without a traceback."""
+    block = readme_block(section)
+    for placeholder, value in replace.items():
+        assert placeholder in block, f"{placeholder} is not in the README block {section!r}"
+        block = block.replace(placeholder, value)
+    done = subprocess.run(
+        ["bash", "-c", "set -euo pipefail\n" + block],
+        cwd=project,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output
+    assert "Traceback" not in output
+    return output

@@ -3,22 +3,14 @@ ChatML template: chats are prepared and rendered, LoRA trains an adapter, and th
 candidate is evaluated and promoted or rejected with the base it needs recorded."""
 
 import json
-import re
-import subprocess
 
 import pandas as pd
 import pytest
 
-from tests.flows.conftest import ROOT, environment, make_tiny_project
+from tests.flows.conftest import make_tiny_project, readme_block, run_readme_block
 from tests.helpers import CHAT_TEMPLATE, build_tiny_causal_lm
 
 SECTION = "### Chat prompts and LoRA"
-
-
-def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(SECTION) :]
-    return re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL).group(1)
 
 
 @pytest.mark.slow
@@ -30,20 +22,8 @@ def test_the_readme_chat_and_lora_block_runs_verbatim(tmp_path):
         for i in range(80)
     ]
     (project / "my_chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
-    block = readme_block()
-    assert "/path/to/hf-chat-model" in block and "model.lora.enabled=true" in block
-    script = "set -euo pipefail\n" + block.replace("/path/to/hf-chat-model", str(model))
-    done = subprocess.run(
-        ["bash", "-c", script],
-        cwd=project,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
-    assert "Traceback" not in output
+    assert "model.lora.enabled=true" in readme_block(SECTION)
+    run_readme_block(project, SECTION, {"/path/to/hf-chat-model": str(model)})
 
     prepared = pd.read_parquet(project / "data" / "prepared" / "train.parquet")
     assert list(prepared.columns) == ["messages"]

@@ -2,13 +2,11 @@
 model: it trains on the new prompts with the user's reward and evaluates with that reward."""
 
 import json
-import re
-import subprocess
 
 import pandas as pd
 import pytest
 
-from tests.flows.conftest import ROOT, environment, make_tiny_project
+from tests.flows.conftest import make_tiny_project, readme_block, run_readme_block
 from tests.helpers import build_tiny_llama
 
 SECTION = "## Using your own model, data and reward"
@@ -25,12 +23,6 @@ def score(prompts, responses):
 '''
 
 
-def readme_block() -> str:
-    text = (ROOT / "README.md").read_text()
-    section = text[text.index(SECTION) :]
-    return re.search(r"```bash\n(.*?)```", section, flags=re.DOTALL).group(1)
-
-
 @pytest.mark.slow
 def test_the_readme_own_model_block_runs_verbatim(tmp_path):
     project = make_tiny_project(tmp_path / "project")
@@ -40,20 +32,8 @@ def test_the_readme_own_model_block_runs_verbatim(tmp_path):
         "".join(json.dumps({"prompt": p}) + "\n" for p in mine)
     )
     (project / "my_module.py").write_text(REWARD_MODULE)
-    block = readme_block()
-    assert "/path/to/hf-model" in block and "my_module:score" in block
-    script = "set -euo pipefail\n" + block.replace("/path/to/hf-model", str(model))
-    done = subprocess.run(
-        ["bash", "-c", script],
-        cwd=project,
-        env=environment(),
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    output = done.stdout + done.stderr
-    assert done.returncode == 0, output
-    assert "Traceback" not in output
+    assert "my_module:score" in readme_block(SECTION)
+    run_readme_block(project, SECTION, {"/path/to/hf-model": str(model)})
 
     # the policy is the imported Llama, and the new prompts were prepared and trained on
     policy_config = json.loads((project / "models" / "candidate" / "config.json").read_text())

@@ -31,7 +31,11 @@ from ppo_core.modeling.policy import (
 from ppo_core.registry import load_registry, record_decision
 from ppo_core.trainer import train
 from tests.helpers import build_tiny_causal_lm
-from tests.test_trainer import max_relative_difference, small_config
+from tests.test_trainer import (
+    max_relative_difference,
+    parameters_after_one_sgd_iteration,
+    small_config,
+)
 
 VARIED = "model.reward=tests.modeling.test_families:varied_reward"
 LORA = "model.lora.enabled=true"
@@ -130,23 +134,9 @@ def test_with_a_starting_adapter_the_reference_is_a_frozen_copy_of_it(
 
 
 def test_micro_batch_size_does_not_change_the_lora_update(tmp_path, llama, prompt_files):
-    results = {}
-    for micro in (1, 8):
-        folder = tmp_path / f"micro{micro}"
-        config = small_config(
-            folder,
-            llama,
-            prompt_files,
-            f"ppo.micro_batch_size={micro}",
-            "optim.name=sgd",
-            "optim.lr=0.5",
-            "train.iterations=1",
-            "ppo.max_grad_norm=null",
-            LORA,
-            VARIED,
-        )
-        train(config)
-        results[micro] = adapter_parameters(folder / "candidate")
+    results = parameters_after_one_sgd_iteration(
+        tmp_path, llama, prompt_files, LORA, VARIED, read=adapter_parameters
+    )
     lora_b = {k: v for k, v in results[8].items() if "lora_B" in k}
     assert max(float(v.abs().max()) for v in lora_b.values()) > 1e-4  # B left zero: it trained
     assert max_relative_difference(results[1], results[8]) <= 1e-3
