@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU throughput check: generation and PPO-update tokens/s and MFU in bf16 on the tiny default
-# config and a ~100M-parameter GPT-2 config. Needs a CUDA build of torch in .venv
-# (make setup TORCH_SPEC=torch on a CUDA machine). Writes bench/results/gpu_throughput.json.
+# GPU checks: generation and PPO-update tokens/s and MFU in bf16 on the tiny default
+# config and a ~100M-parameter GPT-2 config, then one PPO iteration's memory and time with LoRA.
+# Needs a CUDA build of torch in .venv (make setup TORCH_SPEC=torch on a CUDA machine). Writes
+# bench/results/gpu_throughput*.json and bench/results/memory_scaling_gpu.json.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
@@ -12,3 +13,8 @@ PY=${PY:-.venv/bin/python}
 # the same in fp32, for the bf16 gain
 "$PY" bench/gpu_throughput.py --device cuda --precision fp32 --configs gpt2-100m --batch 128 \
     --micro 32 --steps 3 --out bench/results/gpu_throughput_fp32.json
+# Memory and time of one PPO iteration on the GPU in bf16: full fine-tuning, LoRA and LoRA with
+# gradient checkpointing at ~350M, and a Qwen2-0.5B-shaped model with LoRA + checkpointing
+# (random weights; GPU peak = torch.cuda.max_memory_allocated)
+"$PY" bench/memory_scaling.py --device cuda --precision bf16 --sizes 350M \
+    --out bench/results/memory_scaling_gpu.json
