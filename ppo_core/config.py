@@ -63,6 +63,7 @@ Precision = Literal["fp32", "bf16"]
 Critic = Literal["shared", "separate"]
 OptimizerName = Literal["adamw", "sgd"]
 SchedulerName = Literal["constant", "linear"]
+StrategyName = Literal["ddp", "fsdp"]
 
 # A field annotated ``Choice[SomeLiteral]`` is that Literal to a type checker and ``str`` to
 # OmegaConf: OmegaConf 2.3 has no Literal fields (and matches an Enum by member name, which
@@ -88,6 +89,7 @@ CHOICES: dict[str, Any] = {
     "kl.estimator": KLEstimator,
     "optim.name": OptimizerName,
     "optim.scheduler": SchedulerName,
+    "parallel.strategy": StrategyName,
 }
 
 
@@ -347,6 +349,17 @@ class TrainConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the models are spread over the ranks of a ``torchrun`` launch."""
+
+    strategy: Choice[StrategyName] = "ddp"
+    """``ddp``: every rank holds the whole policy, value head and reference
+    (DistributedDataParallel); ``fsdp``: FSDP2 shards each transformer block and the rest over
+    the ranks (the reference too), gathering the policy whole for sampling. The same update
+    either way; ``fsdp`` needs 2 or more processes."""
+
+
+@dataclass
 class EvalConfig:
     """Held-out evaluation."""
 
@@ -445,6 +458,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     generation: GenerationConfig = field(default_factory=GenerationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     promote: PromoteConfig = field(default_factory=PromoteConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
@@ -1006,6 +1020,11 @@ def validate_config(config: Config) -> None:
             f"optim.betas must be two numbers in [0, 1), got {_short(config.optim.betas)}"
         )
     _check_lora(config.model)
+    if config.parallel.strategy == "fsdp" and config.model.lora.enabled:
+        raise ConfigError(
+            "parallel.strategy=fsdp with model.lora.enabled=true is not supported yet; use "
+            "parallel.strategy=ddp for LoRA"
+        )
 
 
 def _check_lora(model: ModelConfig) -> None:

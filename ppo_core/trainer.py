@@ -20,6 +20,7 @@ resumed from a checkpoint draws the same prompts, samples and shuffles as an uni
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import time
 import warnings
@@ -59,6 +60,7 @@ from ppo_core.modeling.policy import (
 )
 from ppo_core.modeling.reward_loading import RewardFn
 from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
+from ppo_core.parallel import ParallelStrategy, make_strategy
 from ppo_core.rollout import build_reward, collect_rollout, load_reference
 from ppo_core.runtime import Runtime, setup_runtime
 from ppo_core.update import ppo_update
@@ -207,10 +209,18 @@ RESUME_FREE_KEYS = (
     "schedule.",
     "flow.",
     "validation.",
+    "parallel.",
 )
 
 
-def resume_mismatch(config: Config, state: dict[str, Any], data_hash: str | None) -> str | None:
+# Sizes given per data-parallel rank: a checkpoint continues a run with the same global sizes
+# (the value times the world size), whatever the number of ranks.
+PER_RANK_KEYS = ("ppo.rollout_batch_size", "ppo.mini_batch_size")
+
+
+def resume_mismatch(
+    config: Config, state: dict[str, Any], data_hash: str | None, world_size: int = 1
+) -> str | None:
     """Why a checkpoint cannot continue this run (another config or data version), or None."""
     if state.get("data_hash") != data_hash:
         return f"it was trained on data version {state.get('data_hash')}, this run has {data_hash}"
@@ -218,6 +228,11 @@ def resume_mismatch(config: Config, state: dict[str, Any], data_hash: str | None
 
     before = flatten(OmegaConf.create(state.get("config", "{}")))
     now = flatten(config)
+    before_ranks = int(state.get("world_size", 1))
+    for key in PER_RANK_KEYS:
+        if isinstance(before.get(key), int) and isinstance(now.get(key), int):
+            before[key] = f"{before[key] * before_ranks} in all"
+            now[key] = f"{now[key] * world_size} in all"
     changed = sorted(
         k
         for k in before.keys() | now.keys()
@@ -272,7 +287,7 @@ def resolve_resume(
         warnings.warn(f"skipping damaged checkpoint {problem}", stacklevel=3)
     if checkpoint is None:
         return None
-    reason = resume_mismatch(config, checkpoint["state"], data_hash)
+    reason = resume_mismatch(config, checkpoint["state"], data_hash, runtime.parallel.world_size)
     if reason is None:
         return checkpoint
     parallel.barrier()  # every rank has read the checkpoint list before it moves
@@ -305,6 +320,8 @@ class Models:
     """``actor_critic``, wrapped in DDP under data parallelism, for the update's passes."""
     reference: torch.nn.Module
     """The frozen KL reference."""
+    strategy: ParallelStrategy
+    """How the models are spread over the ranks (``parallel.strategy``)."""
 
 
 def build_models(config: Config, runtime: Runtime, start_folder: str | Path) -> Models:
@@ -327,20 +344,20 @@ def build_models(config: Config, runtime: Runtime, start_folder: str | Path) -> 
     ).to(runtime.device)
     if config.train.gradient_checkpointing:
         checkpoint_blocks(actor_critic)
+    strategy = make_strategy(config.parallel.strategy, runtime.parallel, runtime.device)
     reference: torch.nn.Module
     if lora.enabled and model.reference is None:
         if lora.adapter is not None:
             add_reference_adapter(actor_critic.policy, lora.adapter, model.policy)
         reference = AdapterReference(actor_critic.policy, lora.adapter is not None)
     else:
-        reference = load_reference(model, runtime.device)
-    update_model: torch.nn.Module = actor_critic
-    if runtime.parallel.active:
-        from torch.nn.parallel import DistributedDataParallel
-
-        device_ids = [runtime.device.index] if runtime.device.type == "cuda" else None
-        update_model = DistributedDataParallel(actor_critic, device_ids=device_ids)
-    return Models(actor_critic=actor_critic, update_model=update_model, reference=reference)
+        reference = strategy.wrap_reference(load_reference(model, runtime.device))
+    return Models(
+        actor_critic=actor_critic,
+        update_model=strategy.wrap(actor_critic),
+        reference=reference,
+        strategy=strategy,
+    )
 
 
 def lora_settings(config: Config) -> LoraSettings:
@@ -400,9 +417,11 @@ class TrainState:
     history: list[dict[str, float]] = field(default_factory=list)
     """The metrics of every completed iteration, each with its ``iteration`` number."""
 
-    def restore(self, checkpoint: dict[str, Any]) -> None:
+    def restore(self, checkpoint: dict[str, Any], models: Models) -> None:
         """Take the state of a checkpoint read by ``load_latest_good``."""
-        self.optimizer.load_state_dict(checkpoint["optimizer"])
+        models.strategy.load_optimizer_state(
+            models.update_model, self.optimizer, checkpoint["optimizer"]
+        )
         if checkpoint["scheduler"] is not None:
             self.scheduler.load_state_dict(checkpoint["scheduler"])
         state = checkpoint["state"]
@@ -414,15 +433,17 @@ class TrainState:
         self,
         checkpoint_dir: str | Path,
         save_model: Callable[[Path], None],
+        optimizer_state: dict[str, Any],
         lineage: dict[str, Any],
         keep: int,
     ) -> Path:
-        """Write checkpoint ``step-{iteration}`` atomically with the weights and ``lineage``."""
+        """Write checkpoint ``step-{iteration}`` atomically with the weights, the optimizer's
+        whole state and ``lineage``."""
         return save_checkpoint(
             checkpoint_dir,
             self.iteration,
             save_model,
-            self.optimizer,
+            optimizer_state,
             self.scheduler,
             {"kl_coef": self.kl_controller.value, "history": self.history, **lineage},
             keep=keep,
@@ -462,20 +483,22 @@ def run_iteration(
     started = time.perf_counter()
     # 1. Draw this rank's prompts of the global batch.
     prompts = draw_prompts(inputs.train_prompts, config, iteration, parallel)
-    # 2. Rollout: sample responses, score them, per-token rewards with KL, GAE advantages.
-    batch, metrics, responses = collect_rollout(
-        models.actor_critic,
-        models.reference,
-        inputs.tokenizer,
-        prompts,
-        inputs.reward_fn,
-        ppo=config.ppo,
-        generation=config.generation,
-        kl=config.kl,
-        kl_coef=state.kl_controller.value,
-        runtime=runtime,
-        chunk_seeds=sampling_seeds(config, iteration, parallel),
-    )
+    # 2. Rollout: sample responses, score them, per-token rewards with KL, GAE advantages
+    # (a sharded policy is gathered whole for it, not once per block per generated token).
+    with models.strategy.gathered(models.actor_critic):
+        batch, metrics, responses = collect_rollout(
+            models.actor_critic,
+            models.reference,
+            inputs.tokenizer,
+            prompts,
+            inputs.reward_fn,
+            ppo=config.ppo,
+            generation=config.generation,
+            kl=config.kl,
+            kl_coef=state.kl_controller.value,
+            runtime=runtime,
+            chunk_seeds=sampling_seeds(config, iteration, parallel),
+        )
     rollout_done = time.perf_counter()
     # 3. PPO epochs over shuffled mini-batches, each step the exact mini-batch gradient.
     shuffle = torch.Generator().manual_seed(
@@ -533,6 +556,8 @@ def _run(
     config: Config, loggers: Sequence[MetricsLogger], on_samples: SampleCallback | None
 ) -> TrainSummary:
     runtime = setup_runtime(config)
+    # a strategy that cannot run here (fsdp in one process) fails before anything is read
+    make_strategy(config.parallel.strategy, runtime.parallel, runtime.device)
     inputs = check_inputs(config, runtime)
     checkpoint = resolve_resume(config, runtime, inputs.data_hash)
     models = build_models(
@@ -540,14 +565,14 @@ def _run(
     )
     state = build_train_state(config, models.actor_critic)
     if checkpoint is not None:
-        state.restore(checkpoint)
+        state.restore(checkpoint, models)
     resumed_from = state.iteration
     is_main = runtime.parallel.is_main
     loggers = loggers if is_main else ()
     for past in state.history:  # loggers see the whole run, not only its resumed part
         for logger in loggers:
             logger.log(int(past["iteration"]), {k: v for k, v in past.items() if k != "iteration"})
-    lineage = run_lineage(config, inputs.data_hash)
+    lineage = {**run_lineage(config, inputs.data_hash), "world_size": runtime.parallel.world_size}
     metrics: dict[str, float] = state.history[-1] if state.history else {}
     while state.iteration < config.train.iterations:
         result = run_iteration(config, runtime, inputs, models, state)
@@ -561,10 +586,18 @@ def _run(
             state.iteration % config.train.checkpoint_every == 0
             or state.iteration == config.train.iterations
         ):
+            # every rank takes part in gathering sharded state; rank 0 writes it
+            model_state = full_model_state(models)
+            optimizer_state = models.strategy.full_optimizer_state(
+                models.update_model, state.optimizer
+            )
             if is_main:
                 state.save(
                     config.train.checkpoint_dir,
-                    lambda folder: models.actor_critic.save(folder, inputs.tokenizer),
+                    functools.partial(
+                        models.actor_critic.save, tokenizer=inputs.tokenizer, full_state=model_state
+                    ),
+                    optimizer_state,
                     lineage,
                     keep=config.train.keep_checkpoints,
                 )
@@ -575,6 +608,7 @@ def _run(
         models.actor_critic,
         inputs.tokenizer,
         {**lineage, "final_metrics": metrics, "resumed_from": resumed_from},
+        full_state=full_model_state(models),
     )
     return TrainSummary(
         output_dir=output_dir,
@@ -583,6 +617,14 @@ def _run(
         final_metrics=metrics,
         history=state.history,
     )
+
+
+def full_model_state(models: Models) -> dict[str, torch.Tensor] | None:
+    """The actor-critic's whole state on rank 0 when it is sharded (a collective: every rank
+    calls it), else None: an unsharded model is saved from its own parameters."""
+    if models.strategy.name == "ddp":
+        return None
+    return models.strategy.full_state(models.actor_critic)
 
 
 def run_lineage(config: Config, data_hash: str | None) -> dict[str, Any]:
@@ -601,6 +643,7 @@ def save_output(
     actor_critic: ActorCritic,
     tokenizer: Any,
     summary: dict[str, Any],
+    full_state: dict[str, torch.Tensor] | None = None,
 ) -> Path:
     """Write the trained policy, ``ppo_config.yaml`` and ``training_summary.json`` to
     ``train.output_dir`` atomically (rank 0 writes, every rank waits).
@@ -614,7 +657,7 @@ def save_output(
     }
 
     def write(folder: Path) -> None:
-        actor_critic.save(folder, tokenizer, merged=config.model.lora.merge)
+        actor_critic.save(folder, tokenizer, merged=config.model.lora.merge, full_state=full_state)
         save_config(config, folder / "ppo_config.yaml")
         described = {k: v for k, v in summary.items() if k != "config"}
         (folder / "training_summary.json").write_text(

@@ -120,6 +120,13 @@ def ppo_update(
                 mini_batch.rows(rows).trimmed()
                 for rows in micro_batch_slices(len(mini_batch), ppo.micro_batch_size)
             ]
+            # Every rank runs as many micro-batches as the rank holding the most rows: a sharded
+            # model (FSDP) gathers parameters for each forward pass and reduces gradients after
+            # each backward pass, collectives every rank must join. The extra ones are all-masked
+            # and add exactly zero.
+            most = int(torch.bincount(indices // len(batch), minlength=world_size).max())
+            while len(micro_batches) < -(-most // ppo.micro_batch_size):
+                micro_batches.append(_all_masked(micro_batches[0]))
             stats = _optimizer_step(
                 model,
                 optimizer,
@@ -187,10 +194,16 @@ def _rows_of_this_rank(
     held = (global_indices >= first_row) & (global_indices < first_row + len(batch))
     local = global_indices[held] - first_row
     if len(local) == 0:
-        empty = batch.rows(slice(0, 1))
-        empty.response_mask = torch.zeros_like(empty.response_mask)
-        return empty
+        return _all_masked(batch)
     return batch.rows(local.to(batch.response_ids.device))
+
+
+def _all_masked(batch: RolloutBatch) -> RolloutBatch:
+    """The first row of ``batch`` with every response token masked: it counts no unit and adds
+    zero to every gradient, but its passes join the collectives of the others."""
+    empty = batch.rows(slice(0, 1))
+    empty.response_mask = torch.zeros_like(empty.response_mask)
+    return empty
 
 
 def _raise_non_finite_loss(stats: dict[str, RunningMean], mini_batch: RolloutBatch) -> None:
@@ -224,6 +237,8 @@ def clip_and_check_gradients(
     parameter whose gradient holds a NaN or inf."""
     limit = max_grad_norm if max_grad_norm is not None else float("inf")
     norm = torch.nn.utils.clip_grad_norm_(parameters, limit)
+    if hasattr(norm, "full_tensor"):  # sharded gradients (FSDP) give a distributed norm
+        norm = norm.full_tensor()
     if not torch.isfinite(norm):
         culprit = next(
             (p for p in parameters if p.grad is not None and not torch.isfinite(p.grad).all()), None

@@ -113,17 +113,20 @@ def save_checkpoint(
     checkpoint_dir: str | Path,
     iteration: int,
     save_model: Callable[[Path], None],
-    optimizer: torch.optim.Optimizer,
+    optimizer_state: dict[str, Any],
     scheduler: Any,
     state: dict[str, Any],
     keep: int = 2,
 ) -> Path:
-    """Write checkpoint ``step-{iteration:06d}`` atomically and keep the newest ``keep``."""
+    """Write checkpoint ``step-{iteration:06d}`` atomically and keep the newest ``keep``.
+
+    ``optimizer_state`` is in ``optimizer.state_dict()``'s format, as one process holding every
+    parameter would have it."""
     checkpoint_dir = Path(checkpoint_dir)
 
     def write(tmp: Path) -> None:
         save_model(tmp / MODEL_DIR)
-        _save_tensors(optimizer.state_dict(), tmp / "optimizer.pt")
+        _save_tensors(optimizer_state, tmp / "optimizer.pt")
         if scheduler is not None:
             _save_tensors(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=1))

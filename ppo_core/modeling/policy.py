@@ -261,19 +261,30 @@ class ActorCritic(nn.Module):
                 position_ids=position_ids,
                 use_cache=False,
             ).last_hidden_state
-        values = self.value_head(hidden.to(self.value_head.weight.dtype)).squeeze(-1)
+        # a new tensor, not a view: FSDP's backward hooks are lost on views of a root's output
+        values = self.value_head(hidden.to(self.value_head.weight.dtype))[..., 0].clone()
         return out.logits, values
 
-    def save(self, folder: str | Path, tokenizer=None, merged: bool = False) -> None:
+    def save(
+        self,
+        folder: str | Path,
+        tokenizer=None,
+        merged: bool = False,
+        full_state: dict[str, Tensor] | None = None,
+    ) -> None:
         """Write ``save_pretrained`` folders (safetensors) plus the value head, into ``folder``.
 
         A LoRA policy is written as its adapter (:func:`ppo_core.modeling.lora.save_adapter`),
         or with ``merged`` as a whole model with the adapter merged in; merging takes the
-        adapter out of this model, so it is for the final save only."""
+        adapter out of this model, so it is for the final save only. ``full_state``: this
+        module's whole state dict when its own parameters are shards (FSDP), gathered by
+        ``ppo_core.parallel``; the files are then written from it."""
         from safetensors.torch import save_file
 
         folder = Path(folder)
-        if self.adapter_base is None:
+        if full_state is not None:
+            self._save_gathered(folder, full_state)
+        elif self.adapter_base is None:
             self.policy.save_pretrained(folder, safe_serialization=True)
         elif merged:
             from ppo_core.modeling.lora import merged_model
@@ -287,12 +298,39 @@ class ActorCritic(nn.Module):
             save_adapter(self.policy, folder, self.adapter_base)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
+        if full_state is not None:
+            return
         save_file(
             {k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
             str(folder / VALUE_HEAD_FILE),
         )
         if self.critic is not None:
             self.critic.save_pretrained(folder / CRITIC_DIR, safe_serialization=True)
+
+    def _save_gathered(self, folder: Path, full_state: dict[str, Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        def part(prefix: str) -> dict[str, Tensor]:
+            return {
+                k[len(prefix) :]: v.contiguous()
+                for k, v in full_state.items()
+                if k.startswith(prefix)
+            }
+
+        # tied weights (GPT-2's output layer is its embedding) are one parameter under two
+        # names; gathered, they are two tensors, and the model is saved with the first name only
+        tied, seen = set(), set()
+        for name, tensor in self.policy.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                tied.add(name)
+            seen.add(id(tensor))
+        policy_state = {k: v for k, v in part("policy.").items() if k not in tied}
+        self.policy.save_pretrained(folder, state_dict=policy_state, safe_serialization=True)
+        save_file(part("value_head."), str(folder / VALUE_HEAD_FILE))
+        if self.critic is not None:
+            self.critic.save_pretrained(
+                folder / CRITIC_DIR, state_dict=part("critic."), safe_serialization=True
+            )
 
 
 def load_actor_critic(

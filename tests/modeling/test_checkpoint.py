@@ -21,7 +21,7 @@ def _save(folder, iteration, keep=2):
         torch.save(model.state_dict(), path / "weights.pt")
 
     return save_checkpoint(
-        folder, iteration, save_model, optimizer, None, {"kl_coef": 0.1}, keep=keep
+        folder, iteration, save_model, optimizer.state_dict(), None, {"kl_coef": 0.1}, keep=keep
     )
 
 

@@ -83,7 +83,9 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_even_with_valid_checksums(t
     model = torch.nn.Linear(2, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in (1, 2):
-        save_checkpoint(tmp_path, step, lambda f: f.mkdir(), optimizer, None, {"x": step})
+        save_checkpoint(
+            tmp_path, step, lambda f: f.mkdir(), optimizer.state_dict(), None, {"x": step}
+        )
     newest = list_checkpoints(tmp_path)[-1]
     marker = tmp_path / "code-ran"
     torch.save({"state": Payload(marker)}, newest / "optimizer.pt")

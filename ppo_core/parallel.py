@@ -1,0 +1,208 @@
+"""How the models of a run are spread over data-parallel ranks (layer 3): ``parallel.strategy``.
+
+- ``ddp`` (the default): every rank holds the whole policy, value head and reference; the
+  update's gradients are averaged by ``DistributedDataParallel``.
+- ``fsdp``: PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``). Every transformer block
+  (the classes a Hugging Face model lists in ``_no_split_modules``) and then the whole
+  actor-critic are sharded, so each rank keeps ``1/R`` of the parameters, gradients and optimizer
+  state; the frozen reference is sharded the same way. Gradients are reduce-scattered and
+  averaged over the ranks, exactly as DDP averages them, so the exact update of docs/design.md
+  section 4 holds unchanged: each micro-batch backpropagates ``S * R / N``.
+
+Both give the same numbers as one process holding the whole batch (fp32 round-off); the strategy
+decides what each rank holds and how the whole model is gathered: for sampling (:meth:`gathered`,
+all parameters at once instead of one all-gather per block per generated token) and for saving
+(:meth:`full_state`, a collective every rank calls, after which rank 0 holds ordinary tensors).
+Checkpoints hold full (consolidated) state in the format of one process (``optimizer.state_dict()``
+with whole tensors), so either strategy resumes the other's, at any world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from ppo_core.config import ConfigError
+from ppo_core.distributed import DataParallel
+
+__all__ = ["STRATEGIES", "ParallelStrategy", "ShardingError", "make_strategy"]
+
+STRATEGIES = ("ddp", "fsdp")
+
+
+class ShardingError(ConfigError):
+    """A strategy cannot run as configured (``fsdp`` without ``torchrun``, a model without
+    blocks to shard); the message names ``parallel.strategy``."""
+
+
+class ParallelStrategy:
+    """``ddp``: the whole model on every rank (DDP wraps it when there are several)."""
+
+    name = "ddp"
+
+    def __init__(self, parallel: DataParallel, device: torch.device):
+        self.parallel = parallel
+        self.device = device
+
+    def wrap(self, actor_critic: nn.Module) -> nn.Module:
+        """The module the update's passes run through."""
+        if not self.parallel.active:
+            return actor_critic
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device.type == "cuda" else None
+        return DistributedDataParallel(actor_critic, device_ids=device_ids)
+
+    def wrap_reference(self, reference: nn.Module) -> nn.Module:
+        return reference
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module) -> Iterator[None]:
+        """Every parameter of ``model`` whole on this rank for the block (sampling)."""
+        yield
+
+    def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        """``module``'s whole state dict as ordinary CPU tensors (every rank calls it)."""
+        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+
+    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        """The optimizer's state as one process holding every parameter would have it."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        optimizer.load_state_dict(state)
+
+
+class FullyShardedStrategy(ParallelStrategy):
+    """``fsdp``: FSDP2 over every transformer block and the root (module docstring)."""
+
+    name = "fsdp"
+
+    def wrap(self, actor_critic: nn.Module) -> nn.Module:
+        self._shard(actor_critic)
+        return actor_critic
+
+    def wrap_reference(self, reference: nn.Module) -> nn.Module:
+        self._shard(reference)
+        return reference
+
+    def _shard(self, model: nn.Module) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        kinds = {
+            name
+            for module in model.modules()
+            for name in (getattr(module, "_no_split_modules", None) or ())
+        }
+        blocks = [m for m in model.modules() if type(m).__name__ in kinds]
+        if not blocks:
+            raise ShardingError(
+                f"parallel.strategy=fsdp: found no transformer blocks to shard in a "
+                f"{type(model).__name__} (its model names none in _no_split_modules)"
+            )
+        for block in blocks:
+            fully_shard(block)
+        # The root reshards after its forward pass too (FSDP's default keeps a root gathered):
+        # measured here, a root kept gathered went on computing with its parameters from
+        # before the optimizer step, and the second step's gradient was wrong
+        # (tests/test_distributed_training.py catches it).
+        fully_shard(model, reshard_after_forward=True)
+        # FSDP sets the whole tree up at the first forward pass through its root; sampling calls
+        # the causal LM inside it directly, which would set each block up as a root of its own
+        device = next(model.parameters()).device
+        one_token = torch.ones(1, 1, dtype=torch.long, device=device)
+        with torch.no_grad():
+            model(input_ids=one_token, attention_mask=one_token)
+
+    @contextlib.contextmanager
+    def gathered(self, model: nn.Module) -> Iterator[None]:
+        from torch.distributed.fsdp import FSDPModule
+
+        sharded = [m for m in model.modules() if isinstance(m, FSDPModule)]
+        for module in sharded:
+            module.set_reshard_after_forward(False, recurse=False)
+            module.unshard()
+        try:
+            yield
+        finally:
+            for module in sharded:
+                module.reshard()
+                module.set_reshard_after_forward(True, recurse=False)
+
+    def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
+        state = get_model_state_dict(
+            module, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+        return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
+
+    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+        # Each state tensor of a sharded parameter (AdamW's moments) is gathered whole, in the
+        # optimizer's own order on every rank (each gather is a collective). torch's
+        # get_optimizer_state_dict is not used: for an optimizer without state (SGD without
+        # momentum) it takes a dummy step, which crashes the process under gloo here.
+        from torch.distributed.tensor import DTensor
+
+        state = optimizer.state_dict()
+        return {
+            "state": {
+                index: {
+                    name: value.full_tensor().cpu() if isinstance(value, DTensor) else value
+                    for name, value in entries.items()
+                }
+                for index, entries in state["state"].items()
+            },
+            "param_groups": state["param_groups"],
+        }
+
+    def load_optimizer_state(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
+    ) -> None:
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+
+        def shard(value: Any, param: nn.Parameter) -> Any:
+            if not isinstance(param, DTensor) or not torch.is_tensor(value):
+                return value
+            if value.shape != param.shape:  # a scalar such as AdamW's step
+                return value
+            # every rank read the same file: each keeps its own shard, nothing is sent
+            return distribute_tensor(
+                value.to(param.device), param.device_mesh, param.placements, src_data_rank=None
+            )
+
+        optimizer.load_state_dict(
+            {
+                "state": {
+                    index: {name: shard(value, params[int(index)]) for name, value in e.items()}
+                    for index, e in state["state"].items()
+                },
+                "param_groups": state["param_groups"],
+            }
+        )
+
+
+def make_strategy(name: str, parallel: DataParallel, device: torch.device) -> ParallelStrategy:
+    """The strategy called ``name`` (``parallel.strategy``) for this rank."""
+    if name == "ddp":
+        return ParallelStrategy(parallel, device)
+    if name == "fsdp":
+        if not parallel.active:
+            raise ShardingError(
+                "parallel.strategy=fsdp needs 2 or more processes started by torchrun (e.g. "
+                "torchrun --nproc_per_node 2 -m flows.cli train ...); one process has nothing "
+                "to shard over (use parallel.strategy=ddp)"
+            )
+        return FullyShardedStrategy(parallel, device)
+    raise ShardingError(f"parallel.strategy={name!r}: choose one of {', '.join(STRATEGIES)}")
