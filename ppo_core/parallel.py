@@ -28,6 +28,7 @@ from torch import nn
 
 from ppo_core.config import ConfigError
 from ppo_core.distributed import DataParallel
+from ppo_core.modeling.policy import transformer_blocks
 
 __all__ = ["STRATEGIES", "ParallelStrategy", "ShardingError", "make_strategy"]
 
@@ -95,12 +96,7 @@ class FullyShardedStrategy(ParallelStrategy):
     def _shard(self, model: nn.Module) -> None:
         from torch.distributed.fsdp import fully_shard
 
-        kinds = {
-            name
-            for module in model.modules()
-            for name in (getattr(module, "_no_split_modules", None) or ())
-        }
-        blocks = [m for m in model.modules() if type(m).__name__ in kinds]
+        blocks = transformer_blocks(model)
         if not blocks:
             raise ShardingError(
                 f"parallel.strategy=fsdp: found no transformer blocks to shard in a "

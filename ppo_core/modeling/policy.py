@@ -37,6 +37,7 @@ __all__ = [
     "load_tokenizer",
     "position_ids_from_mask",
     "score_sequences",
+    "transformer_blocks",
 ]
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -160,6 +161,17 @@ def fuse_activations(model: ModuleT) -> ModuleT:
     return model
 
 
+def transformer_blocks(model: nn.Module) -> list[nn.Module]:
+    """The transformer blocks inside ``model``: instances of the classes that its Hugging Face
+    models list in ``_no_split_modules`` (``LlamaDecoderLayer``, ``GPT2Block``, ...)."""
+    kinds = {
+        name
+        for module in model.modules()
+        for name in (getattr(module, "_no_split_modules", None) or ())
+    }
+    return [module for module in model.modules() if type(module).__name__ in kinds]
+
+
 def checkpoint_blocks(model: nn.Module) -> int:
     """Non-reentrant activation checkpointing of every transformer block in ``model`` (the
     classes its Hugging Face models list in ``_no_split_modules``); returns how many blocks.
@@ -173,12 +185,7 @@ def checkpoint_blocks(model: nn.Module) -> int:
     """
     from torch.utils.checkpoint import checkpoint
 
-    kinds = {
-        name
-        for module in model.modules()
-        for name in (getattr(module, "_no_split_modules", None) or ())
-    }
-    blocks = [module for module in model.modules() if type(module).__name__ in kinds]
+    blocks = transformer_blocks(model)
     if not blocks:
         raise ModelFolderError(
             f"train.gradient_checkpointing: found no transformer blocks in a "
