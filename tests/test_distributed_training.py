@@ -155,3 +155,59 @@ def test_fsdp_in_one_process_is_refused_by_key_before_anything_is_written(
     with pytest.raises(ConfigError, match="parallel.strategy=fsdp needs 2 or more processes"):
         train(config)
     assert not (tmp_path / "candidate").exists() and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_two_nodes_on_loopback_run_the_documented_torchrun_command(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    """`torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT` as docs/design.md
+    gives it, as two "nodes" of one rank each on 127.0.0.1, with FSDP: the run reaches the
+    parameters of one process holding the whole batch."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    single = tmp_path / "single"
+    train(load_config(overrides=overrides(single, tiny_model_dir, prompt_files, 16, 8)))
+    nodes = tmp_path / "nodes"
+    settings = [
+        *overrides(nodes, tiny_model_dir, prompt_files, 8, 4),
+        f"train.metrics_dir={nodes / 'metrics'}",
+        "train.allow_stale_data=true",
+        "parallel.strategy=fsdp",
+    ]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [
+        str(torchrun),
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv-id",
+        "loopback-test",
+        "-m",
+        "flows.cli",
+        "train",
+        "--config",
+        "none",
+        *settings,
+    ]
+    root = Path(__file__).resolve().parents[1]
+    launched = [
+        subprocess.Popen(
+            command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        for _ in range(2)
+    ]
+    outputs = [process.communicate(timeout=600)[0] for process in launched]
+    for process, output in zip(launched, outputs, strict=True):
+        assert process.returncode == 0, output[-3000:]
+    one, two = parameters(single / "candidate"), parameters(nodes / "candidate")
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=3e-6, msg=name)
