@@ -211,3 +211,74 @@ def test_two_nodes_on_loopback_run_the_documented_torchrun_command(
     one, two = parameters(single / "candidate"), parameters(nodes / "candidate")
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=3e-6, msg=name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    """SIGKILL a 2-rank FSDP run (torchrun and both ranks, as a lost machine would end it) once
+    it has written checkpoints: the rerun says it resumed from the newest one and ends at the
+    parameters of a run that was never stopped."""
+    import contextlib
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    import psutil
+
+    def command(folder: Path) -> list[str]:
+        settings = [
+            *overrides(folder, tiny_model_dir, prompt_files, 8, 4),
+            f"train.metrics_dir={folder / 'metrics'}",
+            "train.allow_stale_data=true",
+            "train.iterations=12",
+            "train.checkpoint_every=1",
+            "parallel.strategy=fsdp",
+        ]
+        torchrun = Path(sys.executable).with_name("torchrun")
+        return [str(torchrun), "--nproc_per_node", "2", "--master-port", str(free_port()),
+                "-m", "flows.cli", "train", "--config", "none", *settings]  # fmt: skip
+
+    root = Path(__file__).resolve().parents[1]
+
+    def run(folder: Path) -> str:
+        done = subprocess.run(
+            command(folder), cwd=root, capture_output=True, text=True, timeout=600, check=False
+        )
+        assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+        return done.stdout + done.stderr
+
+    run(tmp_path / "whole")
+    killed = tmp_path / "killed"
+    first = subprocess.Popen(
+        command(killed),
+        cwd=root,
+        start_new_session=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    checkpoints = killed / "ckpt"
+    deadline = time.monotonic() + 300
+    while len(list(checkpoints.glob("step-*"))) < 2:
+        assert first.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    # the ranks run in sessions of their own (torch's elastic agent starts them so), so the
+    # whole tree is killed, not torchrun's process group alone
+    tree = [first.pid, *(child.pid for child in psutil.Process(first.pid).children(recursive=True))]
+    for pid in tree:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    first.wait()
+    newest = int(sorted(checkpoints.glob("step-*"))[-1].name.split("-")[1])
+    output = run(killed)
+    assert f"resumed at {newest})" in output, output[-3000:]
+    assert 0 < newest < 12
+    one, two = parameters(tmp_path / "whole" / "candidate"), parameters(killed / "candidate")
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=5e-5, msg=name)
