@@ -148,6 +148,9 @@ def main() -> None:
                     "strategy": strategy,
                     "ranks": ranks,
                     "peak_gib_per_rank": max(r["peak_gib"] for r in found),
+                    "peak_gib_by_rank": [
+                        r["peak_gib"] for r in sorted(found, key=lambda r: r["rank"])
+                    ],
                     "rollout_s": max(r["rollout_s"] for r in found),
                     "update_s": max(r["update_s"] for r in found),
                 }
@@ -156,11 +159,12 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"params": params, "runs": runs}, indent=1) + "\n")
     print(f"{params:,} parameters\n")
-    print("| strategy | ranks | peak GiB per rank | rollout s | update s |")
-    print("|---|---:|---:|---:|---:|")
+    print("| strategy | ranks | peak GiB per rank (largest) | by rank | rollout s | update s |")
+    print("|---|---:|---:|---|---:|---:|")
     for r in runs:
+        by_rank = " / ".join(f"{peak:.2f}" for peak in r["peak_gib_by_rank"])
         print(
-            f"| {r['strategy']} | {r['ranks']} | {r['peak_gib_per_rank']:.2f} | "
+            f"| {r['strategy']} | {r['ranks']} | {r['peak_gib_per_rank']:.2f} | {by_rank} | "
             f"{r['rollout_s']:.1f} | {r['update_s']:.1f} |"
         )
 
