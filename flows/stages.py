@@ -287,7 +287,7 @@ def validate(config: Config) -> Path:
 
     from flows.validation import DataValidationError, validate_prompt_splits
     from ppo_core.modeling.data import CHAT_FIELD, parse_messages
-    from ppo_core.modeling.generation import check_chat_template, prompt_token_ids
+    from ppo_core.modeling.generation import prompt_token_ids, require_chat_template
     from ppo_core.modeling.policy import load_tokenizer
 
     interim = Path(config.data.interim_dir)
@@ -304,7 +304,7 @@ def validate(config: Config) -> Path:
     )
     column = CHAT_FIELD if chat else config.data.prompt_field
     if chat:
-        check_chat_template(tokenizer, [[]], config.model.policy, "model.policy")
+        require_chat_template(tokenizer, config.model.policy, "model.policy")
 
     def count_tokens(texts: list[str]) -> list[int]:
         # what generation sees: a chat rendered by the policy's template (prompt_token_ids)

@@ -66,9 +66,11 @@ class ParallelStrategy:
         """Every parameter of ``model`` whole on this rank for the block (sampling)."""
         yield
 
-    def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
-        """``module``'s whole state dict as ordinary CPU tensors (every rank calls it)."""
-        return {k: v.detach().cpu() for k, v in module.state_dict().items()}
+    def full_state(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        """``module``'s whole state as ordinary CPU tensors on rank 0 when its parameters are
+        shards (every rank calls it); None when each rank holds them whole, so that the module
+        is saved from its own parameters."""
+        return None
 
     def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
         """The optimizer's state as one process holding every parameter would have it."""
@@ -131,7 +133,7 @@ class FullyShardedStrategy(ParallelStrategy):
                 module.reshard()
                 module.set_reshard_after_forward(True, recurse=False)
 
-    def full_state(self, module: nn.Module) -> dict[str, torch.Tensor]:
+    def full_state(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         from torch.distributed.checkpoint.state_dict import (
             StateDictOptions,
             get_model_state_dict,

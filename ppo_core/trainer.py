@@ -324,8 +324,12 @@ class Models:
     """How the models are spread over the ranks (``parallel.strategy``)."""
 
 
-def build_models(config: Config, runtime: Runtime, start_folder: str | Path) -> Models:
-    """The actor-critic from ``start_folder`` (the base or a checkpoint) and the reference.
+def build_models(
+    config: Config, runtime: Runtime, strategy: ParallelStrategy, checkpoint: Path | None
+) -> Models:
+    """The actor-critic from ``checkpoint`` (a checkpoint's model folder) or, starting afresh,
+    from ``model.policy`` (and ``model.lora.adapter``), and the reference, spread over the
+    ranks by ``strategy``.
 
     With LoRA (``model.lora.enabled``) the policy is ``model.policy`` with an adapter: the
     checkpoint's, else ``model.lora.adapter``, else a fresh one; and unless ``model.reference``
@@ -333,8 +337,7 @@ def build_models(config: Config, runtime: Runtime, start_folder: str | Path) -> 
     frozen copy of ``model.lora.adapter`` in its place)."""
     torch.manual_seed(config.seed)
     model, lora = config.model, config.model.lora
-    if lora.enabled and start_folder == model.policy and lora.adapter is not None:
-        start_folder = lora.adapter
+    start_folder = checkpoint or (lora.adapter if lora.enabled and lora.adapter else model.policy)
     actor_critic = load_actor_critic(
         start_folder,
         model.critic,
@@ -344,7 +347,6 @@ def build_models(config: Config, runtime: Runtime, start_folder: str | Path) -> 
     ).to(runtime.device)
     if config.train.gradient_checkpointing:
         checkpoint_blocks(actor_critic)
-    strategy = make_strategy(config.parallel.strategy, runtime.parallel, runtime.device)
     reference: torch.nn.Module
     if lora.enabled and model.reference is None:
         if lora.adapter is not None:
@@ -557,11 +559,11 @@ def _run(
 ) -> TrainSummary:
     runtime = setup_runtime(config)
     # a strategy that cannot run here (fsdp in one process) fails before anything is read
-    make_strategy(config.parallel.strategy, runtime.parallel, runtime.device)
+    strategy = make_strategy(config.parallel.strategy, runtime.parallel, runtime.device)
     inputs = check_inputs(config, runtime)
     checkpoint = resolve_resume(config, runtime, inputs.data_hash)
     models = build_models(
-        config, runtime, checkpoint["model_dir"] if checkpoint else config.model.policy
+        config, runtime, strategy, checkpoint["model_dir"] if checkpoint else None
     )
     state = build_train_state(config, models.actor_critic)
     if checkpoint is not None:
@@ -622,8 +624,6 @@ def _run(
 def full_model_state(models: Models) -> dict[str, torch.Tensor] | None:
     """The actor-critic's whole state on rank 0 when it is sharded (a collective: every rank
     calls it), else None: an unsharded model is saved from its own parameters."""
-    if models.strategy.name == "ddp":
-        return None
     return models.strategy.full_state(models.actor_critic)
 
 

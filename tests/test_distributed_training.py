@@ -34,18 +34,18 @@ def overrides(folder, model, prompts, rollout: int, mini: int) -> list[str]:
     ]
 
 
+def train_on_two_ranks(settings: list[str]) -> None:
+    """``train`` with ``settings`` on 2 gloo processes (``tests/dist_train_worker.py``)."""
+    mp.spawn(dist_train_worker.run, nprocs=2, join=True, args=(2, free_port(), settings))
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_ranks_reach_the_parameters_of_one_process(tmp_path, tiny_model_dir, prompt_files):
     single = tmp_path / "single"
     train(load_config(overrides=overrides(single, tiny_model_dir, prompt_files, 16, 8)))
     double = tmp_path / "double"
-    mp.spawn(
-        dist_train_worker.run,
-        nprocs=2,
-        join=True,
-        args=(2, free_port(), overrides(double, tiny_model_dir, prompt_files, 8, 4)),
-    )
+    train_on_two_ranks(overrides(double, tiny_model_dir, prompt_files, 8, 4))
     one, two = parameters(single / "candidate"), parameters(double / "candidate")
     # Equal to float32 round-off: the ranks pad and reduce in another order (measured here: at
     # most 3.1e-7 absolute, on weights of magnitude up to 1.07, after 4 SGD steps of lr 0.5; an
@@ -72,19 +72,12 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
     single = tmp_path / "single"
     train(load_config(overrides=overrides(single, tiny_model_dir, prompt_files, 16, 8)))
     sharded = tmp_path / "fsdp"
-    mp.spawn(
-        dist_train_worker.run,
-        nprocs=2,
-        join=True,
-        args=(
-            2,
-            free_port(),
-            [
-                *overrides(sharded, tiny_model_dir, prompt_files, 8, 4),
-                "parallel.strategy=fsdp",
-                f"ppo.micro_batch_size={micro}",
-            ],
-        ),
+    train_on_two_ranks(
+        [
+            *overrides(sharded, tiny_model_dir, prompt_files, 8, 4),
+            "parallel.strategy=fsdp",
+            f"ppo.micro_batch_size={micro}",
+        ]
     )
     one, two = parameters(single / "candidate"), parameters(sharded / "candidate")
     assert one.keys() == two.keys()
@@ -125,7 +118,7 @@ def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
             f"train.iterations={iterations}",
             "parallel.strategy=fsdp",
         ]
-        mp.spawn(dist_train_worker.run, nprocs=2, join=True, args=(2, free_port(), settings))
+        train_on_two_ranks(settings)
 
     whole = tmp_path / "whole"
     run(whole, 1, 2)

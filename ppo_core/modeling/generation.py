@@ -30,6 +30,7 @@ __all__ = [
     "encode_prompts",
     "generate_responses",
     "prompt_token_ids",
+    "require_chat_template",
     "response_mask_from_ids",
     "sample",
     "sampling_config",
@@ -57,7 +58,14 @@ def check_chat_template(
 ) -> None:
     """Raise :class:`ChatTemplateError`, naming ``role`` and ``folder``, when ``prompts`` hold a
     chat and the tokenizer has no chat template."""
-    if getattr(tokenizer, "chat_template", None) is None and any(map(is_chat, prompts)):
+    if any(map(is_chat, prompts)):
+        require_chat_template(tokenizer, folder, role)
+
+
+def require_chat_template(tokenizer, folder: str | Path, role: str) -> None:
+    """Raise :class:`ChatTemplateError`, naming ``role`` and ``folder``, when the tokenizer has
+    no chat template to render chat prompts with."""
+    if getattr(tokenizer, "chat_template", None) is None:
         raise ChatTemplateError(
             f"{role} {str(folder)!r}: its tokenizer has no chat template, and the prompts are "
             "chat messages; use a model whose tokenizer_config.json (or chat_template.jinja) "

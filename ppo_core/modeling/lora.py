@@ -41,12 +41,10 @@ __all__ = [
     "add_reference_adapter",
     "base_fingerprint",
     "is_adapter_folder",
-    "is_peft_model",
     "load_adapter_model",
     "load_trainable_adapter",
     "merged_model",
     "save_adapter",
-    "trainable_parameter_count",
 ]
 
 ADAPTER_CONFIG_FILE = "adapter_config.json"
@@ -76,10 +74,6 @@ class LoraSettings:
 def is_adapter_folder(folder: str | Path) -> bool:
     """Whether ``folder`` holds a ``peft`` adapter rather than a whole model."""
     return (Path(folder) / ADAPTER_CONFIG_FILE).is_file()
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    return type(model).__module__.startswith("peft.")
 
 
 def add_lora(model: nn.Module, settings: LoraSettings) -> Any:
@@ -378,9 +372,3 @@ def adapter_dropout(model: nn.Module, enabled: bool) -> Iterator[None]:
     finally:
         for module in dropouts:
             module.eval()
-
-
-def trainable_parameter_count(model: nn.Module) -> tuple[int, int]:
-    """``(trainable, total)`` parameter counts."""
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return trainable, sum(p.numel() for p in model.parameters())
