@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks: generation and PPO-update tokens/s and MFU in bf16 on the tiny default
-# config and a ~100M-parameter GPT-2 config, then one PPO iteration's memory and time with LoRA.
+# config and a ~100M-parameter GPT-2 config, one PPO iteration's memory and time with LoRA, and
+# DDP against FSDP per-rank memory on machines with 2 or more GPUs.
 # Needs a CUDA build of torch in .venv (make setup TORCH_SPEC=torch on a CUDA machine). Writes
 # bench/results/gpu_throughput*.json and bench/results/memory_scaling_gpu.json.
 set -euo pipefail
@@ -18,3 +19,10 @@ PY=${PY:-.venv/bin/python}
 # (random weights; GPU peak = torch.cuda.max_memory_allocated)
 "$PY" bench/memory_scaling.py --device cuda --precision bf16 --sizes 350M \
     --out bench/results/memory_scaling_gpu.json
+# DDP against FSDP (bf16 mixed precision, NCCL), one rank per GPU: needs 2 or more GPUs
+GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+    "$PY" bench/sharding.py --device cuda --precision bf16 --ranks 1 "$GPUS"
+else
+    echo "bench/sharding.py skipped: FSDP needs 2 or more GPUs, this machine has $GPUS"
+fi

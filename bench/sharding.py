@@ -1,14 +1,28 @@
-"""Per-rank memory and time of one PPO iteration: DDP against FSDP, 1 and 2 ranks (gloo, CPU).
+"""Per-rank memory and time of PPO iterations: DDP against FSDP, 1 and 2 ranks (gloo, CPU).
 
 A random-weight Llama-style model (the ``100M`` shape of ``bench/memory_scaling.py``: hidden
-768, 14 layers, vocabulary 512, 99.9M parameters) runs one PPO iteration of full fine-tuning
-under ``torchrun --nproc_per_node R`` with ``parallel.strategy`` ``ddp`` or ``fsdp``: global
-rollout batch 8 (8 / R per rank), mini-batch 8 / R per rank, micro-batch 4, 1 epoch, 16 new
-tokens, 1 thread per rank. Each rank reports its peak resident set (``ru_maxrss``, so the
-interpreter, loading, the rollout, the update and the saving of a checkpoint and the candidate
-are included) and the iteration's ``perf/rollout_s`` and ``perf/update_s``. FSDP's rollout
-includes gathering the policy whole once (``ParallelStrategy.gathered``). Writes
-``bench/results/sharding.json``.
+768, 14 layers, vocabulary 512, 99.9M parameters) runs two PPO iterations of full fine-tuning
+(AdamW) under ``torchrun --nproc_per_node R`` with ``parallel.strategy`` ``ddp`` or ``fsdp``:
+global rollout batch 8 (8 / R per rank), mini-batch 8 / R per rank, micro-batch 4, 1 epoch, 16
+new tokens, 1 thread per rank, a checkpoint after each iteration. Each rank reports:
+
+- ``iteration_gib``: the peak resident set of the second iteration (rollout, update and its
+  checkpoint), the high-water mark being reset after the first (``/proc/self/clear_refs``):
+  the steady state of a run, whose model, gradients and optimizer state all exist;
+- ``before_gib``: the resident set before any model is loaded (the interpreter and libraries),
+  part of every figure;
+- ``process_gib``: the peak of the whole process (loading and the final candidate included);
+- the second iteration's ``perf/rollout_s``, ``perf/update_s`` and, for FSDP, ``perf/gather_s``
+  (gathering the policy whole for sampling, part of the rollout).
+
+glibc keeps freed heap memory resident, so that the resident set would show the largest earlier
+moment rather than the memory in use; the ranks run with ``MALLOC_MMAP_THRESHOLD_=65536``, so
+that every tensor of 64 KiB or more is its own mapping, returned when it is freed.
+
+On GPUs (``--device cuda --precision bf16``, NCCL, one GPU per rank) each rank also reports
+``device_gib``, ``torch.cuda.max_memory_allocated`` over the second iteration.
+
+Writes ``bench/results/sharding.json`` (``sharding_cuda.json`` on GPUs).
 
     .venv/bin/python bench/sharding.py [--ranks 1 2] [--strategies ddp fsdp]
 """
@@ -35,15 +49,50 @@ def varied_reward(prompts: list, responses: list[str]) -> torch.Tensor:
     return torch.tensor([(sum(map(ord, r)) % 11) / 10.0 for r in responses])
 
 
+def resident_gib(field: str = "VmRSS") -> float:
+    """This process's resident set (``VmRSS``) or its high-water mark (``VmHWM``), in GiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024 / 2**30
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+class PeakOfSecondIteration:
+    """Wraps two of the trainer's steps on every rank: resets the high-water mark when iteration
+    2 starts and reads it when the final candidate is about to be gathered, so that the figure
+    covers iteration 2 and its checkpoint (Linux: writing 5 to ``clear_refs`` resets
+    ``VmHWM``)."""
+
+    def __init__(self, trainer) -> None:
+        self.iteration_gib = self.device_gib = float("nan")
+        self.run_iteration, self.full_model_state = trainer.run_iteration, trainer.full_model_state
+        trainer.run_iteration, trainer.full_model_state = self.iterate, self.gather
+
+    def iterate(self, config, runtime, inputs, models, state):
+        if state.iteration == 1:
+            Path("/proc/self/clear_refs").write_text("5")
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+        return self.run_iteration(config, runtime, inputs, models, state)
+
+    def gather(self, models):
+        self.iteration_gib = resident_gib("VmHWM")
+        if torch.cuda.is_available():
+            self.device_gib = torch.cuda.max_memory_allocated() / 2**30
+        return self.full_model_state(models)
+
+
 def rank_main(args: argparse.Namespace) -> None:
-    """One rank of a torchrun launch: one iteration, then this rank's numbers on stdout."""
+    """One rank of a torchrun launch: two iterations, then this rank's numbers on stdout."""
+    before_gib = resident_gib()
+    from ppo_core import trainer
     from ppo_core.config import load_config
-    from ppo_core.trainer import train
 
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     work = Path(args.work)
     out = work / f"out-{args.strategy}-{ranks}"  # a run of its own: nothing to resume from
-    summary = train(
+    peak = PeakOfSecondIteration(trainer)
+    summary = trainer.train(
         load_config(
             overrides=[
                 f"model.policy={work / 'model'}",
@@ -51,27 +100,33 @@ def rank_main(args: argparse.Namespace) -> None:
                 f"train.output_dir={out / 'candidate'}",
                 f"train.checkpoint_dir={out / 'checkpoints'}",
                 "train.resume=false",
-                "train.iterations=1",
+                "train.iterations=2",
+                "train.checkpoint_every=1",
                 f"ppo.rollout_batch_size={8 // ranks}",
                 f"ppo.mini_batch_size={8 // ranks}",
                 f"ppo.micro_batch_size={min(4, 8 // ranks)}",
                 "ppo.epochs=1",
                 "generation.max_new_tokens=16",
                 "threads=1",
-                "device=cpu",
+                f"device={args.device}",
+                f"precision={args.precision}",
                 "model.reward=bench.sharding:varied_reward",
                 f"parallel.strategy={args.strategy}",
             ]
         )
     )
-    metrics = summary.history[0]
+    metrics = summary.history[1]
     print(
         "RANK "
         + json.dumps(
             {
                 "rank": int(os.environ.get("RANK", "0")),
-                "peak_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
+                "iteration_gib": peak.iteration_gib,
+                "device_gib": peak.device_gib,
+                "before_gib": before_gib,
+                "process_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
                 "rollout_s": metrics["perf/rollout_s"],
+                "gather_s": metrics.get("perf/gather_s", 0.0),
                 "update_s": metrics["perf/update_s"],
             }
         ),
@@ -109,7 +164,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
     parser.add_argument("--strategies", nargs="+", default=["ddp", "fsdp"])
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "sharding.json")
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--out", type=Path, help="default: bench/results/sharding[_cuda].json")
     parser.add_argument("--rank-of", dest="work", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -122,6 +179,7 @@ def main() -> None:
         "PYTHONPATH": str(ROOT),
         "HF_HUB_DISABLE_PROGRESS_BARS": "1",
         "OMP_NUM_THREADS": "1",
+        "MALLOC_MMAP_THRESHOLD_": "65536",
     }
     runs = []
     with tempfile.TemporaryDirectory(prefix="sharding-") as tmp:
@@ -134,7 +192,8 @@ def main() -> None:
                     continue  # nothing to shard over (refused by key)
                 done = subprocess.run(
                     [str(torchrun), "--nproc_per_node", str(ranks), "--master-port", "29533",
-                     __file__, "--rank-of", str(work), "--strategy", strategy],
+                     __file__, "--rank-of", str(work), "--strategy", strategy,
+                     "--device", args.device, "--precision", args.precision],
                     cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                 )  # fmt: skip
                 found = [
@@ -144,28 +203,38 @@ def main() -> None:
                 ]
                 if done.returncode != 0 or len(found) != ranks:
                     sys.exit(f"{strategy} x {ranks} failed:\n{done.stderr[-3000:]}")
+                found.sort(key=lambda r: r["rank"])
                 row = {
                     "strategy": strategy,
                     "ranks": ranks,
-                    "peak_gib_per_rank": max(r["peak_gib"] for r in found),
-                    "peak_gib_by_rank": [
-                        r["peak_gib"] for r in sorted(found, key=lambda r: r["rank"])
-                    ],
-                    "rollout_s": max(r["rollout_s"] for r in found),
+                    **{
+                        key: [r[key] for r in found]
+                        for key in ("iteration_gib", "device_gib", "before_gib", "process_gib")
+                    },
+                    **{key: max(r[key] for r in found) for key in ("rollout_s", "gather_s")},
                     "update_s": max(r["update_s"] for r in found),
                 }
                 runs.append(row)
                 print(json.dumps(row), file=sys.stderr)
+    suffix = "_cuda" if args.device == "cuda" else ""
+    args.out = args.out or ROOT / "bench" / "results" / f"sharding{suffix}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps({"params": params, "runs": runs}, indent=1) + "\n")
     print(f"{params:,} parameters\n")
-    print("| strategy | ranks | peak GiB per rank (largest) | by rank | rollout s | update s |")
-    print("|---|---:|---:|---|---:|---:|")
+    print(
+        "| strategy | ranks | iteration peak GiB by rank | before loading | whole process | "
+        "rollout s | of which gather s | update s | GPU GiB by rank |"
+    )
+    print("|---|---:|---|---|---|---:|---:|---:|---|")
+
+    def by_rank(values: list[float]) -> str:
+        return " / ".join(f"{value:.2f}" for value in values)
+
     for r in runs:
-        by_rank = " / ".join(f"{peak:.2f}" for peak in r["peak_gib_by_rank"])
         print(
-            f"| {r['strategy']} | {r['ranks']} | {r['peak_gib_per_rank']:.2f} | {by_rank} | "
-            f"{r['rollout_s']:.1f} | {r['update_s']:.1f} |"
+            f"| {r['strategy']} | {r['ranks']} | {by_rank(r['iteration_gib'])} | "
+            f"{by_rank(r['before_gib'])} | {by_rank(r['process_gib'])} | {r['rollout_s']:.1f} | "
+            f"{r['gather_s']:.2f} | {r['update_s']:.1f} | {by_rank(r['device_gib'])} |"
         )
 
 

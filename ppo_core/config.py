@@ -356,7 +356,13 @@ class ParallelConfig:
     """``ddp``: every rank holds the whole policy, value head and reference
     (DistributedDataParallel); ``fsdp``: FSDP2 shards each transformer block and the rest over
     the ranks (the reference too), gathering the policy whole for sampling. The same update
-    either way; ``fsdp`` needs 2 or more processes."""
+    either way; ``fsdp`` needs 2 or more processes. With ``fsdp`` and ``precision=bf16`` the
+    shards stay fp32 while the gathered parameters and the compute are bf16 and gradients are
+    reduced in fp32 (FSDP2's ``MixedPrecisionPolicy``)."""
+    reference_offload: bool = False
+    """``fsdp`` only: keep the frozen reference's shards in CPU memory and copy each block to the
+    device for its forward pass (FSDP2's ``CPUOffloadPolicy``): the reference then takes no
+    device memory between its passes, for a host-to-device copy of it per scoring pass."""
 
 
 @dataclass
@@ -1020,6 +1026,11 @@ def validate_config(config: Config) -> None:
             f"optim.betas must be two numbers in [0, 1), got {_short(config.optim.betas)}"
         )
     _check_lora(config.model)
+    if config.parallel.reference_offload and config.parallel.strategy != "fsdp":
+        raise ConfigError(
+            "parallel.reference_offload=true needs parallel.strategy=fsdp (got "
+            f"{config.parallel.strategy!r}): only a sharded reference is offloaded"
+        )
     if config.parallel.strategy == "fsdp" and config.model.lora.enabled:
         raise ConfigError(
             "parallel.strategy=fsdp with model.lora.enabled=true is not supported yet; use "

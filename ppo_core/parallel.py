@@ -12,15 +12,17 @@
 Both give the same numbers as one process holding the whole batch (fp32 round-off); the strategy
 decides what each rank holds and how the whole model is gathered: for sampling (:meth:`gathered`,
 all parameters at once instead of one all-gather per block per generated token) and for saving
-(:meth:`full_state`, a collective every rank calls, after which rank 0 holds ordinary tensors).
-Checkpoints hold full (consolidated) state in the format of one process (``optimizer.state_dict()``
-with whole tensors), so either strategy resumes the other's, at any world size.
+the candidate (:meth:`full_state`, a collective every rank calls, after which rank 0 holds
+ordinary tensors). Checkpoints of ``ddp`` hold whole tensors in the format of one process; those
+of ``fsdp`` are sharded, every rank writing its own shards with ``torch.distributed.checkpoint``
+(:mod:`ppo_core.modeling.checkpoint`). Either strategy resumes from either format, at any world
+size.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -28,7 +30,7 @@ from torch import nn
 
 from ppo_core.config import ConfigError
 from ppo_core.distributed import DataParallel
-from ppo_core.modeling.policy import transformer_blocks
+from ppo_core.modeling.policy import ModuleT, structure_only, transformer_blocks
 
 __all__ = ["STRATEGIES", "ParallelStrategy", "ShardingError", "make_strategy"]
 
@@ -44,10 +46,24 @@ class ParallelStrategy:
     """``ddp``: the whole model on every rank (DDP wraps it when there are several)."""
 
     name = "ddp"
+    sharded = False
+    """Whether each rank holds shards: checkpoints are then written by every rank (DCP)."""
 
-    def __init__(self, parallel: DataParallel, device: torch.device):
+    def __init__(
+        self,
+        parallel: DataParallel,
+        device: torch.device,
+        precision: str = "fp32",
+        reference_offload: bool = False,
+    ):
         self.parallel = parallel
         self.device = device
+        self.precision = precision
+        self.reference_offload = reference_offload
+
+    def load(self, build: Callable[[], ModuleT]) -> ModuleT:
+        """The model ``build`` loads, on this rank's device, ready for :meth:`wrap`."""
+        return build().to(self.device)
 
     def wrap(self, actor_critic: nn.Module) -> nn.Module:
         """The module the update's passes run through."""
@@ -72,13 +88,10 @@ class ParallelStrategy:
         is saved from its own parameters."""
         return None
 
-    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        """The optimizer's state as one process holding every parameter would have it."""
-        return optimizer.state_dict()
-
     def load_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
+        """Load ``state``, the whole optimizer state of a checkpoint written by one process."""
         optimizer.load_state_dict(state)
 
 
@@ -86,16 +99,54 @@ class FullyShardedStrategy(ParallelStrategy):
     """``fsdp``: FSDP2 over every transformer block and the root (module docstring)."""
 
     name = "fsdp"
+    sharded = True
+
+    def load(self, build: Callable[[], ModuleT]) -> ModuleT:
+        """Rank 0 loads the model into CPU memory; the other ranks build its structure on the
+        meta device (:func:`~ppo_core.modeling.policy.structure_only`), reading no weights.
+        :meth:`wrap` then shards it, moving one block at a time to the device, and sends each
+        rank its shards from rank 0: no rank but 0 ever holds the whole model, and no device
+        does."""
+        if self.parallel.is_main:
+            return build()
+        with structure_only():
+            return build()
 
     def wrap(self, actor_critic: nn.Module) -> nn.Module:
         self._shard(actor_critic)
         return actor_critic
 
     def wrap_reference(self, reference: nn.Module) -> nn.Module:
-        self._shard(reference)
+        self._shard(reference, offload=self.reference_offload)
         return reference
 
-    def _shard(self, model: nn.Module) -> None:
+    def _policies(self, offload: bool) -> dict[str, Any]:
+        """``fully_shard``'s mixed-precision and offload policies for this run."""
+        from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+        policies: dict[str, Any] = {
+            "offload_policy": (
+                CPUOffloadPolicy(pin_memory=self.device.type == "cuda")
+                if offload
+                else OffloadPolicy()
+            )
+        }
+        if self.precision == "bf16":
+            # bf16 gathers and compute (half the traffic of fp32), fp32 shards and gradient
+            # reduction, so that the optimizer steps and the averaged sums stay fp32
+            policies["mp_policy"] = MixedPrecisionPolicy(
+                param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+            )
+        return policies
+
+    def _shard(self, model: nn.Module, offload: bool = False) -> None:
+        """Shard ``model`` as :meth:`load` left it: whole on rank 0, on the meta device
+        elsewhere."""
+        import torch.distributed as dist
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            set_model_state_dict,
+        )
         from torch.distributed.fsdp import fully_shard
 
         blocks = transformer_blocks(model)
@@ -104,16 +155,31 @@ class FullyShardedStrategy(ParallelStrategy):
                 f"parallel.strategy=fsdp: found no transformer blocks to shard in a "
                 f"{type(model).__name__} (its model names none in _no_split_modules)"
             )
+        policies = self._policies(offload)
+        # rank 0's whole tensors, kept until every rank has received its shards of them
+        whole = model.state_dict() if self.parallel.is_main else {}
         for block in blocks:
-            fully_shard(block)
+            fully_shard(block, **policies)
         # The root reshards after its forward pass too (FSDP's default keeps a root gathered):
         # measured here, a root kept gathered went on computing with its parameters from
         # before the optimizer step, and the second step's gradient was wrong
         # (tests/test_distributed_training.py catches it).
-        fully_shard(model, reshard_after_forward=True)
+        fully_shard(model, reshard_after_forward=True, **policies)
+        if not self.parallel.is_main:
+            model.to_empty(device=self.device)
+        set_model_state_dict(
+            model,
+            whole,
+            options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True),
+        )
+        del whole
+        # buffers are not sharded, and those outside the state dict (rotary frequencies) were
+        # only allocated by to_empty on the other ranks
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
         # FSDP sets the whole tree up at the first forward pass through its root; sampling calls
         # the causal LM inside it directly, which would set each block up as a root of its own
-        device = next(model.parameters()).device
+        device = self.device
         one_token = torch.ones(1, 1, dtype=torch.long, device=device)
         with torch.no_grad():
             model(input_ids=one_token, attention_mask=one_token)
@@ -144,25 +210,6 @@ class FullyShardedStrategy(ParallelStrategy):
         )
         return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
 
-    def full_optimizer_state(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-        # Each state tensor of a sharded parameter (AdamW's moments) is gathered whole, in the
-        # optimizer's own order on every rank (each gather is a collective). torch's
-        # get_optimizer_state_dict is not used: for an optimizer without state (SGD without
-        # momentum) it takes a dummy step, which crashes the process under gloo here.
-        from torch.distributed.tensor import DTensor
-
-        state = optimizer.state_dict()
-        return {
-            "state": {
-                index: {
-                    name: value.full_tensor().cpu() if isinstance(value, DTensor) else value
-                    for name, value in entries.items()
-                }
-                for index, entries in state["state"].items()
-            },
-            "param_groups": state["param_groups"],
-        }
-
     def load_optimizer_state(
         self, model: nn.Module, optimizer: torch.optim.Optimizer, state: dict
     ) -> None:
@@ -191,10 +238,17 @@ class FullyShardedStrategy(ParallelStrategy):
         )
 
 
-def make_strategy(name: str, parallel: DataParallel, device: torch.device) -> ParallelStrategy:
-    """The strategy called ``name`` (``parallel.strategy``) for this rank."""
+def make_strategy(
+    name: str,
+    parallel: DataParallel,
+    device: torch.device,
+    precision: str = "fp32",
+    reference_offload: bool = False,
+) -> ParallelStrategy:
+    """The strategy called ``name`` (``parallel.strategy``) for this rank, with the run's
+    ``precision`` and ``parallel.reference_offload``."""
     if name == "ddp":
-        return ParallelStrategy(parallel, device)
+        return ParallelStrategy(parallel, device, precision)
     if name == "fsdp":
         if not parallel.active:
             raise ShardingError(
@@ -202,5 +256,5 @@ def make_strategy(name: str, parallel: DataParallel, device: torch.device) -> Pa
                 "torchrun --nproc_per_node 2 -m flows.cli train ...); one process has nothing "
                 "to shard over (use parallel.strategy=ddp)"
             )
-        return FullyShardedStrategy(parallel, device)
+        return FullyShardedStrategy(parallel, device, precision, reference_offload)
     raise ShardingError(f"parallel.strategy={name!r}: choose one of {', '.join(STRATEGIES)}")

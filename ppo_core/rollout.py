@@ -92,10 +92,11 @@ class RolloutBatch:
         return RolloutBatch(**values)
 
 
-def load_reference(model: ModelConfig, device: torch.device) -> torch.nn.Module:
+def load_reference(model: ModelConfig, device: torch.device | None) -> torch.nn.Module:
     """The frozen KL reference loaded from a folder: ``model.reference``, else the starting
     policy (``model.policy`` with ``model.lora.adapter`` merged in when there is one), in
-    ``model.reference_dtype``."""
+    ``model.reference_dtype``, on ``device`` (None: where it was built, for a strategy to place
+    it)."""
     dtype = torch.bfloat16 if model.reference_dtype == "bf16" else torch.float32
     if model.reference is None and model.lora.adapter is not None:
         from ppo_core.modeling.lora import load_trainable_adapter
@@ -109,7 +110,7 @@ def load_reference(model: ModelConfig, device: torch.device) -> torch.nn.Module:
             model.reference or model.policy, "reference", model.trust_remote_code, dtype
         )
     reference.requires_grad_(False)
-    return reference.eval().to(device)
+    return reference.eval() if device is None else reference.eval().to(device)
 
 
 def build_reward(model: ModelConfig, device: torch.device) -> RewardFn:

@@ -39,8 +39,10 @@ from ppo_core.modeling.checkpoint import (
     checked_history,
     list_checkpoints,
     load_latest_good,
+    load_sharded_checkpoint,
     remove_partial,
     save_checkpoint,
+    save_sharded_checkpoint,
 )
 from ppo_core.modeling.data import Prompt, load_prompts, prompt_text, read_manifest_hash
 from ppo_core.modeling.generation import check_chat_template
@@ -338,13 +340,15 @@ def build_models(
     torch.manual_seed(config.seed)
     model, lora = config.model, config.model.lora
     start_folder = checkpoint or (lora.adapter if lora.enabled and lora.adapter else model.policy)
-    actor_critic = load_actor_critic(
-        start_folder,
-        model.critic,
-        model.trust_remote_code,
-        lora=lora_settings(config) if lora.enabled else None,
-        lora_base=model.policy,
-    ).to(runtime.device)
+    actor_critic = strategy.load(
+        lambda: load_actor_critic(
+            start_folder,
+            model.critic,
+            model.trust_remote_code,
+            lora=lora_settings(config) if lora.enabled else None,
+            lora_base=model.policy,
+        )
+    )
     if config.train.gradient_checkpointing:
         checkpoint_blocks(actor_critic)
     reference: torch.nn.Module
@@ -353,7 +357,7 @@ def build_models(
             add_reference_adapter(actor_critic.policy, lora.adapter, model.policy)
         reference = AdapterReference(actor_critic.policy, lora.adapter is not None)
     else:
-        reference = strategy.wrap_reference(load_reference(model, runtime.device))
+        reference = strategy.wrap_reference(strategy.load(lambda: load_reference(model, None)))
     return Models(
         actor_critic=actor_critic,
         update_model=strategy.wrap(actor_critic),
@@ -420,10 +424,14 @@ class TrainState:
     """The metrics of every completed iteration, each with its ``iteration`` number."""
 
     def restore(self, checkpoint: dict[str, Any], models: Models) -> None:
-        """Take the state of a checkpoint read by ``load_latest_good``."""
-        models.strategy.load_optimizer_state(
-            models.update_model, self.optimizer, checkpoint["optimizer"]
-        )
+        """Take the state of a checkpoint read by ``load_latest_good``: of a sharded one, the
+        weights too (every rank calls it)."""
+        if checkpoint["sharded"] is not None:
+            load_sharded_checkpoint(checkpoint["sharded"], models.actor_critic, self.optimizer)
+        else:
+            models.strategy.load_optimizer_state(
+                models.update_model, self.optimizer, checkpoint["optimizer"]
+            )
         if checkpoint["scheduler"] is not None:
             self.scheduler.load_state_dict(checkpoint["scheduler"])
         state = checkpoint["state"]
@@ -433,23 +441,39 @@ class TrainState:
 
     def save(
         self,
-        checkpoint_dir: str | Path,
-        save_model: Callable[[Path], None],
-        optimizer_state: dict[str, Any],
+        config: Config,
+        models: Models,
+        tokenizer: Any,
         lineage: dict[str, Any],
-        keep: int,
-    ) -> Path:
+        parallel: DataParallel,
+    ) -> None:
         """Write checkpoint ``step-{iteration}`` atomically with the weights, the optimizer's
-        whole state and ``lineage``."""
-        return save_checkpoint(
-            checkpoint_dir,
-            self.iteration,
-            save_model,
-            optimizer_state,
-            self.scheduler,
-            {"kl_coef": self.kl_controller.value, "history": self.history, **lineage},
-            keep=keep,
-        )
+        state and ``lineage`` (every rank calls it): sharded, each rank writing its own shards,
+        when the strategy shards the model; else whole, written by rank 0."""
+        train = config.train
+        state = {"kl_coef": self.kl_controller.value, "history": self.history, **lineage}
+        if models.strategy.sharded:
+            save_sharded_checkpoint(
+                train.checkpoint_dir,
+                self.iteration,
+                models.actor_critic,
+                self.optimizer,
+                functools.partial(models.actor_critic.describe, tokenizer=tokenizer),
+                self.scheduler,
+                state,
+                keep=train.keep_checkpoints,
+            )
+        elif parallel.is_main:
+            save_checkpoint(
+                train.checkpoint_dir,
+                self.iteration,
+                functools.partial(models.actor_critic.save, tokenizer=tokenizer),
+                self.optimizer.state_dict(),
+                self.scheduler,
+                state,
+                keep=train.keep_checkpoints,
+            )
+        parallel.barrier()  # no rank runs ahead of a checkpoint it may resume from
 
 
 def build_train_state(config: Config, actor_critic: ActorCritic) -> TrainState:
@@ -487,7 +511,9 @@ def run_iteration(
     prompts = draw_prompts(inputs.train_prompts, config, iteration, parallel)
     # 2. Rollout: sample responses, score them, per-token rewards with KL, GAE advantages
     # (a sharded policy is gathered whole for it, not once per block per generated token).
+    gathering = time.perf_counter()
     with models.strategy.gathered(models.actor_critic):
+        gathered = time.perf_counter()
         batch, metrics, responses = collect_rollout(
             models.actor_critic,
             models.reference,
@@ -527,6 +553,7 @@ def run_iteration(
     metrics.update(
         {
             "perf/rollout_s": rollout_done - started,
+            **({"perf/gather_s": gathered - gathering} if models.strategy.sharded else {}),
             "perf/update_s": finished - rollout_done,
             "perf/iteration_s": finished - started,
             "perf/tokens_per_s": tokens / max(finished - started, 1e-9),
@@ -559,7 +586,13 @@ def _run(
 ) -> TrainSummary:
     runtime = setup_runtime(config)
     # a strategy that cannot run here (fsdp in one process) fails before anything is read
-    strategy = make_strategy(config.parallel.strategy, runtime.parallel, runtime.device)
+    strategy = make_strategy(
+        config.parallel.strategy,
+        runtime.parallel,
+        runtime.device,
+        config.precision,
+        config.parallel.reference_offload,
+    )
     inputs = check_inputs(config, runtime)
     checkpoint = resolve_resume(config, runtime, inputs.data_hash)
     models = build_models(
@@ -588,22 +621,10 @@ def _run(
             state.iteration % config.train.checkpoint_every == 0
             or state.iteration == config.train.iterations
         ):
-            # every rank takes part in gathering sharded state; rank 0 writes it
-            model_state = full_model_state(models)
-            optimizer_state = models.strategy.full_optimizer_state(
-                models.update_model, state.optimizer
-            )
-            if is_main:
-                state.save(
-                    config.train.checkpoint_dir,
-                    functools.partial(
-                        models.actor_critic.save, tokenizer=inputs.tokenizer, full_state=model_state
-                    ),
-                    optimizer_state,
-                    lineage,
-                    keep=config.train.keep_checkpoints,
-                )
-            runtime.parallel.barrier()  # no rank runs ahead of a checkpoint it may resume from
+            state.save(config, models, inputs.tokenizer, lineage, runtime.parallel)
+    # The candidate is gathered whole on rank 0; the optimizer's moments are not needed any more
+    # and are freed first, so that the gathered copy takes their room instead of adding to them.
+    state.optimizer.state.clear()
     output_dir = save_output(
         config,
         runtime,

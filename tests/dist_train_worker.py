@@ -25,3 +25,51 @@ def run(rank: int, world_size: int, port: int, overrides: list[str]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def shard_a_model(
+    rank: int, world_size: int, port: int, model_dir: str, precision: str, out: str
+) -> None:
+    """Load and shard the model in ``model_dir`` as a ``fsdp`` run does (rank 0 reads the
+    weights, rank 1 builds the structure on the meta device and receives its shards) and
+    record, per rank: the largest difference of its logits from the unsharded model's, the
+    dtype a block's weight has during the forward pass, and the dtype of its shard."""
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
+    import json
+
+    import torch
+    import torch.distributed as dist
+
+    from ppo_core.distributed import DataParallel
+    from ppo_core.modeling.policy import load_causal_lm, transformer_blocks
+    from ppo_core.parallel import make_strategy
+
+    ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
+    with torch.no_grad():  # every rank computes the reference logits alone, before sharding
+        expected = load_causal_lm(model_dir, "policy")(input_ids=ids).logits
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    try:
+        strategy = make_strategy(
+            "fsdp", DataParallel(rank, world_size), torch.device("cpu"), precision
+        )
+        model = strategy.load(lambda: load_causal_lm(model_dir, "policy"))
+        block = transformer_blocks(model)[0]  # found by class, which sharding renames
+        strategy.wrap_reference(model)
+        weight = next(block.parameters())
+        seen: list[str] = []
+        block.register_forward_pre_hook(
+            lambda module, args: seen.append(str(next(module.parameters()).dtype))
+        )
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits.float()
+        with open(f"{out}.{rank}", "w") as handle:
+            json.dump(
+                {
+                    "logit_difference": float((logits - expected).abs().max()),
+                    "computed": seen,
+                    "shard": str(weight.to_local().dtype),
+                },
+                handle,
+            )
+    finally:
+        dist.destroy_process_group()

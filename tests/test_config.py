@@ -97,6 +97,14 @@ def test_file_then_overrides(tmp_path):
         (["optim.betas=${seed}"], r"optim.betas must be a list, got 0"),
         (["optim.betas=${data}"], r"optim.betas must be a list, got DataConfig"),
         (["seed"], r"override 'seed' is not of the form key=value"),
+        (
+            ["parallel.reference_offload=true"],
+            r"^parallel.reference_offload=true needs parallel.strategy=fsdp \(got 'ddp'\)",
+        ),
+        (
+            ["parallel.strategy=fsdp", "model.lora.enabled=true"],
+            r"^parallel.strategy=fsdp with model.lora.enabled=true is not supported",
+        ),
     ],
 )
 def test_bad_config_names_the_key(overrides, message):

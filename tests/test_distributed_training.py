@@ -68,7 +68,8 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
 ):
     """FSDP2 shards every block and the root over 2 gloo ranks; its reduce-scatter must average
     like DDP (checked, not assumed: some torch/gloo builds sum), with unequal token counts per
-    rank (responses of their own lengths) and micro-batches of 1 and 4 rows."""
+    rank (responses of their own lengths) and micro-batches of 1 and 4 rows; with micro-batches
+    of 1 the reference is offloaded to CPU memory (``parallel.reference_offload``)."""
     single = tmp_path / "single"
     train(load_config(overrides=overrides(single, tiny_model_dir, prompt_files, 16, 8)))
     sharded = tmp_path / "fsdp"
@@ -77,6 +78,7 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
             *overrides(sharded, tiny_model_dir, prompt_files, 8, 4),
             "parallel.strategy=fsdp",
             f"ppo.micro_batch_size={micro}",
+            f"parallel.reference_offload={micro == 1}",
         ]
     )
     one, two = parameters(single / "candidate"), parameters(sharded / "candidate")
@@ -91,9 +93,9 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
 def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
     tmp_path, tiny_model_dir, prompt_files, first_by
 ):
-    """Checkpoints hold whole tensors, the optimizer's state included: 2 FSDP ranks train one
-    iteration and one plain process resumes from their checkpoint, or the reverse (the FSDP
-    ranks then shard the saved momentum); either way the run reaches the parameters of one
+    """2 FSDP ranks train one iteration and write a sharded (DCP) checkpoint, each rank its own
+    shards, and one plain process resumes from it; or the reverse, the FSDP ranks then sharding
+    a whole checkpoint's weights and momentum. Either way the run reaches the parameters of one
     process that ran both iterations (the same global batch)."""
     # SGD with momentum: its state (a momentum buffer per parameter) is sharded and restored
     # like AdamW's moments, and it is linear in the gradients, so fp32 round-off stays
@@ -124,6 +126,13 @@ def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
     run(whole, 1, 2)
     resumed = tmp_path / "resumed"
     run(resumed, 2 if first_by == "fsdp" else 1, 1)
+    written = resumed / "ckpt" / "step-000001"
+    if first_by == "fsdp":  # sharded: each rank wrote its own shards, no whole weights
+        shards = sorted(p.name for p in (written / "shards").glob("*.distcp"))
+        assert shards == ["__0_0.distcp", "__1_0.distcp"]
+        assert not list((written / "model").glob("*.safetensors"))
+    else:
+        assert not (written / "shards").exists()
     run(resumed, 1 if first_by == "fsdp" else 2, 2)
     summary = json.loads((resumed / "candidate" / "training_summary.json").read_text())
     assert summary["resumed_from"] == 1
@@ -148,6 +157,41 @@ def test_fsdp_in_one_process_is_refused_by_key_before_anything_is_written(
     with pytest.raises(ConfigError, match="parallel.strategy=fsdp needs 2 or more processes"):
         train(config)
     assert not (tmp_path / "candidate").exists() and not (tmp_path / "ckpt").exists()
+
+
+def shard_on_two_ranks(model_dir, precision: str, tmp_path) -> list[dict]:
+    """Each rank's record from ``tests/dist_train_worker.py:shard_a_model``."""
+    out = tmp_path / "sharded.json"
+    mp.spawn(
+        dist_train_worker.shard_a_model,
+        nprocs=2,
+        join=True,
+        args=(2, free_port(), str(model_dir), precision, str(out)),
+    )
+    return [json.loads(out.with_name(f"{out.name}.{rank}").read_text()) for rank in (0, 1)]
+
+
+@pytest.mark.distributed
+def test_a_model_sharded_from_rank_0_computes_its_own_logits_on_every_rank(tmp_path):
+    """Under ``fsdp`` only rank 0 reads the weights; rank 1 builds a Llama's structure on the
+    meta device and receives its shards and the buffers outside the state dict (the rotary
+    frequencies), so both compute the logits of the unsharded model."""
+    from tests.helpers import build_tiny_causal_lm
+
+    folder = build_tiny_causal_lm(tmp_path / "llama", family="llama")
+    for rank, found in enumerate(shard_on_two_ranks(folder, "fp32", tmp_path)):
+        assert found["logit_difference"] < 1e-5, (rank, found)
+        assert set(found["computed"]) == {"torch.float32"}
+
+
+@pytest.mark.distributed
+def test_fsdp_in_bf16_computes_in_bf16_from_fp32_shards(tmp_path, tiny_model_dir):
+    """``precision=bf16`` under ``fsdp``: FSDP2's mixed-precision policy gathers each block in
+    bf16 for its passes while the shards the optimizer steps stay fp32."""
+    for found in shard_on_two_ranks(tiny_model_dir, "bf16", tmp_path):
+        assert found["computed"] and set(found["computed"]) == {"torch.bfloat16"}
+        assert found["shard"] == "torch.float32"
+        assert 0 < found["logit_difference"] < 0.5  # bf16 round-off, no more
 
 
 @pytest.mark.distributed

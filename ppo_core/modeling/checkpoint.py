@@ -1,23 +1,36 @@
 """Atomic, resumable checkpoints (layer 2).
 
-A checkpoint is a folder ``step-000040/`` holding the model (``model/``: ``save_pretrained``
-safetensors, tokenizer, value head), the optimizer and scheduler states, ``trainer_state.json``
-(iteration, KL coefficient, lineage) and ``checksums.json`` (SHA-256 of every file). It is written
-into a hidden temporary folder and renamed into place, so a crash never leaves a half checkpoint,
-and loaded with ``torch.load(weights_only=True)``: nothing is unpickled.
+A checkpoint is a folder ``step-000040/`` holding the model, the optimizer and scheduler states,
+``trainer_state.json`` (iteration, KL coefficient, lineage) and ``checksums.json`` (SHA-256 of
+every file). It is written into a hidden temporary folder and renamed into place, so a crash
+never leaves a half checkpoint, and loaded with ``torch.load(weights_only=True)``: nothing is
+unpickled. It comes in two formats:
+
+- whole (:func:`save_checkpoint`, written by one process): ``model/`` is a ``save_pretrained``
+  folder (safetensors, tokenizer, value head) and ``optimizer.pt`` the optimizer's
+  ``state_dict()``;
+- sharded (:func:`save_sharded_checkpoint`, written by every rank of a sharded run at once):
+  ``shards/`` is a ``torch.distributed.checkpoint`` (DCP) folder in which each rank wrote its
+  own shards of the weights and of the optimizer's state, ``model/`` holds the config and the
+  tokenizer only. DCP records where each shard lies in the whole tensor, so
+  :func:`load_sharded_checkpoint` reads it into any layout: sharded over another number of
+  ranks, or whole in one process.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
 import shutil
-from collections.abc import Callable
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from ppo_core.files import atomic_folder, discard, file_sha256, first_line, is_partial
 
@@ -28,8 +41,10 @@ __all__ = [
     "list_checkpoints",
     "load_checkpoint_state",
     "load_latest_good",
+    "load_sharded_checkpoint",
     "remove_partial",
     "save_checkpoint",
+    "save_sharded_checkpoint",
     "verify_checksums",
 ]
 
@@ -37,6 +52,11 @@ STEP_PREFIX = "step-"
 STATE_FILE = "trainer_state.json"
 CHECKSUM_FILE = "checksums.json"
 MODEL_DIR = "model"
+SHARDS_DIR = "shards"
+OPTIMIZER_GROUPS_FILE = "optimizer_groups.pt"
+SHARDED = "sharded"
+SINGLE_PROCESS_WARNING = "torch.distributed is disabled, unavailable or uninitialized"
+"""``trainer_state.json``'s ``checkpoint_format`` for a sharded checkpoint (absent: whole)."""
 
 
 class CheckpointError(RuntimeError):
@@ -122,20 +142,165 @@ def save_checkpoint(
 
     ``optimizer_state`` is in ``optimizer.state_dict()``'s format, as one process holding every
     parameter would have it."""
-    checkpoint_dir = Path(checkpoint_dir)
 
     def write(tmp: Path) -> None:
         save_model(tmp / MODEL_DIR)
         _save_tensors(optimizer_state, tmp / "optimizer.pt")
-        if scheduler is not None:
-            _save_tensors(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=1))
-        _write_checksums(tmp)
+        _write_run_state(tmp, iteration, scheduler, state)
 
+    return _commit(Path(checkpoint_dir), iteration, write, keep)
+
+
+def save_sharded_checkpoint(
+    checkpoint_dir: str | Path,
+    iteration: int,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    describe_model: Callable[[Path], None],
+    scheduler: Any,
+    state: dict[str, Any],
+    keep: int = 2,
+) -> Path | None:
+    """Write checkpoint ``step-{iteration:06d}`` from every rank at once (a collective).
+
+    Each rank writes its own shards of ``model``'s state and of ``optimizer``'s (DCP, into
+    ``shards/``); rank 0 writes the rest (``describe_model`` into ``model/``, the optimizer's
+    hyperparameters, the scheduler and ``state``), checksums every file, the shards of all ranks
+    included, and renames the folder into place only after every rank's shards are written.
+    Returns the folder on rank 0, None on the others. The folder must be one that every rank
+    sees (a shared file system, as for DCP in general)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    sharded = {"model": model.state_dict(), "optimizer": {"state": _optimizer_tensors(optimizer)}}
+    distributed = dist.is_initialized()
+    if distributed and dist.get_rank() != 0:
+        shared: list[str | None] = [None]
+        dist.broadcast_object_list(shared, src=0)
+        if shared[0] is None:
+            raise CheckpointError(
+                f"rank 0 could not start checkpoint step-{iteration:06d} in {checkpoint_dir}"
+            )
+        dcp.save(sharded, checkpoint_id=Path(shared[0]) / SHARDS_DIR)
+        return None
+    told = False
+
+    def tell(folder: str | None) -> None:
+        nonlocal told
+        if distributed and not told:
+            told = True
+            dist.broadcast_object_list([folder], src=0)
+
+    def write(tmp: Path) -> None:
+        tell(str(tmp))
+        # DCP's last step gathers every rank's result on rank 0: when it returns, every shard
+        # is on disk and may be checksummed
+        with _quiet_in_one_process():
+            dcp.save(sharded, checkpoint_id=tmp / SHARDS_DIR, no_dist=not distributed)
+        describe_model(tmp / MODEL_DIR)
+        _save_tensors(optimizer.state_dict()["param_groups"], tmp / OPTIMIZER_GROUPS_FILE)
+        _write_run_state(tmp, iteration, scheduler, {**state, "checkpoint_format": SHARDED})
+
+    try:
+        return _commit(Path(checkpoint_dir), iteration, write, keep)
+    finally:
+        tell(None)  # the other ranks wait for a folder name: release them if none was sent
+
+
+@contextlib.contextmanager
+def _quiet_in_one_process() -> Iterator[None]:
+    """DCP warns when it runs in one process, which is meant here (one process resuming a sharded
+    run, or writing a checkpoint in a test)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=SINGLE_PROCESS_WARNING)
+        yield
+
+
+def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    """The optimizer's per-parameter state (AdamW's moments and step, SGD's momentum), keyed by
+    the parameter's index in ``state_dict()`` as text; a sharded parameter's state is sharded."""
+    return {
+        str(index): {name: value for name, value in entries.items() if torch.is_tensor(value)}
+        for index, entries in optimizer.state_dict()["state"].items()
+    }
+
+
+def _write_run_state(tmp: Path, iteration: int, scheduler: Any, state: dict[str, Any]) -> None:
+    if scheduler is not None:
+        _save_tensors(scheduler.state_dict(), tmp / "scheduler.pt")
+    (tmp / STATE_FILE).write_text(json.dumps({**state, "iteration": iteration}, indent=1))
+    _write_checksums(tmp)
+
+
+def _commit(checkpoint_dir: Path, iteration: int, write: Callable[[Path], None], keep: int) -> Path:
     path = atomic_folder(checkpoint_dir / f"{STEP_PREFIX}{iteration:06d}", write)
     for old in list_checkpoints(checkpoint_dir)[:-keep]:
         discard(old)
     return path
+
+
+def load_sharded_checkpoint(
+    folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
+) -> None:
+    """Read a sharded checkpoint into ``model`` and ``optimizer`` as they are laid out now:
+    sharded over any number of ranks, or whole (every rank calls it).
+
+    The checkpoint's tensors are checked against the model's names and shapes first: one
+    written for another model is refused with a :class:`CheckpointError` naming the folder and
+    the first tensor that differs, before anything is read into the model."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    folder = Path(folder)
+    shards = folder / SHARDS_DIR
+    saved = FileSystemReader(str(shards)).read_metadata().state_dict_metadata
+    model_state = model.state_dict()
+    for name, value in model_state.items():
+        entry = saved.get(f"model.{name}")
+        if entry is None:
+            raise CheckpointError(
+                f"checkpoint {folder} has no tensor {name}: it was written for another model"
+            )
+        shape = tuple(getattr(entry, "size", ()))
+        if shape != tuple(value.shape):
+            raise CheckpointError(
+                f"checkpoint {folder} holds {name} of shape {shape}, this model's is "
+                f"{tuple(value.shape)}: it was written for another model"
+            )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    optimizer_state: dict[str, dict[str, torch.Tensor]] = {}
+    prefix = "optimizer.state."
+    for key, entry in saved.items():
+        if not key.startswith(prefix) or not isinstance(entry, TensorStorageMetadata):
+            continue
+        index, name = key[len(prefix) :].split(".", 1)
+        if not index.isdigit() or int(index) >= len(params):
+            raise CheckpointError(
+                f"checkpoint {folder} holds optimizer state for parameter {index}; this model "
+                f"trains {len(params)} parameters: it was written for another model"
+            )
+        param, size = params[int(index)], tuple(entry.size)
+        # a moment has its parameter's shape and is laid out like it; a step count is a scalar
+        optimizer_state.setdefault(index, {})[name] = (
+            torch.zeros_like(param)
+            if size == tuple(param.shape)
+            else torch.zeros(size, dtype=entry.properties.dtype)
+        )
+    with _quiet_in_one_process():
+        dcp.load(
+            {"model": model_state, "optimizer": {"state": optimizer_state}},
+            checkpoint_id=shards,
+            no_dist=not dist.is_initialized(),
+        )
+    model.load_state_dict(model_state)
+    optimizer.load_state_dict(
+        {
+            "state": {int(index): entries for index, entries in optimizer_state.items()},
+            "param_groups": _load_tensors(folder / OPTIMIZER_GROUPS_FILE),
+        }
+    )
 
 
 def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:
@@ -165,18 +330,22 @@ def load_latest_good(
 
 
 def load_checkpoint_state(folder: str | Path) -> dict[str, Any]:
-    """Verify and read a checkpoint: ``state``, ``optimizer``, ``scheduler`` and the model path."""
+    """Verify and read a checkpoint: ``state``, ``optimizer``, ``scheduler``, ``model_dir`` (a
+    model folder to load, None for a sharded checkpoint) and ``sharded`` (the checkpoint's folder
+    for :func:`load_sharded_checkpoint`, None for a whole one)."""
     folder = Path(folder)
     verify_checksums(folder)
     state = json.loads((folder / STATE_FILE).read_text())
-    optimizer = _load_tensors(folder / "optimizer.pt")
+    sharded = state.get("checkpoint_format") == SHARDED
+    optimizer = None if sharded else _load_tensors(folder / "optimizer.pt")
     scheduler_file = folder / "scheduler.pt"
     scheduler = _load_tensors(scheduler_file) if scheduler_file.is_file() else None
     return {
         "state": state,
         "optimizer": optimizer,
         "scheduler": scheduler,
-        "model_dir": folder / MODEL_DIR,
+        "model_dir": None if sharded else folder / MODEL_DIR,
+        "sharded": folder if sharded else None,
     }
 
 

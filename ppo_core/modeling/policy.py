@@ -7,9 +7,11 @@ safetensors, and a folder's own Python code runs only with ``trust_remote_code=T
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import inspect
 import warnings
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -77,11 +79,35 @@ def check_model_folder(path: str | Path, role: str = "model") -> Path:
     return folder
 
 
+_STRUCTURE_ONLY = contextvars.ContextVar("structure_only", default=False)
+
+
+@contextlib.contextmanager
+def structure_only() -> Iterator[None]:
+    """Within it, models are built from their folder's config on the meta device, reading no
+    weights: the ranks of a sharded run other than rank 0 build the structure this way and
+    receive their shards from rank 0 (``ppo_core.parallel``)."""
+    token = _STRUCTURE_ONLY.set(True)
+    try:
+        yield
+    finally:
+        _STRUCTURE_ONLY.reset(token)
+
+
 def from_pretrained_checked(loader, folder: Path, role: str, **kwargs):
     """``loader.from_pretrained(folder, use_safetensors=True, ...)``, its failures turned into one
     :class:`ModelFolderError` that names the role and folder (a folder whose code would have to
-    run without ``trust_remote_code``, a config transformers does not know, damaged weights)."""
+    run without ``trust_remote_code``, a config transformers does not know, damaged weights).
+    Within :func:`structure_only`, the model of the folder's config on the meta device."""
     try:
+        if _STRUCTURE_ONLY.get():
+            from transformers import AutoConfig
+
+            config = AutoConfig.from_pretrained(
+                folder, trust_remote_code=kwargs.get("trust_remote_code", False)
+            )
+            with torch.device("meta"):
+                return loader.from_config(config, **kwargs)
         return loader.from_pretrained(folder, use_safetensors=True, **kwargs)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise ModelFolderError(
@@ -313,6 +339,14 @@ class ActorCritic(nn.Module):
         )
         if self.critic is not None:
             self.critic.save_pretrained(folder / CRITIC_DIR, safe_serialization=True)
+
+    def describe(self, folder: str | Path, tokenizer=None) -> None:
+        """Write the policy's config (and ``tokenizer``) into ``folder``, without weights: the
+        model folder of a sharded checkpoint, whose weights are in its shards."""
+        config: Any = getattr(self.causal_lm, "config")  # noqa: B009 (typed as Any)
+        config.save_pretrained(folder)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(folder)
 
     def _save_gathered(self, folder: Path, full_state: dict[str, Tensor]) -> None:
         from safetensors.torch import save_file

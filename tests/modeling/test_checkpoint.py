@@ -1,3 +1,5 @@
+import json
+
 import pytest
 import torch
 
@@ -5,8 +7,11 @@ from ppo_core.modeling.checkpoint import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint_state,
+    load_latest_good,
+    load_sharded_checkpoint,
     remove_partial,
     save_checkpoint,
+    save_sharded_checkpoint,
 )
 
 
@@ -57,3 +62,70 @@ def test_partial_folders_of_killed_writers_are_removed(tmp_path):
     ]
     assert sorted(p.name for p in tmp_path.iterdir()) == [".lock", good.name]
     assert remove_partial(tmp_path / "missing") == []
+
+
+def _trained(seed: int, width: int = 3) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(2, width), torch.nn.Linear(width, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    for _ in range(2):
+        model(torch.randn(4, 2)).pow(2).sum().backward()
+        optimizer.step()
+    return model, optimizer
+
+
+def _save_sharded(folder, iteration, model, optimizer):
+    return save_sharded_checkpoint(
+        folder,
+        iteration,
+        model,
+        optimizer,
+        lambda path: path.mkdir(),
+        None,
+        {"kl_coef": 0.1},
+    )
+
+
+def test_a_sharded_checkpoint_restores_weights_and_optimizer_state(tmp_path):
+    """Written in one process here (the 2-rank cases are in tests/test_distributed_training.py):
+    the DCP shards hold every weight and every AdamW moment and step, and the checksums cover
+    them."""
+    model, optimizer = _trained(0)
+    path = _save_sharded(tmp_path, 3, model, optimizer)
+    loaded = load_checkpoint_state(path)
+    assert loaded["sharded"] == path and loaded["model_dir"] is None
+    assert loaded["state"]["checkpoint_format"] == "sharded"
+    sums = json.loads((path / "checksums.json").read_text())
+    assert "shards/.metadata" in sums and any(name.endswith(".distcp") for name in sums)
+
+    fresh, fresh_optimizer = _trained(1)
+    load_sharded_checkpoint(path, fresh, fresh_optimizer)
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    saved, restored = optimizer.state_dict(), fresh_optimizer.state_dict()
+    assert saved["param_groups"] == restored["param_groups"]
+    for index, entries in saved["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(restored["state"][index][key], value), (index, key)
+
+
+def test_a_damaged_shard_is_skipped_for_the_previous_checkpoint(tmp_path):
+    model, optimizer = _trained(0)
+    _save_sharded(tmp_path, 1, model, optimizer)
+    newest = _save_sharded(tmp_path, 2, model, optimizer)
+    shard = next((newest / "shards").glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-8])
+    folder, state, problems = load_latest_good(tmp_path)
+    assert folder is not None and folder.name == "step-000001"
+    assert state is not None and state["state"]["iteration"] == 1
+    assert problems and f"shards/{shard.name} is damaged" in problems[0]
+
+
+def test_a_sharded_checkpoint_of_another_model_is_refused_by_name(tmp_path):
+    model, optimizer = _trained(0)
+    path = _save_sharded(tmp_path, 1, model, optimizer)
+    wider, wider_optimizer = _trained(0, width=5)
+    before = [value.clone() for value in wider.state_dict().values()]
+    with pytest.raises(CheckpointError, match=r"step-000001 holds 0.weight of shape \(3, 2\)"):
+        load_sharded_checkpoint(path, wider, wider_optimizer)
+    assert all(torch.equal(a, b) for a, b in zip(before, wider.state_dict().values(), strict=True))
