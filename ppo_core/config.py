@@ -1031,11 +1031,6 @@ def validate_config(config: Config) -> None:
             "parallel.reference_offload=true needs parallel.strategy=fsdp (got "
             f"{config.parallel.strategy!r}): only a sharded reference is offloaded"
         )
-    if config.parallel.strategy == "fsdp" and config.model.lora.enabled:
-        raise ConfigError(
-            "parallel.strategy=fsdp with model.lora.enabled=true is not supported yet; use "
-            "parallel.strategy=ddp for LoRA"
-        )
 
 
 def _check_lora(model: ModelConfig) -> None:

@@ -101,10 +101,6 @@ def test_file_then_overrides(tmp_path):
             ["parallel.reference_offload=true"],
             r"^parallel.reference_offload=true needs parallel.strategy=fsdp \(got 'ddp'\)",
         ),
-        (
-            ["parallel.strategy=fsdp", "model.lora.enabled=true"],
-            r"^parallel.strategy=fsdp with model.lora.enabled=true is not supported",
-        ),
     ],
 )
 def test_bad_config_names_the_key(overrides, message):

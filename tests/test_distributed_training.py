@@ -12,6 +12,7 @@ from ppo_core.config import load_config
 from ppo_core.trainer import train
 from tests import dist_train_worker
 from tests.math.test_distributed import free_port
+from tests.modeling.test_lora import adapter_parameters
 from tests.test_trainer import max_relative_difference, parameters
 
 
@@ -89,25 +90,86 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("first_by", ["fsdp", "one process"])
+@pytest.mark.parametrize("merge", [False, True])
+def test_two_fsdp_ranks_train_a_lora_adapter_like_one_process(tmp_path, prompt_files, merge):
+    """LoRA under FSDP: the frozen base and the adapter are sharded together, the reference is
+    the policy with its adapter off, and the candidate is gathered into an adapter folder (or,
+    with ``model.lora.merge``, merged weights) equal to one process's."""
+    from safetensors.torch import load_file
+
+    from ppo_core.modeling.policy import load_causal_lm
+    from tests.helpers import build_tiny_causal_lm
+
+    llama = build_tiny_causal_lm(tmp_path / "llama", family="llama")
+    lora = [
+        "model.lora.enabled=true",
+        "model.lora.rank=4",
+        "model.reward=tests.modeling.test_families:varied_reward",
+    ]
+    single = tmp_path / "single"
+    train(load_config(overrides=[*overrides(single, llama, prompt_files, 16, 8), *lora]))
+    sharded = tmp_path / "fsdp"
+    train_on_two_ranks(
+        [
+            *overrides(sharded, llama, prompt_files, 8, 4),
+            *lora,
+            f"model.lora.merge={merge}",
+            "parallel.strategy=fsdp",
+        ]
+    )
+    heads = [load_file(str(f / "candidate" / "value_head.safetensors")) for f in (single, sharded)]
+    torch.testing.assert_close(heads[1], heads[0], rtol=1e-5, atol=3e-6)
+    if merge:
+        assert not (sharded / "candidate" / "adapter_config.json").exists()
+        one = load_causal_lm(single / "candidate").state_dict()  # its adapter merged in
+        two = load_file(str(sharded / "candidate" / "model.safetensors"))
+        one = {name: one[name] for name in two}
+    else:
+        one, two = (
+            load_file(str(f / "candidate" / "adapter_model.safetensors")) for f in (single, sharded)
+        )
+        assert one.keys() == two.keys() and any("lora_B" in name for name in one)
+        assert (sharded / "candidate" / "adapter_base.json").is_file()
+        assert max(two[name].abs().max() for name in two if "lora_B" in name) > 1e-4  # trained
+    for name in one:
+        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=3e-6, msg=name)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("first_by", "lora"),
+    [("fsdp", False), ("one process", False), ("fsdp", True), ("one process", True)],
+)
 def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
-    tmp_path, tiny_model_dir, prompt_files, first_by
+    tmp_path, tiny_model_dir, prompt_files, first_by, lora
 ):
     """2 FSDP ranks train one iteration and write a sharded (DCP) checkpoint, each rank its own
     shards, and one plain process resumes from it; or the reverse, the FSDP ranks then sharding
-    a whole checkpoint's weights and momentum. Either way the run reaches the parameters of one
-    process that ran both iterations (the same global batch)."""
+    a whole checkpoint's weights and momentum (with LoRA: an adapter checkpoint, which the rank
+    that builds on the meta device must load too). Either way the run reaches the parameters of
+    one process that ran both iterations (the same global batch)."""
     # SGD with momentum: its state (a momentum buffer per parameter) is sharded and restored
     # like AdamW's moments, and it is linear in the gradients, so fp32 round-off stays
     # round-off (AdamW divides round-off gradients by their own size and makes them lr-sized)
     momentum = ["optim.momentum=0.9", "train.checkpoint_every=1"]
+    model = tiny_model_dir
+    if lora:
+        from tests.helpers import build_tiny_causal_lm
+
+        model = build_tiny_causal_lm(tmp_path / "llama", family="llama")
+        momentum += [
+            "model.lora.enabled=true",
+            "model.lora.rank=4",
+            "model.reward=tests.modeling.test_families:varied_reward",
+        ]
 
     def run(folder, ranks: int, iterations: int) -> None:
         if ranks == 1:
             train(
                 load_config(
                     overrides=[
-                        *overrides(folder, tiny_model_dir, prompt_files, 16, 8),
+                        *overrides(folder, model, prompt_files, 16, 8),
                         *momentum,
                         f"train.iterations={iterations}",
                     ]
@@ -115,7 +177,7 @@ def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
             )
             return
         settings = [
-            *overrides(folder, tiny_model_dir, prompt_files, 8, 4),
+            *overrides(folder, model, prompt_files, 8, 4),
             *momentum,
             f"train.iterations={iterations}",
             "parallel.strategy=fsdp",
@@ -136,7 +198,8 @@ def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
     run(resumed, 1 if first_by == "fsdp" else 2, 2)
     summary = json.loads((resumed / "candidate" / "training_summary.json").read_text())
     assert summary["resumed_from"] == 1
-    one, two = parameters(whole / "candidate"), parameters(resumed / "candidate")
+    read = adapter_parameters if lora else parameters
+    one, two = read(whole / "candidate"), read(resumed / "candidate")
     # fp32 round-off of the ranks' other reduction order, carried through a second iteration;
     # a checkpoint that lost the momentum, the KL coefficient or a shard is off by far more
     for name in one:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
-from torch import nn
+from torch import Tensor, nn
 
 from ppo_core.files import file_sha256, first_line
 from ppo_core.modeling.policy import ModelFolderError, check_model_folder
@@ -279,10 +279,21 @@ def load_adapter_model(folder: str | Path, load_base, role: str) -> nn.Module:
     return model.merge_and_unload().eval()
 
 
-def save_adapter(peft_model: Any, folder: str | Path, base: str | Path) -> None:
-    """Write the trained adapter to ``folder`` with ``adapter_base.json`` naming ``base``."""
+def save_adapter(
+    peft_model: Any,
+    folder: str | Path,
+    base: str | Path,
+    state_dict: dict[str, Tensor] | None = None,
+) -> None:
+    """Write the trained adapter to ``folder`` with ``adapter_base.json`` naming ``base``;
+    from ``state_dict`` (the peft model's whole state, gathered from shards) when given."""
     folder = Path(folder)
-    peft_model.save_pretrained(folder, selected_adapters=[POLICY_ADAPTER], safe_serialization=True)
+    peft_model.save_pretrained(
+        folder,
+        selected_adapters=[POLICY_ADAPTER],
+        safe_serialization=True,
+        **({"state_dict": state_dict} if state_dict is not None else {}),
+    )
     config_file = folder / ADAPTER_CONFIG_FILE
     config = json.loads(config_file.read_text())
     config["base_model_name_or_path"] = base_record_path(base)

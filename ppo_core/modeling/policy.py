@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import inspect
+import shutil
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -316,7 +317,7 @@ class ActorCritic(nn.Module):
 
         folder = Path(folder)
         if full_state is not None:
-            self._save_gathered(folder, full_state)
+            self._save_gathered(folder, full_state, merged)
         elif self.adapter_base is None:
             self.policy.save_pretrained(folder, safe_serialization=True)
         elif merged:
@@ -348,7 +349,7 @@ class ActorCritic(nn.Module):
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
 
-    def _save_gathered(self, folder: Path, full_state: dict[str, Tensor]) -> None:
+    def _save_gathered(self, folder: Path, full_state: dict[str, Tensor], merged: bool) -> None:
         from safetensors.torch import save_file
 
         def part(prefix: str) -> dict[str, Tensor]:
@@ -366,7 +367,16 @@ class ActorCritic(nn.Module):
                 tied.add(name)
             seen.add(id(tensor))
         policy_state = {k: v for k, v in part("policy.").items() if k not in tied}
-        self.policy.save_pretrained(folder, state_dict=policy_state, safe_serialization=True)
+        if self.adapter_base is None:
+            self.policy.save_pretrained(folder, state_dict=policy_state, safe_serialization=True)
+        else:
+            from ppo_core.modeling.lora import save_adapter
+
+            adapter = folder / ".adapter" if merged else folder
+            save_adapter(self.policy, adapter, self.adapter_base, state_dict=policy_state)
+            if merged:  # the base read again, with the adapter just written merged in
+                load_causal_lm(adapter, "policy").save_pretrained(folder, safe_serialization=True)
+                shutil.rmtree(adapter)
         save_file(part("value_head."), str(folder / VALUE_HEAD_FILE))
         if self.critic is not None:
             self.critic.save_pretrained(
