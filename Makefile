@@ -10,17 +10,34 @@ BIN := $(VENV)/bin
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
 
-.PHONY: run test test-fast lint format setup clean
+# Every other package at the version the tests passed with (Linux, Python 3.11); torch is not
+# in it, so that TORCH_SPEC chooses the build. `make lock` resolves it afresh.
+LOCK := requirements.lock
+
+.PHONY: run test test-fast lint format setup lock clean
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=/path/to/python3.11"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -r $(LOCK)
+	$(BIN)/pip install --quiet --no-deps -e '.[dev]'
 	touch $(STAMP)
+
+# Resolve the newest versions pyproject.toml allows in a fresh environment and pin them all in
+# requirements.lock (run the tests after it, then commit the lock).
+lock:
+	rm -rf .lock-venv
+	$(PYTHON) -m venv .lock-venv
+	.lock-venv/bin/pip install --quiet --upgrade pip
+	.lock-venv/bin/pip install --quiet "$(TORCH_SPEC)"
+	.lock-venv/bin/pip install --quiet -e '.[dev]'
+	{ echo "# pip freeze of a fresh install of .[dev] (make lock); torch is installed first, by TORCH_SPEC"; \
+	  .lock-venv/bin/pip freeze --exclude-editable | grep -v '^torch=='; } > $(LOCK)
+	rm -rf .lock-venv
 
 # The whole default pipeline through the Prefect flow (a temporary local Prefect server starts
 # and stops by itself); each stage runs as `dvc repro <stage>`, so a second run skips them all.
