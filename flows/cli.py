@@ -14,6 +14,7 @@ from __future__ import annotations
 import errno
 import os
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import Annotated
@@ -203,8 +204,9 @@ def base(config: ConfigOption = None, overrides: Overrides = None) -> None:
     from flows import stages
 
     cfg = _run(lambda: _load(config, overrides))
+    started = time.perf_counter()
     path = _run(lambda: stages.base(cfg))
-    console.print(f"base model ready in [bold]{path}[/]")
+    console.print(f"base model ready in [bold]{path}[/] ({time.perf_counter() - started:.0f} s)")
 
 
 @app.command()

@@ -8,12 +8,15 @@ paths are checked against :func:`metric_file` by the tests).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ppo_core.files import atomic_write_text
 
 if TYPE_CHECKING:
     from dvclive import Live
@@ -44,10 +47,19 @@ def metric_group(flat: Mapping[str, float], group: str) -> dict[str, float]:
     return {key[len(prefix) :]: value for key, value in flat.items() if key.startswith(prefix)}
 
 
+TIMINGS_FILE = "timings.json"
+
+
 class DVCLiveLogger:
     """Writes every metric per iteration under ``folder`` with DVCLive (:func:`metric_file` and
     ``metrics.json``). The folder is rewritten from the run's full history on resume, so it always
-    describes the whole run."""
+    describes the whole run.
+
+    Wall-clock measurements (``perf/...``) go to ``timings.json`` beside it instead (the latest
+    iteration's, nested like ``metrics.json``): the DVCLive files are outputs of the train stage,
+    recorded in ``dvc.lock``, and must be the same bytes when the same inputs are run again;
+    ``timings.json`` is listed under ``dvc.yaml``'s top-level ``metrics`` only, so that
+    ``dvc metrics show`` and ``dvc exp show`` still show it."""
 
     def __init__(self, folder: str | Path):
         self.folder = Path(folder)
@@ -63,13 +75,21 @@ class DVCLiveLogger:
             )
         self.live.step = iteration
         from ppo_core.modeling.checkpoint import METRIC_NAME
+        from ppo_core.trainer import TIMINGS
 
+        timings: dict[str, dict[str, float]] = {}
         for name, value in metrics.items():
             # The name becomes a path under the folder (metric_file): never "../x" or "/x".
             if not METRIC_NAME.fullmatch(name):
                 raise ValueError(f"metric name {name[:40]!r} is not group/name in lowercase words")
-            self.live.log_metric(name, value, plot=True)
+            if name.startswith(TIMINGS):
+                group, key = name.split("/", 1)
+                timings.setdefault(group, {})[key] = value
+            else:
+                self.live.log_metric(name, value, plot=True)
         self.live.make_summary()
+        if timings:
+            atomic_write_text(self.folder / TIMINGS_FILE, json.dumps(timings, indent=1))
 
     def close(self) -> None:
         if self.live is not None:

@@ -348,6 +348,7 @@ def promote(config: Config) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
     candidate as a new production version. Writes the decision to ``promote.report`` either way."""
     from flows.loggers import metric_group
+    from ppo_core.provenance import code_version
     from ppo_core.registry import gate, record_decision
 
     metrics_file = Path(config.eval.output_dir) / "metrics.json"
@@ -383,6 +384,7 @@ def promote(config: Config) -> dict:
         lineage={
             "data_hash": summary.get("data_hash"),
             "base_model": summary.get("base_model"),
+            "code_version": code_version(),
             "seed": summary.get("seed"),
             "config": trained_with,
             "metrics": candidate,
@@ -391,5 +393,8 @@ def promote(config: Config) -> dict:
             "reward": models.get("reward"),
         },
     )
-    atomic_write_text(rules.report, json.dumps(entry, indent=1))
+    # The report is a DVC output, so it holds only what the stage's inputs determine (a rerun of
+    # one commit writes the same bytes); when, and from which commit, stay in the registry.
+    report = {key: value for key, value in entry.items() if key not in ("date", "code_version")}
+    atomic_write_text(rules.report, json.dumps(report, indent=1))
     return entry

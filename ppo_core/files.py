@@ -46,6 +46,7 @@ __all__ = [
     "fsync_folder",
     "is_partial",
     "regular_files",
+    "tree_sha256",
 ]
 
 # Hidden siblings of a target: being written, replaced (kept until the swap is done), being
@@ -436,6 +437,16 @@ def folder_fingerprint(folder: str | Path) -> str:
     digest.update(config.read_bytes() if config.is_file() else b"")
     for relative, size in regular_files(folder):
         digest.update(f"\0{relative}\0{size}".encode())
+    return digest.hexdigest()
+
+
+def tree_sha256(folder: str | Path) -> str:
+    """SHA-256 (hex) of a folder's whole content, unlike :func:`folder_fingerprint`: each regular
+    file's relative path and the SHA-256 of its bytes, in :func:`regular_files` order (which
+    refuses links and special files). Equal for a byte-identical copy anywhere."""
+    digest = hashlib.sha256()
+    for relative, _ in regular_files(folder):
+        digest.update(f"{relative}\0{file_sha256(Path(folder) / relative)}\n".encode())
     return digest.hexdigest()
 
 

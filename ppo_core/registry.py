@@ -14,7 +14,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_core.files import atomic_folder, atomic_write_text, copy_regular_tree, exclusive_run
+from ppo_core.files import (
+    atomic_folder,
+    atomic_write_text,
+    copy_regular_tree,
+    exclusive_run,
+    tree_sha256,
+)
 
 __all__ = ["GateDecision", "current_production", "gate", "load_registry", "record_decision"]
 
@@ -114,8 +120,14 @@ def load_registry(path: str | Path) -> dict[str, Any]:
 
 
 def current_production(registry_path: str | Path, production_dir: str | Path) -> Path | None:
-    """Folder of the current production version, or None before the first promotion."""
-    current = load_registry(registry_path).get("current")
+    """Folder of the current production version, or None before the first promotion.
+
+    The folder's content is checked against the SHA-256 recorded when it was promoted: a
+    version changed on disk since is refused (:class:`RegistryError`) rather than used as the
+    baseline or replaced by the next promotion. Entries written before the hash was recorded
+    are not checked."""
+    registry = load_registry(registry_path)
+    current = registry.get("current")
     if not current:
         return None
     folder = Path(production_dir) / current
@@ -123,6 +135,17 @@ def current_production(registry_path: str | Path, production_dir: str | Path) ->
         raise FileNotFoundError(
             f"the registry names production version {current} but {folder} "
             "is missing; restore it (e.g. `dvc pull`) before going on"
+        )
+    recorded = next(
+        (e.get("content_sha256") for e in registry["entries"] if e.get("version") == current),
+        None,
+    )
+    if recorded is not None and tree_sha256(folder) != recorded:
+        raise RegistryError(
+            f"production version {current} in {folder} no longer matches the content hash the "
+            f"registry recorded when it was promoted ({str(recorded)[:12]}...); a file in it "
+            "was changed, added or removed. Restore it (e.g. `dvc pull` or "
+            "`dvc checkout`) before evaluating or promoting"
         )
     return folder
 
@@ -176,6 +199,7 @@ def _record(
         atomic_folder(target, lambda tmp: copy_regular_tree(candidate_dir, tmp))
         entry["version"] = version
         entry["path"] = str(target)
+        entry["content_sha256"] = tree_sha256(target)
         registry["current"] = version
     registry["entries"].append(entry)
     atomic_write_text(registry_path, json.dumps(registry, indent=1))

@@ -68,6 +68,7 @@ from ppo_core.runtime import Runtime, setup_runtime
 from ppo_core.update import ppo_update
 
 __all__ = [
+    "TIMINGS",
     "MetricsLogger",
     "RandomStream",
     "TrainState",
@@ -94,6 +95,17 @@ class TrainSummary:
     resumed_from: int
     final_metrics: dict[str, float]
     history: list[dict[str, float]]
+
+
+TIMINGS = "perf/"
+"""The group of wall-clock measurements (``perf/rollout_s``, ``perf/tokens_per_s``, ...)."""
+
+
+def without_timings(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` without :data:`TIMINGS`. Loggers get every metric, but checkpoints and the
+    candidate are DVC outputs, which must hold the same bytes whenever the same inputs are run
+    again, so no wall-clock time is written into them."""
+    return {name: value for name, value in metrics.items() if not name.startswith(TIMINGS)}
 
 
 # -- randomness ---------------------------------------------------------------------------------
@@ -451,7 +463,8 @@ class TrainState:
         state and ``lineage`` (every rank calls it): sharded, each rank writing its own shards,
         when the strategy shards the model; else whole, written by rank 0."""
         train = config.train
-        state = {"kl_coef": self.kl_controller.value, "history": self.history, **lineage}
+        history = [without_timings(row) for row in self.history]
+        state = {"kl_coef": self.kl_controller.value, "history": history, **lineage}
         if models.strategy.sharded:
             save_sharded_checkpoint(
                 train.checkpoint_dir,
@@ -630,7 +643,7 @@ def _run(
         runtime,
         models.actor_critic,
         inputs.tokenizer,
-        {**lineage, "final_metrics": metrics, "resumed_from": resumed_from},
+        {**lineage, "final_metrics": without_timings(metrics), "resumed_from": resumed_from},
         full_state=full_model_state(models),
     )
     return TrainSummary(

@@ -179,3 +179,58 @@ def test_promotion_copies_no_link_and_changes_nothing(tmp_path):
         "config.json",
         "model.safetensors",
     ]
+
+
+@pytest.mark.parametrize("change", ["edited", "added", "removed"])
+def test_a_production_version_changed_on_disk_is_refused_by_name(tmp_path, change):
+    """The registry records each promoted version's content hash; a version whose files were
+    edited, added to or removed since is refused instead of being used as the baseline or
+    replaced, and the error names the folder."""
+    from ppo_core.files import tree_sha256
+
+    registry, production = tmp_path / "registry.json", tmp_path / "production"
+    entry = record_decision(
+        registry_path=registry,
+        production_dir=production,
+        candidate_dir=candidate(tmp_path, "c1", "weights-1"),
+        decision=gate(GOOD, None, **RULES),
+        lineage={"data_hash": "abc"},
+    )
+    version = production / "v0001"
+    assert entry["content_sha256"] == tree_sha256(version)
+    assert current_production(registry, production) == version
+    if change == "edited":
+        (version / "model.safetensors").write_text("weights-X")
+    elif change == "added":
+        (version / "extra.bin").write_text("")
+    else:
+        (version / "config.json").unlink()
+        (version / "adapter_config.json").write_text("{}")  # still looks like a model folder
+    with pytest.raises(RegistryError, match=r"production version v0001 in .*v0001 no longer"):
+        current_production(registry, production)
+
+
+def test_the_code_version_is_the_commit_and_whether_tracked_files_differ(tmp_path):
+    import subprocess
+
+    from ppo_core.provenance import code_version
+
+    assert code_version(tmp_path) == {"commit": None, "dirty": None}  # not a git work tree
+
+    def git(*args):
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    for name in ("code.py", "dvc.lock"):
+        (tmp_path / name).write_text("one\n")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "first")
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tmp_path, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert code_version(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "dvc.lock").write_text("rewritten by the pipeline\n")
+    (tmp_path / "new.py").write_text("untracked\n")
+    assert code_version(tmp_path) == {"commit": head, "dirty": False}
+    (tmp_path / "code.py").write_text("two\n")
+    assert code_version(tmp_path) == {"commit": head, "dirty": True}

@@ -185,6 +185,13 @@ def test_outputs_carry_config_and_lineage(tmp_path, tiny_model_dir, prompt_files
         "perf/tokens_per_s",
     ):
         assert key in summary.final_metrics
+    # The candidate and the checkpoints are DVC outputs: no wall-clock time is written into
+    # them, so that the same inputs give the same bytes (the loggers still get the timings).
+    assert "rollout/score" in info["final_metrics"]
+    assert not [name for name in info["final_metrics"] if name.startswith("perf/")]
+    (checkpoint,) = (tmp_path / "checkpoints").glob("step-*")
+    history = json.loads((checkpoint / "trainer_state.json").read_text())["history"]
+    assert history and not [name for row in history for name in row if name.startswith("perf/")]
 
 
 @pytest.mark.parametrize(

@@ -42,6 +42,16 @@ def test_retrain_flow_runs_every_stage_and_publishes_artifacts(
     }
     assert outputs["decision"] == "promoted"
     assert (tiny_project / "reports" / "eval" / "report.md").is_file()
+    # The entry names the code that trained the version (the project's commit, no tracked file
+    # changed but those the pipeline rewrites) and the hash of what was promoted.
+    from ppo_core.files import tree_sha256
+
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tiny_project, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    (first,) = read_json(tiny_project / "models" / "registry.json")["entries"]
+    assert first["code_version"] == {"commit": head, "dirty": False}
+    assert first["content_sha256"] == tree_sha256(tiny_project / "models/production/v0001")
 
     async def artifact_keys():
         async with get_client() as client:

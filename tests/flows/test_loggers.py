@@ -23,6 +23,20 @@ def test_dvclive_writes_each_metric_where_metric_file_says(tmp_path):
     assert summary["rollout"]["score"] == 0.75 and summary["step"] == 2
 
 
+def test_wall_clock_timings_stay_out_of_the_dvclive_files(tmp_path):
+    """The DVCLive files are outputs of the train stage (their hashes are in dvc.lock): the
+    ``perf/`` timings, which differ on every run, go to ``timings.json`` beside them instead."""
+    folder = tmp_path / "train"
+    logger = DVCLiveLogger(folder)
+    logger.log(1, {"rollout/score": 0.5, "perf/rollout_s": 1.5, "perf/tokens_per_s": 40.0})
+    logger.log(2, {"rollout/score": 0.75, "perf/rollout_s": 1.25, "perf/tokens_per_s": 48.0})
+    logger.close()
+    assert "perf" not in json.loads((folder / "metrics.json").read_text())
+    assert not metric_file(folder, "perf/rollout_s").exists()
+    timings = json.loads((folder / "timings.json").read_text())
+    assert timings == {"perf": {"rollout_s": 1.25, "tokens_per_s": 48.0}}
+
+
 def test_metric_group_reads_one_side_of_a_flat_mapping():
     flat = {
         "candidate/score": 0.7,
