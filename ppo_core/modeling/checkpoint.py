@@ -259,11 +259,11 @@ def load_sharded_checkpoint(
     model_state = model.state_dict()
     for name, value in model_state.items():
         entry = saved.get(f"model.{name}")
-        if entry is None:
+        if not isinstance(entry, TensorStorageMetadata):
             raise CheckpointError(
                 f"checkpoint {folder} has no tensor {name}: it was written for another model"
             )
-        shape = tuple(getattr(entry, "size", ()))
+        shape = tuple(entry.size)
         if shape != tuple(value.shape):
             raise CheckpointError(
                 f"checkpoint {folder} holds {name} of shape {shape}, this model's is "
