@@ -152,12 +152,29 @@ def show_config(
     docs: Annotated[
         bool, typer.Option("--docs", help="Write each key's documentation above it, as comments.")
     ] = False,
+    get: Annotated[
+        str | None,
+        typer.Option(
+            "--get",
+            metavar="KEY",
+            help="Print only this key's value, e.g. `--get schedule.cron` (for scripts).",
+            show_default=False,
+        ),
+    ] = None,
 ) -> None:
     """Print the resolved config (defaults, then the file, then overrides) as YAML."""
-    from ppo_core.config import to_yaml
+    from ppo_core.config import flatten, to_yaml
 
     cfg = _run(lambda: _load(config, overrides))
-    sys.stdout.write(to_yaml(cfg, docs=docs))
+    if get is None:
+        sys.stdout.write(to_yaml(cfg, docs=docs))
+        return
+    flat = flatten(cfg)
+    if get not in flat:
+        console.print(f"[bold red]error:[/] no config key {get!r}; `ppo config` lists them")
+        raise typer.Exit(code=2)
+    value = flat[get]
+    sys.stdout.write(("" if value is None else str(value)) + "\n")
 
 
 @app.command()
@@ -307,6 +324,66 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
     console.print(f"candidate {verdict}", soft_wrap=True)
     for reason in entry["reasons"]:
         console.print(f"  {reason}", soft_wrap=True)
+
+
+@app.command()
+def ingest(
+    files: Annotated[
+        list[Path],
+        typer.Argument(help="Prompt files (.jsonl, .parquet) to add.", show_default=False),
+    ],
+    config: ConfigOption = None,
+    no_event: Annotated[
+        bool,
+        typer.Option("--no-event", help="Add the files without telling the Prefect server."),
+    ] = False,
+) -> None:
+    """Add new raw prompt files for the next retraining run, and tell Prefect.
+
+    Each file is read as `ppo prepare` reads raw files (a malformed one is refused, naming the
+    file and line, before anything is written), then copied into `ingest.inbox_dir`, all files
+    or none. The next run of the Prefect flow `retrain` moves them into `data.raw_dir` before it
+    prepares; files that arrive during a run wait for the next one.
+
+    With `PREFECT_API_URL` set, the event `ppo.data.ingested` goes to that server, where it
+    starts the deployment `retrain/on-new-data` (`prefect deploy --all`, see prefect.yaml).
+    Without it, nothing is triggered: `python -m flows.pipeline run` (or `make run`) takes them.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.ingest import emit_ingested, ingest_files
+
+    cfg = _run(lambda: _load(config, None))
+    result = _run(lambda: ingest_files(cfg, files))
+    for path in result.already_there:
+        console.print(f"{path} already holds these bytes: nothing to add", soft_wrap=True)
+    for path in result.added:
+        console.print(f"added {path} ({result.prompts[path.name]} prompts)", soft_wrap=True)
+    if not result.added:
+        return
+    if no_event:
+        return
+    if not PREFECT_API_URL.value():
+        console.print(
+            "PREFECT_API_URL is not set, so no run was triggered: the next run of the flow takes "
+            "these files (`python -m flows.pipeline run`, or a served or deployed `retrain`)",
+            soft_wrap=True,
+        )
+        return
+    try:
+        emit_ingested(result, Path.cwd())
+    except Exception as exc:  # the files are in; only the trigger failed
+        console.print(
+            f"[bold red]error:[/] the files are in {cfg.ingest.inbox_dir}, but the event could "
+            f"not reach the Prefect server at {PREFECT_API_URL.value()} ({exc}); the next run "
+            "takes them",
+            soft_wrap=True,
+        )
+        raise typer.Exit(code=1) from None
+    console.print(
+        f"sent ppo.data.ingested to {PREFECT_API_URL.value()}: it starts retrain/on-new-data",
+        soft_wrap=True,
+    )
 
 
 @app.command()

@@ -6,8 +6,9 @@ Each task runs ``dvc repro --single-item <stage>`` in the project, so the stage 
 retried ``train`` resumes from its persisted checkpoints.
 
     python -m flows.pipeline run                 # one run now (temporary local Prefect server)
-    python -m flows.pipeline serve               # deployments 'retrain/manual' and 'retrain/scheduled'
-    prefect deployment run 'retrain/manual'      # with `serve` running and a Prefect server up
+    python -m flows.pipeline serve               # the deployments of prefect.yaml, no work pool
+    prefect --no-prompt deploy --all             # the same for a work pool (see prefect.yaml)
+    prefect deployment run 'retrain/manual'      # with a Prefect server up
 
 The project a run works on is fixed where the flow is served (:data:`PROJECT_ENV`), never a
 run parameter; a run's ``params`` are held to an allow-list (:mod:`flows.run_params`).
@@ -15,11 +16,13 @@ run parameter; a run's ``params`` are held to an allow-list (:mod:`flows.run_par
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shlex
 import sys
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -39,6 +42,9 @@ if TYPE_CHECKING:
     from ppo_core.config import Config
 
 STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
+# Stages that run the models (on the accelerator, when there is one): they hold a slot of
+# flow.gpu_limit while they run.
+ACCELERATED = ("train", "evaluate")
 # Stages worth retrying: the long, resumable ones. A validation failure is not retried.
 RETRIED = {"train": 2, "evaluate": 1}
 # The project folder of every run of the flow in this process and the runs it starts: set by
@@ -120,9 +126,16 @@ def _production_version(repo_dir: str) -> str | None:
 
 
 @flow(name="retrain", log_prints=True)
-def retrain(from_production: bool = False, params: dict[str, Any] | None = None) -> dict[str, Any]:
+def retrain(
+    from_production: bool = False,
+    params: dict[str, Any] | None = None,
+    new_data_only: bool = False,
+) -> dict[str, Any]:
     """Prepare, validate, train, evaluate and promote, each through `dvc repro`, in the project
     folder fixed where the flow is served (``$PPO_PROJECT_DIR``, else the working folder).
+
+    A run waits for the project's retraining lock while another run holds it, then moves the
+    files ``ppo ingest`` left in ``ingest.inbox_dir`` into ``data.raw_dir`` (:mod:`flows.ingest`).
 
     Args:
         from_production: start from the current production version (scheduled retraining);
@@ -130,15 +143,25 @@ def retrain(from_production: bool = False, params: dict[str, Any] | None = None)
         params: training settings for this run only, e.g. ``{"ppo.epochs": 2}``: only the keys
             of ``flows.run_params.RUN_PARAMS``, checked before anything is written, and held in
             ``params.yaml`` only while the run lasts.
+        new_data_only: end at once, running no stage, when the raw prompts are those of the
+            prepared version (the deployment ``retrain/on-new-data``: a run triggered for files
+            that an earlier run already took has nothing to do).
     """
     from ppo_core.files import exclusive_run
 
     repo_dir = str(project_dir())
     updates = check_run_params(repo_dir, params)
-    with exclusive_run(Path(repo_dir) / ".retrain.lock", "retraining run in this repository"):
+    with exclusive_run(
+        Path(repo_dir) / ".retrain.lock", "retraining run in this repository", on_wait=_waiting
+    ):
         left = put_back_left_params(repo_dir)
         if left:
             print(left)
+        taken, new_data = _take_new_data(repo_dir)
+        if new_data_only and not new_data:
+            outputs = nothing_new(repo_dir)
+            print(f"decision: {outputs['message']}")
+            return cast("dict[str, Any]", Completed(message=outputs["message"], data=outputs))
         if from_production:
             version = _production_version(repo_dir)
             if version is not None:
@@ -148,20 +171,88 @@ def retrain(from_production: bool = False, params: dict[str, Any] | None = None)
         if updates:
             print(f"params.yaml holds this run's values until it ends: {updates}")
         with params_for_this_run(repo_dir, updates):
-            outputs = _retrain(repo_dir, updates)
+            outputs = _retrain(repo_dir, updates, taken)
     # A returned state is the run's final state: its message, the decision, shows in the UI, in
     # `prefect flow-run inspect` and in the run's last log line ("Finished in state
     # Completed('promoted as ...')"); callers of the flow get its data, the outputs.
     return cast("dict[str, Any]", Completed(message=outputs["message"], data=outputs))
 
 
-def _retrain(repo_dir: str, updates: dict[str, Any]) -> dict[str, Any]:
-    timeouts = _load_params(repo_dir).flow
+@contextlib.contextmanager
+def accelerator_slot(limit: str) -> Iterator[None]:
+    """Hold one slot of the Prefect global concurrency limit ``limit`` (``flow.gpu_limit``) for
+    the duration, waiting for one while they are all taken; without a limit of that name (or
+    with an empty name), hold nothing."""
+    from prefect import get_client
+    from prefect.concurrency.sync import concurrency
+    from prefect.exceptions import ObjectNotFound
+
+    if limit:
+        with get_client(sync_client=True) as client:
+            try:
+                client.read_global_concurrency_limit_by_name(limit)
+            except ObjectNotFound:
+                limit = ""
+    if not limit:
+        yield
+        return
+    print(f"taking a slot of the concurrency limit {limit!r} (flow.gpu_limit)")
+    with concurrency(limit, occupy=1):
+        yield
+
+
+def _waiting(holder: str) -> None:
+    print(f"{holder}: this run waits for it to end")
+
+
+def _take_new_data(repo_dir: str) -> tuple[list[str], list[str]]:
+    """Move the ingested files into the raw folder; returns their names and how the raw folder
+    now differs from the prepared version (``flows.stages.raw_changes``)."""
+    from flows.ingest import take_inbox
+    from flows.stages import raw_changes
+
+    config = _load_params(repo_dir)
+    with contextlib.chdir(repo_dir):
+        taken = take_inbox(config)
+        changes = raw_changes(config)
+    if taken:
+        print(f"took {len(taken)} ingested file(s) into {config.data.raw_dir}: {', '.join(taken)}")
+    return taken, changes
+
+
+def nothing_new(repo_dir: str) -> dict[str, Any]:
+    """The outputs of a ``new_data_only`` run that found no new data."""
+    production = _production_version(repo_dir)
+    stays = (
+        f"production stays {Path(production).name}: {production}"
+        if production
+        else "no production model yet"
+    )
+    return {
+        "stages": {},
+        "decision": None,
+        "decided": False,
+        "version": None,
+        "production": None if production is None else str(Path(repo_dir) / production),
+        "reasons": [],
+        "message": f"no new data since the prepared version; nothing to do; {stays}",
+    }
+
+
+def _retrain(repo_dir: str, updates: dict[str, Any], taken: list[str]) -> dict[str, Any]:
+    timeouts = _load_params(repo_dir).flow  # and flow.gpu_limit
     status = {}
     to_track: list[str] = []
     for stage in STAGES:
         runner = run_stage.with_options(retries=RETRIED.get(stage, 0), retry_delay_seconds=5)
-        result = runner(stage, repo_dir, getattr(timeouts, f"{stage}_timeout"))
+        slot = accelerator_slot(timeouts.gpu_limit) if stage in ACCELERATED else nullcontext()
+        try:
+            with slot:
+                result = runner(stage, repo_dir, getattr(timeouts, f"{stage}_timeout"))
+        except StageFailed as failed:
+            if stage == "validate" and taken and not isinstance(failed, StageTimedOut):
+                raise StageFailed(reject_ingested(repo_dir, taken, str(failed))) from None
+            raise
         status[stage] = result["status"]
         to_track += [f for f in result["to_track"] if f not in to_track]
     outputs = publish_results(repo_dir, status)
@@ -204,6 +295,55 @@ def announce_decision(outputs: dict[str, Any]) -> None:
             key: outputs[key] for key in ("decision", "decided", "version", "production", "reasons")
         },
     )
+
+
+def reject_ingested(repo_dir: str, taken: list[str], failure: str) -> str:
+    """Validation rejected data that holds files this run took from the inbox: set them aside
+    (``ingest.rejected_dir``) so that the raw folder is again the one the prepared version was
+    made from, publish the failed expectations as the artifact ``validation-failure``, and
+    return the run's error message."""
+    from flows.ingest import set_aside_rejected
+    from ppo_core.evaluation import escape_markdown
+
+    config = _load_params(repo_dir)
+    with contextlib.chdir(repo_dir):
+        folder = set_aside_rejected(config, taken, failure)
+    failed = failed_expectations(Path(repo_dir) / config.validation.report_dir / "summary.json")
+    lines = [
+        f"**Validation rejected the data with the ingested files {escape_markdown(', '.join(taken))}**",
+        "",
+        f"They were moved to `{escape_markdown(str(folder))}`; the prepared data, the production "
+        "model and the registry are unchanged.",
+        "",
+        *[f"- {escape_markdown(line)}" for line in failed],
+    ]
+    create_markdown_artifact(
+        markdown="\n".join(lines),
+        key="validation-failure",
+        description="Expectations the ingested data failed",
+    )
+    return (
+        f"{failure}\nThe ingested files {', '.join(taken)} were set aside in {folder}; the "
+        "prepared data and production are unchanged"
+    )
+
+
+def failed_expectations(summary_file: Path) -> list[str]:
+    """One line a failed expectation of the validation summary (``split: expectation (column):
+    details``); empty when the summary cannot be read."""
+    try:
+        summary = json.loads(summary_file.read_text())
+    except (OSError, ValueError):
+        return []
+    lines = []
+    for split in (summary.get("splits") or {}).values():
+        for item in split.get("expectations") or []:
+            if not item.get("success", True):
+                column = f" ({item['column']})" if item.get("column") else ""
+                lines.append(
+                    f"{item.get('split')}: {item.get('expectation')}{column}: {item.get('details')}"
+                )
+    return lines
 
 
 def decision_message(
@@ -284,44 +424,57 @@ def publish_results(repo_dir: str, status: dict[str, str]) -> dict[str, Any]:
 
 
 def serve_deployments(repo_dir: str = ".") -> None:
-    """Serve 'retrain/manual' (on demand) and 'retrain/scheduled' (``schedule.cron`` in
-    ``schedule.timezone``, from params.yaml) for the project in ``repo_dir``."""
+    """Serve the deployments of ``prefect.yaml`` (:func:`deployments`) for the project in
+    ``repo_dir``, without a work pool."""
     from prefect import serve
 
-    manual, scheduled = deployments(repo_dir)
     # The runs that `serve` starts inherit this process's environment: this pins their project.
     os.environ[PROJECT_ENV] = str(Path(repo_dir).resolve())
-    # One run at a time: a schedule firing during a manual run waits instead of racing it for
-    # the same workspace (DVC would refuse the second `dvc repro` on its lock anyway).
-    serve(manual, scheduled, limit=1)
+    # One run at a time across all three: a schedule firing during a manual run waits instead
+    # of racing it for the same workspace.
+    serve(*deployments(repo_dir), limit=1)
 
 
-def deployments(repo_dir: str = ".") -> tuple[RunnerDeployment, RunnerDeployment]:
-    """The deployments 'retrain/manual' and 'retrain/scheduled' of the project in ``repo_dir``.
+# The deployments' definitions, also read by `prefect deploy --all`.
+DEPLOYMENTS_FILE = Path(__file__).resolve().parents[1] / "prefect.yaml"
 
-    Neither takes the project folder as a parameter (:data:`PROJECT_ENV` pins it); Prefect
-    checks each run's parameters against the flow's signature, so a run that names another
-    folder, or any parameter but ``from_production`` and ``params``, is refused before it starts.
+
+def deployments(repo_dir: str = ".") -> list[RunnerDeployment]:
+    """The deployments that the project's ``prefect.yaml`` (else this code's) declares ('retrain/manual', 'retrain/scheduled',
+    'retrain/on-new-data'), for `serve`: the same names, descriptions, parameters, triggers and
+    concurrency limits, and the schedule from the project's ``schedule.cron`` and
+    ``schedule.timezone`` (which the file's build steps read for `prefect deploy`).
+
+    None takes the project folder as a parameter (:data:`PROJECT_ENV` pins it); Prefect checks
+    each run's parameters against the flow's signature, so a run that names another folder, or
+    a parameter the flow does not take, is refused before it starts.
     """
+    import yaml
+    from prefect.client.schemas.objects import ConcurrencyLimitConfig
+    from prefect.events import DeploymentEventTrigger
     from prefect.schedules import Cron
 
-    config = _load_params(repo_dir)
-    when = config.schedule
-    manual = retrain.to_deployment(
-        name="manual",
-        description="Run the whole pipeline now.",
-        enforce_parameter_schema=True,
-    )
-    scheduled = retrain.to_deployment(
-        name="scheduled",
-        schedule=Cron(when.cron, timezone=when.timezone),
-        parameters={"from_production": True},
-        description=f"Retrain on new data from the production model ({when.cron}, "
-        f"{when.timezone}).",
-        enforce_parameter_schema=True,
-    )
+    when = _load_params(repo_dir).schedule
+    own = Path(repo_dir) / "prefect.yaml"
+    declared = yaml.safe_load((own if own.is_file() else DEPLOYMENTS_FILE).read_text())
+    served = []
+    for spec in declared["deployments"]:
+        limit = spec.get("concurrency_limit")
+        served.append(
+            retrain.to_deployment(
+                name=spec["name"],
+                description=spec.get("description"),
+                parameters=spec.get("parameters") or {},
+                schedules=(
+                    [Cron(when.cron, timezone=when.timezone)] if spec.get("schedules") else None
+                ),
+                triggers=[DeploymentEventTrigger(**t) for t in spec.get("triggers") or []],
+                concurrency_limit=None if limit is None else ConcurrencyLimitConfig(**limit),
+                enforce_parameter_schema=spec.get("enforce_parameter_schema", True),
+            )
+        )
     # to_deployment returns a coroutine only when it is called from async code.
-    return cast("RunnerDeployment", manual), cast("RunnerDeployment", scheduled)
+    return cast("list[RunnerDeployment]", served)
 
 
 def summary(outputs: dict[str, Any]) -> str:
@@ -412,9 +565,10 @@ def main(argv: list[str] | None = None) -> None:
     )
     serve_parser = sub.add_parser(
         "serve",
-        help="serve the manual and scheduled deployments",
-        description="Serve 'retrain/manual' and 'retrain/scheduled' for one project folder, "
-        "fixed here: a run cannot choose another.",
+        help="serve the deployments of prefect.yaml",
+        description="Serve 'retrain/manual', 'retrain/scheduled' and 'retrain/on-new-data' "
+        "(prefect.yaml) for one project folder, fixed here: a run cannot choose another. "
+        "`prefect deploy --all` and a worker do the same through a work pool.",
     )
     serve_parser.add_argument("--repo", default=".", help="the project folder (default: here)")
     args = parser.parse_args(argv)

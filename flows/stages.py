@@ -44,32 +44,49 @@ class StaleDataError(PromptFileError):
     """The raw prompts changed since the prepared version was made."""
 
 
-def check_raw_data_is_prepared(config: Config) -> None:
-    """Refuse to train when ``data.raw_dir`` no longer matches the manifest of the prepared
-    version that ``data.train_file`` belongs to: new prompts would be silently ignored.
-
-    Files are compared by name and SHA-256. Nothing is checked when the train file is not part of
-    a prepared version (a manifest beside it) or the raw folder does not exist, or with
-    ``train.allow_stale_data``.
-    """
+def raw_changes(config: Config) -> list[str]:
+    """How ``data.raw_dir`` differs from the manifest of the prepared version that
+    ``data.train_file`` belongs to, one entry a file (``new a.jsonl``, ``changed b.jsonl``,
+    ``removed c.jsonl``; compared by name and SHA-256); every file is new when there is no
+    prepared version yet, none when the raw folder does not exist."""
     data = config.data
     manifest_file = Path(data.train_file).parent / "manifest.json"
     raw_dir = Path(data.raw_dir)
-    if config.train.allow_stale_data or not manifest_file.is_file() or not raw_dir.is_dir():
-        return
-    recorded = {
-        Path(source["file"]).name: source["sha256"]
-        for source in json.loads(manifest_file.read_text()).get("sources", [])
-    }
+    if not raw_dir.is_dir():
+        return []
+    recorded = (
+        {
+            Path(source["file"]).name: source["sha256"]
+            for source in json.loads(manifest_file.read_text()).get("sources", [])
+        }
+        if manifest_file.is_file()
+        else {}
+    )
     current = {path.name: file_sha256(path) for path in raw_sources(raw_dir)}
     changes = [f"new {name}" for name in current if name not in recorded]
     changes += [f"changed {n}" for n in current if n in recorded and current[n] != recorded[n]]
     changes += [f"removed {name}" for name in recorded if name not in current]
+    return changes
+
+
+def check_raw_data_is_prepared(config: Config) -> None:
+    """Refuse to train when ``data.raw_dir`` no longer matches the manifest of the prepared
+    version that ``data.train_file`` belongs to (:func:`raw_changes`): new prompts would be
+    silently ignored.
+
+    Nothing is checked when the train file is not part of a prepared version (a manifest beside
+    it) or the raw folder does not exist, or with ``train.allow_stale_data``.
+    """
+    manifest_file = Path(config.data.train_file).parent / "manifest.json"
+    if config.train.allow_stale_data or not manifest_file.is_file():
+        return
+    changes = raw_changes(config)
     if changes:
         raise StaleDataError(
-            f"{raw_dir} changed since {manifest_file.parent} was prepared ({', '.join(changes)}); "
-            "run `ppo prepare && ppo validate` (or `dvc repro validate`) to train on it, or pass "
-            "train.allow_stale_data=true to train on the prepared version as it is"
+            f"{config.data.raw_dir} changed since {manifest_file.parent} was prepared "
+            f"({', '.join(changes)}); run `ppo prepare && ppo validate` (or `dvc repro "
+            "validate`) to train on it, or pass train.allow_stale_data=true to train on the "
+            "prepared version as it is"
         )
 
 

@@ -421,6 +421,20 @@ class ScheduleConfig:
 
 
 @dataclass
+class IngestConfig:
+    """New prompt files arriving while the pipeline runs unattended (``ppo ingest FILE...``)."""
+
+    inbox_dir: str = "data/inbox"
+    """Where ``ppo ingest`` puts checked files; the next run of the Prefect flow moves them into
+    ``data.raw_dir`` under the retraining lock before it prepares, so that a file arriving during
+    a run never changes the data that run is training on."""
+    rejected_dir: str = "data/rejected"
+    """Where the flow sets aside the files a run took from the inbox when validation rejects the
+    data they made (one folder a run, with the failed expectations), so that ``data.raw_dir`` is
+    again what the production model was trained on and later files are not held up by them."""
+
+
+@dataclass
 class FlowConfig:
     """The Prefect flow ``retrain``: how long each stage may run before it is stopped (seconds;
     0 waits without limit). A stage over its limit is stopped with every process it started,
@@ -439,6 +453,11 @@ class FlowConfig:
     """Seconds ``evaluate`` may run."""
     promote_timeout: float = 3600.0
     """Seconds ``promote`` may run (copying the candidate into a production version)."""
+    gpu_limit: str = "ppo-gpu"
+    """Name of a Prefect global concurrency limit that ``train`` and ``evaluate`` each hold a
+    slot of while they run, so that runs of several projects on one machine take turns on its
+    accelerators (``prefect gcl create ppo-gpu --limit 1``); when no limit of that name exists
+    the stages run without one."""
 
 
 @dataclass
@@ -468,6 +487,7 @@ class Config:
     eval: EvalConfig = field(default_factory=EvalConfig)
     promote: PromoteConfig = field(default_factory=PromoteConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
 
 
@@ -838,6 +858,8 @@ WRITE_KEYS = (
     "promote.production_dir",
     "promote.registry",
     "promote.report",
+    "ingest.inbox_dir",
+    "ingest.rejected_dir",
 )
 # Inputs no output may be, sit in or contain (model.policy is written by the base stage only).
 READ_KEYS = (
@@ -984,7 +1006,11 @@ def validate_config(config: Config) -> None:
         "validation.min_train_rows": config.validation.min_train_rows,
         "validation.min_eval_rows": config.validation.min_eval_rows,
         "model.reward_timeout": config.model.reward_timeout,
-        **{f"flow.{name}": value for name, value in vars(config.flow).items()},
+        **{
+            f"flow.{name}": value
+            for name, value in vars(config.flow).items()
+            if name.endswith("_timeout")
+        },
     }.items():
         _positive(key, value, allow_zero=True)
     for key, value in {

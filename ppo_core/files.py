@@ -464,8 +464,11 @@ class RunLockedError(RuntimeError):
 
 
 @contextlib.contextmanager
-def exclusive_run(lock_file: str | Path, what: str) -> Iterator[None]:
-    """Hold an exclusive lock on ``lock_file`` for the duration, or refuse at once.
+def exclusive_run(
+    lock_file: str | Path, what: str, on_wait: Callable[[str], object] | None = None
+) -> Iterator[None]:
+    """Hold an exclusive lock on ``lock_file`` for the duration, or refuse at once; with
+    ``on_wait``, wait for it instead, after calling ``on_wait`` with the holder's note.
 
     Two runs writing the same checkpoints or registry would corrupt each other's work; the second
     one stops with a :class:`RunLockedError` naming the holder (pid and start time, written into
@@ -499,10 +502,14 @@ def exclusive_run(lock_file: str | Path, what: str) -> Iterator[None]:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             holder = os.pread(fd, 256, 0).decode(errors="replace").strip() or "unknown"
-            raise RunLockedError(
-                f"another {what} is running ({holder}; lock {path}); wait for it to finish or "
-                "stop it, then start again"
-            ) from None
+            if on_wait is not None:
+                on_wait(f"another {what} is running ({holder}; lock {path})")
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            else:
+                raise RunLockedError(
+                    f"another {what} is running ({holder}; lock {path}); wait for it to finish "
+                    "or stop it, then start again"
+                ) from None
         # Ours now: record the holder for the message of a run that finds it taken.
         note = f"pid {os.getpid()} since {time.strftime('%Y-%m-%dT%H:%M:%S%z')}".encode()
         os.pwrite(fd, note, 0)

@@ -13,7 +13,17 @@ from ppo_core.config import Config, flatten, to_yaml
 runner = CliRunner()
 
 
-COMMANDS = ["config", "prepare", "validate", "base", "train", "evaluate", "promote", "compare"]
+COMMANDS = [
+    "config",
+    "prepare",
+    "validate",
+    "base",
+    "train",
+    "evaluate",
+    "promote",
+    "ingest",
+    "compare",
+]
 NOTICE = "config: params.yaml (--config FILE for another, --config none for the defaults)\n"
 
 

@@ -51,6 +51,36 @@ def stop(process: subprocess.Popen) -> None:
             os.killpg(process.pid, signal.SIGKILL)
 
 
+def start_server(
+    tmp_path: Path, settings: dict[str, str] | None = None
+) -> tuple[dict[str, str], Path, subprocess.Popen]:
+    """A Prefect server on a free loopback port, up and healthy: the environment that points
+    at it (plus ``settings``), the folder of the logs, and its process (:func:`stop` it)."""
+    port = free_port()
+    api = f"http://127.0.0.1:{port}/api"
+    env = environment() | {
+        "PREFECT_API_URL": api,
+        "PREFECT_HOME": str(tmp_path / "prefect-home"),
+        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+        **(settings or {}),
+    }
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    server = subprocess.Popen(
+        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=(logs / "server.log").open("w"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        wait_for(lambda: healthy(api), 120, "the Prefect server")
+    except BaseException:
+        stop(server)
+        raise
+    return env, logs, server
+
+
 def deployment_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     """`prefect deployment run 'retrain/manual' ARGS`, its output as one text."""
     return subprocess.run(
@@ -68,25 +98,9 @@ def deployment_run(env: dict[str, str], *args: str) -> subprocess.CompletedProce
 def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
     # Fire every minute, so that the test sees the schedule start a run on its own.
     set_params(str(tiny_project), {"schedule.cron": "* * * * *"})
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = environment() | {
-        "PREFECT_API_URL": api,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-    }
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=(logs / "server.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
+    env, logs, server = start_server(tmp_path)
     served = None
     try:
-        wait_for(lambda: healthy(api), 120, "the Prefect server")
         served = subprocess.Popen(
             [sys.executable, "-m", "flows.pipeline", "serve", "--repo", str(tiny_project)],
             env=env,

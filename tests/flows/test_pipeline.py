@@ -35,13 +35,25 @@ def test_set_params_keeps_comments_and_leaves_no_temporary_file(project):
         set_params(str(project), {"ppo.epoch": 3})
 
 
-def test_the_scheduled_deployment_fires_on_cron_in_the_configured_time_zone(project):
+def test_the_served_deployments_are_those_of_prefect_yaml_with_the_configured_schedule(project):
     set_params(str(project), {"schedule.cron": "30 2 * * *", "schedule.timezone": "Europe/Berlin"})
-    manual, scheduled = deployments(str(project))
-    assert (manual.name, manual.schedules) == ("manual", [])
+    manual, scheduled, on_new_data = deployments(str(project))
+    assert [d.name for d in (manual, scheduled, on_new_data)] == [
+        "manual",
+        "scheduled",
+        "on-new-data",
+    ]
+    assert manual.schedules == [] and on_new_data.schedules == []
     [entry] = scheduled.schedules
     assert (entry.schedule.cron, entry.schedule.timezone) == ("30 2 * * *", "Europe/Berlin")
     # The project is pinned where the deployments are served, never a run parameter.
     assert manual.parameters == {}
     assert scheduled.parameters == {"from_production": True}
-    assert manual.enforce_parameter_schema and scheduled.enforce_parameter_schema
+    assert on_new_data.parameters == {"from_production": True, "new_data_only": True}
+    [trigger] = on_new_data.triggers
+    assert trigger.expect == {"ppo.data.ingested"}
+    for deployment in (manual, scheduled, on_new_data):
+        assert deployment.enforce_parameter_schema
+        # one run at a time; a run started meanwhile waits in line
+        assert deployment.concurrency_limit == 1
+        assert deployment.concurrency_options.collision_strategy == "ENQUEUE"

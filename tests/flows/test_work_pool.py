@@ -1,0 +1,192 @@
+"""The production path of prefect.yaml on a real local Prefect server: `prefect deploy --all`, a
+`process` work pool and its worker, `prefect deployment run`, and `ppo ingest` triggering
+'retrain/on-new-data' (files arriving during a run lead to exactly one more training run; a file
+that fails validation changes nothing and is set aside)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from ppo_core.files import file_sha256, tree_sha256
+from tests.flows.conftest import BIN, read_json
+from tests.flows.test_deployment import start_server, stop, wait_for
+
+
+def prefect(env: dict[str, str], cwd: Path, *args: str, timeout: float = 300):
+    return subprocess.run(
+        [str(BIN / "prefect"), *args],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=timeout,
+    )
+
+
+def flow_runs(env: dict[str, str], cwd: Path) -> list[dict]:
+    listing = prefect(env, cwd, "flow-run", "ls", "-o", "json", "--limit", "50")
+    assert listing.returncode == 0, listing.stdout + listing.stderr
+    return json.loads(listing.stdout) if listing.stdout.strip().startswith("[") else []
+
+
+def on_new_data(runs: list[dict]) -> list[dict]:
+    return sorted(
+        (r for r in runs if r.get("parameters", {}).get("new_data_only")),
+        key=lambda r: r["created"],
+    )
+
+
+FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
+
+
+def settled(runs: list[dict], count: int) -> bool:
+    return len(runs) >= count and all(r["state_type"] in FINAL for r in runs)
+
+
+def state_message(env: dict[str, str], cwd: Path, run: dict) -> str:
+    inspect = prefect(env, cwd, "flow-run", "inspect", run["id"], "-o", "json")
+    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
+    return json.loads(inspect.stdout)["state"]["message"] or ""
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+def ingest(env: dict[str, str], cwd: Path, path: Path) -> None:
+    done = subprocess.run(
+        [str(BIN / "ppo"), "ingest", str(path)],
+        env=env,
+        cwd=cwd,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sent ppo.data.ingested" in done.stderr, done.stderr
+
+
+@pytest.mark.slow
+def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_project, tmp_path):
+    project = tiny_project
+    env, logs, server = start_server(
+        tmp_path,
+        {
+            # the worker looks for runs every 2 s instead of 10, and a run waiting for the
+            # deployment's one slot tries again within 5 s instead of 30
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "5",
+        },
+    )
+    worker = None
+    try:
+        created = prefect(env, project, "work-pool", "create", "ppo", "--type", "process")
+        assert created.returncode == 0, created.stdout + created.stderr
+        deployed = prefect(env, project, "--no-prompt", "deploy", "--all")
+        assert deployed.returncode == 0, deployed.stdout + deployed.stderr
+        inspected = prefect(env, project, "deployment", "inspect", "retrain/scheduled")
+        assert "0 3 * * 1" in inspected.stdout and "UTC" in inspected.stdout
+        worker = subprocess.Popen(
+            [str(BIN / "prefect"), "worker", "start", "--pool", "ppo"],
+            env=env,
+            cwd=tmp_path,  # not the project: the deployment's pull step moves there
+            stdout=(logs / "worker.log").open("w"),
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+
+        def worker_log() -> str:
+            return (logs / "worker.log").read_text()[-4000:]
+
+        # 1. `prefect deployment run` goes through the work pool to the worker.
+        manual = prefect(
+            env,
+            project,
+            "deployment",
+            "run",
+            "retrain/manual",
+            "--watch",
+            "--watch-timeout",
+            "600",
+            timeout=660,
+        )
+        assert manual.returncode == 0 and "Completed" in manual.stdout, (
+            manual.stdout + manual.stderr + worker_log()
+        )
+        assert read_json(project / "models" / "registry.json")["current"] == "v0001"
+        # An unknown parameter is refused by the deployment, and nothing runs.
+        unknown = prefect(env, project, "deployment", "run", "retrain/manual", "-p", "epochs=3")
+        assert unknown.returncode != 0
+        assert "not found on the deployment: 'epochs'" in " ".join(unknown.stdout.split())
+
+        # 2. A file that fails validation (prompts longer than validation.max_tokens) changes
+        # nothing, is set aside, and the failed expectation is in the run's artifact.
+        kept = {
+            "prepared": tree_sha256(project / "data" / "prepared"),
+            "production": tree_sha256(project / "models" / "production"),
+            "registry": file_sha256(project / "models" / "registry.json"),
+        }
+        long_prompts = [" ".join(["word"] * 60) + f" {i}" for i in range(40)]
+        ingest(env, project, write_prompts(tmp_path / "too-long.jsonl", long_prompts))
+        wait_for(
+            lambda: settled(on_new_data(flow_runs(env, project)), 1),
+            600,
+            "the run triggered by the rejected file",
+        )
+        [rejected_run] = on_new_data(flow_runs(env, project))
+        assert rejected_run["state_type"] == "FAILED", worker_log()
+        assert kept == {
+            "prepared": tree_sha256(project / "data" / "prepared"),
+            "production": tree_sha256(project / "models" / "production"),
+            "registry": file_sha256(project / "models" / "registry.json"),
+        }
+        assert not (project / "data" / "raw" / "too-long.jsonl").exists()
+        [set_aside] = (project / "data" / "rejected").iterdir()
+        assert (set_aside / "too-long.jsonl").is_file()
+        artifact = prefect(env, project, "artifact", "inspect", "validation-failure")
+        assert artifact.returncode == 0, artifact.stdout + artifact.stderr
+        assert "max_tokens" in artifact.stdout or "between" in artifact.stdout, artifact.stdout
+
+        # 3. Files ingested while a triggered run trains lead to exactly one more training run.
+        ingest(env, project, write_prompts(tmp_path / "first.jsonl", ["a brand new review of"]))
+        wait_for(
+            lambda: (project / "data" / "raw" / "first.jsonl").exists(),
+            300,
+            "the triggered run to take the first file",
+        )
+        ingest(env, project, write_prompts(tmp_path / "second.jsonl", ["the sequel was"]))
+        ingest(env, project, write_prompts(tmp_path / "third.jsonl", ["the soundtrack felt"]))
+        running = [r for r in on_new_data(flow_runs(env, project)) if r["state_type"] == "RUNNING"]
+        assert len(running) == 1, "the files arrived after the run they were meant to overlap"
+        wait_for(
+            lambda: settled(on_new_data(flow_runs(env, project)), 4),
+            900,
+            "the triggered runs to end",
+        )
+        time.sleep(5)  # no run beyond the ones the three events started
+        runs = on_new_data(flow_runs(env, project))[1:]
+        assert len(runs) == 3 and all(r["state_type"] == "COMPLETED" for r in runs), runs
+        messages = [state_message(env, project, r) for r in runs]
+        nothing = [m for m in messages if m.startswith("no new data")]
+        # The run the first file started trained; of the two the later files started, one took
+        # both files and trained, the other found them taken and ended at once.
+        assert len(nothing) == 1 and not messages[0].startswith("no new data"), messages
+        assert sorted(p.name for p in (project / "data" / "raw").iterdir()) == [
+            "first.jsonl",
+            "prompts.jsonl",
+            "second.jsonl",
+            "third.jsonl",
+        ]
+        assert not list((project / "data" / "inbox").iterdir())
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(server)
