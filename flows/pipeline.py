@@ -130,6 +130,7 @@ def retrain(
     from_production: bool = False,
     params: dict[str, Any] | None = None,
     new_data_only: bool = False,
+    backup: bool = False,
 ) -> dict[str, Any]:
     """Prepare, validate, train, evaluate and promote, each through `dvc repro`, in the project
     folder fixed where the flow is served (``$PPO_PROJECT_DIR``, else the working folder).
@@ -146,6 +147,12 @@ def retrain(
         new_data_only: end at once, running no stage, when the raw prompts are those of the
             prepared version (the deployment ``retrain/on-new-data``: a run triggered for files
             that an earlier run already took has nothing to do).
+        backup: after a decision, back the production versions and the registry up in the DVC
+            remote (:func:`flows.records.back_up_production`); the deployments of
+            ``prefect.yaml`` do.
+
+    Every run that reaches a decision is recorded as a DVC experiment
+    (:func:`flows.records.save_experiment`).
     """
     from ppo_core.files import exclusive_run
 
@@ -171,7 +178,7 @@ def retrain(
         if updates:
             print(f"params.yaml holds this run's values until it ends: {updates}")
         with params_for_this_run(repo_dir, updates):
-            outputs = _retrain(repo_dir, updates, taken)
+            outputs = _retrain(repo_dir, updates, taken, backup)
     # A returned state is the run's final state: its message, the decision, shows in the UI, in
     # `prefect flow-run inspect` and in the run's last log line ("Finished in state
     # Completed('promoted as ...')"); callers of the flow get its data, the outputs.
@@ -239,7 +246,9 @@ def nothing_new(repo_dir: str) -> dict[str, Any]:
     }
 
 
-def _retrain(repo_dir: str, updates: dict[str, Any], taken: list[str]) -> dict[str, Any]:
+def _retrain(
+    repo_dir: str, updates: dict[str, Any], taken: list[str], backup: bool
+) -> dict[str, Any]:
     timeouts = _load_params(repo_dir).flow  # and flow.gpu_limit
     status = {}
     to_track: list[str] = []
@@ -256,6 +265,7 @@ def _retrain(repo_dir: str, updates: dict[str, Any], taken: list[str]) -> dict[s
         status[stage] = result["status"]
         to_track += [f for f in result["to_track"] if f not in to_track]
     outputs = publish_results(repo_dir, status)
+    to_track += keep_records(repo_dir, backup and outputs["decided"])
     if to_track:
         files = shlex.join(to_track)
         print(
@@ -295,6 +305,24 @@ def announce_decision(outputs: dict[str, Any]) -> None:
             key: outputs[key] for key in ("decision", "decided", "version", "production", "reasons")
         },
     )
+
+
+def keep_records(repo_dir: str, backup: bool) -> list[str]:
+    """Back production and the registry up (with ``backup``), then record the run as a DVC
+    experiment named after the flow run, the backup's pointers included; log each outcome.
+    Returns the pointer files to commit with git."""
+    from prefect.runtime import flow_run
+
+    from flows.records import back_up_production, experiment_name, pointer_files, save_experiment
+
+    config = _load_params(repo_dir)
+    pointers = [p for p in pointer_files(config) if (Path(repo_dir) / p).is_file()]
+    if backup:
+        outcome = back_up_production(repo_dir, config)
+        print(outcome.message)
+        pointers = [p for p in pointer_files(config) if (Path(repo_dir) / p).is_file()]
+    print(save_experiment(repo_dir, experiment_name(flow_run.name or "run"), pointers).message)
+    return pointers if backup else []
 
 
 def reject_ingested(repo_dir: str, taken: list[str], failure: str) -> str:

@@ -146,12 +146,28 @@ def test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validatio
 
 
 @pytest.mark.slow  # starts a Prefect test server (about 27 s)
-def test_a_second_retraining_run_refuses_while_one_runs(tmp_path, prefect_harness, monkeypatch):
-    from flows.pipeline import PROJECT_ENV, retrain
-    from ppo_core.files import RunLockedError, exclusive_run
+def test_a_second_retraining_run_waits_while_one_runs(tmp_path, prefect_harness, monkeypatch):
+    import threading
+    import time
 
-    holder = exclusive_run(tmp_path / ".retrain.lock", "retraining run")  # e.g. the schedule's
-    refused = pytest.raises(RunLockedError, match="another retraining run in this repository")
+    from flows.pipeline import PROJECT_ENV, retrain
+    from ppo_core.config import ConfigError
+    from ppo_core.files import exclusive_run
+
+    held, seconds = threading.Event(), 3.0
+
+    def hold() -> None:  # e.g. the schedule's run
+        with exclusive_run(tmp_path / ".retrain.lock", "retraining run"):
+            held.set()
+            time.sleep(seconds)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
     monkeypatch.setenv(PROJECT_ENV, str(tmp_path))
-    with holder, refused:
+    start = time.monotonic()
+    # Once it has the lock, the run fails on the empty folder (no params.yaml to read).
+    with pytest.raises(ConfigError):
         retrain()
+    holder.join()
+    assert time.monotonic() - start >= seconds - 0.5

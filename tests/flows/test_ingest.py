@@ -136,7 +136,11 @@ def test_the_event_names_the_files_and_carries_nothing_a_run_reads(project):
 
     root = Path(__file__).resolve().parents[2]
     declared = yaml.safe_load((root / "prefect.yaml").read_text())["deployments"]
-    [trigger] = next(d for d in declared if d["name"] == "on-new-data")["triggers"]
+    [trigger] = [
+        t
+        for t in next(d for d in declared if d["name"] == "on-new-data")["triggers"]
+        if INGESTED_EVENT in t["expect"]
+    ]
     assert trigger["match"] == {"prefect.resource.id": RAW_DATA_RESOURCE}
     assert trigger["expect"] == [INGESTED_EVENT]
     assert "parameters" not in trigger

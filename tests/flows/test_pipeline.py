@@ -47,11 +47,22 @@ def test_the_served_deployments_are_those_of_prefect_yaml_with_the_configured_sc
     [entry] = scheduled.schedules
     assert (entry.schedule.cron, entry.schedule.timezone) == ("30 2 * * *", "Europe/Berlin")
     # The project is pinned where the deployments are served, never a run parameter.
-    assert manual.parameters == {}
-    assert scheduled.parameters == {"from_production": True}
-    assert on_new_data.parameters == {"from_production": True, "new_data_only": True}
-    [trigger] = on_new_data.triggers
-    assert trigger.expect == {"ppo.data.ingested"}
+    assert manual.parameters == {"backup": True}
+    assert scheduled.parameters == {"from_production": True, "backup": True}
+    assert on_new_data.parameters == {
+        "from_production": True,
+        "new_data_only": True,
+        "backup": True,
+    }
+    assert sorted(sorted(t.expect) for t in on_new_data.triggers) == [
+        ["ppo.data.ingested"],
+        ["prefect.flow-run.Crashed"],
+    ]
+    for deployment in (manual, scheduled, on_new_data):
+        # a crashed run of this deployment (and only of this one) starts it again
+        [resume] = [t for t in deployment.triggers if "prefect.flow-run.Crashed" in t.expect]
+        names = {spec.root["prefect.resource.name"] for spec in resume.match_related}
+        assert names == {"retrain", deployment.name}
     for deployment in (manual, scheduled, on_new_data):
         assert deployment.enforce_parameter_schema
         # one run at a time; a run started meanwhile waits in line

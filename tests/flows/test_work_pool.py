@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ppo_core.files import file_sha256, tree_sha256
-from tests.flows.conftest import BIN, read_json
+from tests.flows.conftest import BIN, dvc, read_json
 from tests.flows.test_deployment import start_server, stop, wait_for
 
 
@@ -122,6 +122,9 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
             manual.stdout + manual.stderr + worker_log()
         )
         assert read_json(project / "models" / "registry.json")["current"] == "v0001"
+        # The decision was backed up in the DVC remote, and the run recorded as an experiment.
+        assert (project / "models" / "production.dvc").is_file()
+        assert (project / "models" / "registry.json.dvc").is_file()
         # An unknown parameter is refused by the deployment, and nothing runs.
         unknown = prefect(env, project, "deployment", "run", "retrain/manual", "-p", "epochs=3")
         assert unknown.returncode != 0
@@ -186,6 +189,14 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
             "third.jsonl",
         ]
         assert not list((project / "data" / "inbox").iterdir())
+        # Each run that decided is a DVC experiment; params.yaml is as it was committed.
+        listed = dvc(project, "exp", "list", "--name-only")
+        assert listed.returncode == 0, listed.stderr
+        assert len([n for n in listed.stdout.split() if n.startswith("retrain-")]) == 3
+        status = subprocess.run(
+            ["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True
+        ).stdout
+        assert "params.yaml" not in status, status
     finally:
         if worker is not None:
             stop(worker)

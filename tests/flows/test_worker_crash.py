@@ -1,0 +1,106 @@
+"""A worker killed mid-training with every process under it, as when its machine dies: the
+automation of automations.yaml marks the run Crashed when its heartbeats stop, the deployment's
+trigger (prefect.yaml) starts it again, and the worker, started again, runs it from the last
+checkpoint instead of from the start."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import psutil
+import pytest
+import yaml
+
+from flows.run_params import set_params
+from tests.flows.conftest import BIN, ROOT
+from tests.flows.test_deployment import start_server, stop, wait_for
+from tests.flows.test_work_pool import flow_runs, prefect
+
+# Heartbeats every 30 s (the least Prefect allows), and a run without one for 45 s is Crashed.
+HEARTBEAT_S = 30
+UNRESPONSIVE_S = 45
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and everything under it, frozen first so that nothing escapes."""
+    root = psutil.Process(pid)
+    tree = [root, *root.children(recursive=True)]
+    for process in tree:
+        process.suspend()
+    for process in tree:
+        process.kill()
+
+
+def start_worker(env, cwd, log) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", "ppo"],
+        env=env,
+        cwd=cwd,
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+@pytest.mark.slow
+def test_a_run_whose_worker_died_is_started_again_and_resumes(tiny_project, tmp_path):
+    project = tiny_project
+    # Long enough to be killed between its first checkpoint and its end.
+    set_params(str(project), {"train.iterations": 12, "train.checkpoint_every": 1})
+    env, logs, server = start_server(
+        tmp_path,
+        {
+            "PREFECT_WORKER_QUERY_SECONDS": "2",
+            "PREFECT_SERVER_CONCURRENCY_MAXIMUM_CONCURRENCY_SLOT_WAIT_SECONDS": "5",
+            "PREFECT_FLOWS_HEARTBEAT_FREQUENCY": str(HEARTBEAT_S),
+            # a slot a dead run held is free again after 30 s at the latest
+            "PREFECT_SERVER_CONCURRENCY_INITIAL_DEPLOYMENT_LEASE_DURATION": "30",
+        },
+    )
+    worker = None
+    try:
+        automations = yaml.safe_load((ROOT / "automations.yaml").read_text())
+        for automation in automations["automations"]:
+            automation["trigger"]["within"] = UNRESPONSIVE_S
+        (tmp_path / "automations.yaml").write_text(yaml.safe_dump(automations))
+        for args in (
+            ("work-pool", "create", "ppo", "--type", "process"),
+            ("--no-prompt", "deploy", "--all"),
+            ("automation", "create", "--from-file", str(tmp_path / "automations.yaml")),
+        ):
+            done = prefect(env, project, *args)
+            assert done.returncode == 0, done.stdout + done.stderr
+        log = logs / "worker.log"
+        worker = start_worker(env, tmp_path, log)
+        started = prefect(env, project, "deployment", "run", "retrain/manual")
+        assert started.returncode == 0, started.stdout + started.stderr
+
+        checkpoint = project / "checkpoints" / "step-000002"
+        wait_for(checkpoint.is_dir, 600, "the first checkpoints")
+        kill_tree(worker.pid)
+        assert not (project / "models" / "candidate").exists()
+        [dead] = flow_runs(env, project)
+        assert dead["state_type"] == "RUNNING"  # nothing told the server
+
+        worker = start_worker(env, tmp_path, log)
+
+        def resumed_run_ended() -> bool:
+            runs = flow_runs(env, project)
+            return len(runs) == 2 and all(
+                r["state_type"] in {"COMPLETED", "FAILED", "CRASHED"} for r in runs
+            )
+
+        wait_for(resumed_run_ended, 600, "the crashed run to be marked and run again")
+        states = {r["id"]: r["state_type"] for r in flow_runs(env, project)}
+        assert states.pop(dead["id"]) == "CRASHED"
+        assert list(states.values()) == ["COMPLETED"], log.read_text()[-3000:]
+        text = log.read_text()
+        # The new run's training picked up where the checkpoints end, not at iteration 0.
+        assert "(resumed at 0)" not in text
+        assert "resumed at " in text, text[-3000:]
+        time.sleep(1)
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(server)
