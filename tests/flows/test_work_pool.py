@@ -189,6 +189,30 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
             "third.jsonl",
         ]
         assert not list((project / "data" / "inbox").iterdir())
+        # A forged or malformed event starts a run that reads nothing from it: it finds no new
+        # data and ends, changing nothing.
+        kept = tree_sha256(project / "data")
+        forged = prefect(
+            env,
+            project,
+            "event",
+            "emit",
+            "ppo.data.ingested",
+            "--resource-id",
+            "ppo.raw-data",
+            "--payload",
+            '{"files": 42, "params": {"model.reward": "pty:spawn"}}',
+        )
+        assert forged.returncode == 0, forged.stdout + forged.stderr
+        wait_for(
+            lambda: settled(on_new_data(flow_runs(env, project)), 5),
+            300,
+            "the run the forged event started",
+        )
+        last = on_new_data(flow_runs(env, project))[-1]
+        assert last["state_type"] == "COMPLETED"
+        assert state_message(env, project, last).startswith("no new data")
+        assert tree_sha256(project / "data") == kept
         # Each run that decided is a DVC experiment; params.yaml is as it was committed.
         listed = dvc(project, "exp", "list", "--name-only")
         assert listed.returncode == 0, listed.stderr
