@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -36,11 +37,48 @@ def fresh_clone(where: Path) -> Path:
     return where
 
 
-def timed(commands: list[list[str]], cwd: Path, env: dict[str, str]) -> float:
+def timed(commands: list[list[str]], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
+    """Seconds the commands take in a row, and their output (stdout and stderr)."""
     start = time.perf_counter()
+    output = ""
     for command in commands:
-        subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True)
-    return time.perf_counter() - start
+        done = subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True, text=True)
+        output += done.stdout + done.stderr
+    return time.perf_counter() - start, output
+
+
+# Log lines of the flow that mark the phases of a run (Prefect's "HH:MM:SS.mmm | LEVEL | ...").
+_STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d\.\d+) \|")
+MARKS = {
+    "flow_started": "Beginning flow run",
+    "stages_done": "outputs: {",
+    "experiment_saved": "recorded as the DVC experiment",
+    "flow_ended": "Finished in state",
+}
+
+
+def phases(output: str, started: float, total: float) -> dict[str, float]:
+    """Where the flow's wall time went, from its log's timestamps: server start-up and imports
+    before the flow begins, the stages, the DVC experiment record, and the rest (the flow's end
+    and the temporary server's shutdown)."""
+    at: dict[str, float] = {}
+    day = time.mktime((*time.localtime(started)[:3], 0, 0, 0, 0, 0, -1))
+    for line in output.splitlines():
+        stamp = _STAMP.match(line)
+        if not stamp:
+            continue
+        seconds = day + int(stamp[1]) * 3600 + int(stamp[2]) * 60 + float(stamp[3])
+        for name, text in MARKS.items():
+            if text in line and name not in at:
+                at[name] = seconds - started
+    if len(at) < len(MARKS):
+        return {}
+    return {
+        "before_the_flow": at["flow_started"],
+        "stages": at["stages_done"] - at["flow_started"],
+        "experiment_record": at["experiment_saved"] - at["stages_done"],
+        "after_the_record": total - at["experiment_saved"],
+    }
 
 
 def main() -> None:
@@ -53,6 +91,7 @@ def main() -> None:
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     runs: dict[str, list[float]] = {"direct": [], "flow": []}
+    breakdown: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory() as tmp:
         for repeat in range(args.repeats):
             for side in ("direct", "flow"):
@@ -62,8 +101,13 @@ def main() -> None:
                     if side == "direct"
                     else [[sys.executable, "-m", "flows.pipeline", "run"]]
                 )
-                runs[side].append(timed(commands, project, env))
-                print(f"repeat {repeat} {side}: {runs[side][-1]:.1f} s", flush=True)
+                started = time.time()
+                seconds, output = timed(commands, project, env)
+                runs[side].append(seconds)
+                print(f"repeat {repeat} {side}: {seconds:.1f} s", flush=True)
+                if side == "flow":
+                    breakdown.append(phases(output, started, seconds))
+                    print("  " + json.dumps({k: round(v, 1) for k, v in breakdown[-1].items()}))
     direct, flow = statistics.median(runs["direct"]), statistics.median(runs["flow"])
     overhead = flow - direct
     print(
@@ -78,6 +122,7 @@ def main() -> None:
                 "median": {"direct": direct, "flow": flow},
                 "overhead_s": overhead,
                 "overhead_share": overhead / flow,
+                "flow_phases": breakdown,
             },
             indent=1,
         )
