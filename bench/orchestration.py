@@ -7,7 +7,9 @@ a temporary folder, no outputs yet) and times, from the same empty state:
 - ``direct``: ``ppo prepare``, ``ppo base``, ``ppo validate``, ``ppo train``, ``ppo evaluate``,
   ``ppo promote``, each with ``-c params.yaml``;
 - ``flow``: ``python -m flows.pipeline run`` (a temporary local Prefect server; each stage as
-  ``dvc repro --single-item <stage>``).
+  ``dvc repro --single-item <stage>``), as ``make run`` does;
+- ``flow_on_a_server``: the same with ``PREFECT_API_URL`` naming a Prefect server that is already
+  up, as a deployment's runs find one.
 
 Both use this repository's ``.venv``. The sides alternate, ``--repeats`` times each; writes
 ``bench/results/orchestration.json``.
@@ -81,6 +83,35 @@ def phases(output: str, started: float, total: float) -> dict[str, float]:
     }
 
 
+def running_server(tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
+    """A Prefect server on a free loopback port, as a deployment's runs find one; up."""
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    api = f"http://127.0.0.1:{port}/api"
+    server = subprocess.Popen(
+        [str(Path(sys.executable).parent / "prefect"), "server", "start", "--port", str(port)],
+        env=env | {"PREFECT_HOME": str(tmp / "prefect-home")},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{api}/health", timeout=2):
+                return server, api
+        except OSError:
+            time.sleep(1)
+    server.kill()
+    raise TimeoutError("the Prefect server did not start in 180 s")
+
+
+SIDES = ("direct", "flow", "flow_on_a_server")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=2)
@@ -90,38 +121,48 @@ def main() -> None:
     args = parser.parse_args()
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
-    runs: dict[str, list[float]] = {"direct": [], "flow": []}
-    breakdown: list[dict[str, float]] = []
+    env.pop("PREFECT_API_URL", None)
+    runs: dict[str, list[float]] = {side: [] for side in SIDES}
+    breakdown: dict[str, list[dict[str, float]]] = {"flow": [], "flow_on_a_server": []}
     with tempfile.TemporaryDirectory() as tmp:
-        for repeat in range(args.repeats):
-            for side in ("direct", "flow"):
-                project = fresh_clone(Path(tmp) / f"{side}-{repeat}")
-                commands = (
-                    [[str(bin_dir / "ppo"), stage, "-c", "params.yaml"] for stage in STAGES]
-                    if side == "direct"
-                    else [[sys.executable, "-m", "flows.pipeline", "run"]]
-                )
-                started = time.time()
-                seconds, output = timed(commands, project, env)
-                runs[side].append(seconds)
-                print(f"repeat {repeat} {side}: {seconds:.1f} s", flush=True)
-                if side == "flow":
-                    breakdown.append(phases(output, started, seconds))
-                    print("  " + json.dumps({k: round(v, 1) for k, v in breakdown[-1].items()}))
-    direct, flow = statistics.median(runs["direct"]), statistics.median(runs["flow"])
-    overhead = flow - direct
-    print(
-        f"direct {direct:.1f} s, flow {flow:.1f} s: overhead {overhead:.1f} s "
-        f"({overhead / flow:.1%} of the flow's total)"
-    )
+        server, api = running_server(Path(tmp), env)
+        try:
+            for repeat in range(args.repeats):
+                for side in SIDES:
+                    project = fresh_clone(Path(tmp) / f"{side}-{repeat}")
+                    commands = (
+                        [[str(bin_dir / "ppo"), stage, "-c", "params.yaml"] for stage in STAGES]
+                        if side == "direct"
+                        else [[sys.executable, "-m", "flows.pipeline", "run"]]
+                    )
+                    side_env = env | ({"PREFECT_API_URL": api} if side.endswith("server") else {})
+                    started = time.time()
+                    seconds, output = timed(commands, project, side_env)
+                    runs[side].append(seconds)
+                    print(f"repeat {repeat} {side}: {seconds:.1f} s", flush=True)
+                    if side != "direct":
+                        breakdown[side].append(phases(output, started, seconds))
+                        print(
+                            "  "
+                            + json.dumps({k: round(v, 1) for k, v in breakdown[side][-1].items()})
+                        )
+        finally:
+            server.kill()
+    median = {side: statistics.median(runs[side]) for side in SIDES}
+    overhead = {side: median[side] - median["direct"] for side in SIDES[1:]}
+    for side in SIDES[1:]:
+        print(
+            f"{side}: {median[side]:.1f} s against {median['direct']:.1f} s direct: overhead "
+            f"{overhead[side]:.1f} s ({overhead[side] / median[side]:.1%} of its total)"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
             {
                 "runs": runs,
-                "median": {"direct": direct, "flow": flow},
+                "median": median,
                 "overhead_s": overhead,
-                "overhead_share": overhead / flow,
+                "overhead_share": {side: overhead[side] / median[side] for side in overhead},
                 "flow_phases": breakdown,
             },
             indent=1,
