@@ -330,7 +330,9 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
 def ingest(
     files: Annotated[
         list[Path],
-        typer.Argument(help="Prompt files (.jsonl, .parquet) to add.", show_default=False),
+        typer.Argument(
+            help="Prompt files (.jsonl, .parquet) to add.", metavar="FILE", show_default=False
+        ),
     ],
     config: ConfigOption = None,
     no_event: Annotated[
