@@ -28,13 +28,13 @@ from typing import Any
 
 from ppo_core.config import Config
 from ppo_core.files import file_sha256, fsync_folder
-from ppo_core.modeling.data import PromptFileError, load_prompts
+from ppo_core.modeling.data import PromptFileError
 
 INGESTED_EVENT = "ppo.data.ingested"
 # The resource of every ingest event: the trigger in prefect.yaml matches it.
 RAW_DATA_RESOURCE = "ppo.raw-data"
 SUFFIXES = (".jsonl", ".parquet")
-# A file being copied in: hidden, and a suffix prepare does not read.
+# Marks a file being copied in (hidden, so no run takes it).
 _PART = ".ingest-part"
 
 
@@ -101,14 +101,13 @@ def ingest_files(config: Config, files: Sequence[str | Path]) -> Ingested:
     parts: list[tuple[Path, Path]] = []
     try:
         for path in sources:
-            part = inbox / f".{path.name}.{os.getpid()}{_PART}"
+            # Hidden (no run takes it), with the original's suffix (the reader goes by it).
+            part = inbox / f".{path.stem}.{os.getpid()}{_PART}{path.suffix}"
             shutil.copyfile(path, part)
             with part.open("rb") as handle:
                 os.fsync(handle.fileno())
             parts.append((part, inbox / path.name))
-            # A suffix load_prompts knows: the part file's own ends in _PART.
-            prompts = _read_as_prepare(config, part, path)
-            result.prompts[path.name] = prompts
+            result.prompts[path.name] = _count_prompts(config, part, path)
         for part, final in parts:
             os.replace(part, final)
             result.added.append(final)
@@ -120,25 +119,15 @@ def ingest_files(config: Config, files: Sequence[str | Path]) -> Ingested:
     return result
 
 
-def _read_as_prepare(config: Config, copy: Path, original: Path) -> int:
+def _count_prompts(config: Config, copy: Path, original: Path) -> int:
     """The number of prompts in ``copy`` (of ``original``), read as ``prepare`` reads it; errors
     name the original."""
-    data = config.data
-    # load_prompts chooses the reader by suffix: give it a name with the original's.
-    view = copy.with_name(copy.name + original.suffix)
-    os.link(copy, view)
+    from flows.stages import read_raw_prompts
+
     try:
-        prompts = load_prompts(
-            view,
-            data.prompt_field,
-            allow_empty=True,
-            max_rows=data.max_rows_per_file,
-            max_bytes=data.max_bytes_per_file,
-        )
+        prompts = read_raw_prompts(config, copy)
     except PromptFileError as exc:
-        raise PromptFileError(str(exc).replace(str(view), str(original))) from None
-    finally:
-        view.unlink()
+        raise PromptFileError(str(exc).replace(str(copy), str(original))) from None
     if not any(p.strip() if isinstance(p, str) else p for p in prompts):
         raise PromptFileError(f"{original}: no prompts")
     return len(prompts)
@@ -174,7 +163,7 @@ def take_inbox(config: Config) -> list[str]:
         os.replace(path, raw_dir / path.name)
     if waiting:
         fsync_folder(raw_dir)
-        fsync_folder(path.parent)
+        fsync_folder(config.ingest.inbox_dir)
     return [p.name for p in waiting]
 
 

@@ -230,11 +230,6 @@ def _take_new_data(repo_dir: str) -> tuple[list[str], list[str]]:
 def nothing_new(repo_dir: str) -> dict[str, Any]:
     """The outputs of a ``new_data_only`` run that found no new data."""
     production = _production_version(repo_dir)
-    stays = (
-        f"production stays {Path(production).name}: {production}"
-        if production
-        else "no production model yet"
-    )
     return {
         "stages": {},
         "decision": None,
@@ -242,7 +237,7 @@ def nothing_new(repo_dir: str) -> dict[str, Any]:
         "version": None,
         "production": None if production is None else str(Path(repo_dir) / production),
         "reasons": [],
-        "message": f"no new data since the prepared version; nothing to do; {stays}",
+        "message": f"no new data since the prepared version; nothing to do; {_stays(production)}",
     }
 
 
@@ -316,11 +311,9 @@ def keep_records(repo_dir: str, backup: bool) -> list[str]:
     from flows.records import back_up_production, experiment_name, pointer_files, save_experiment
 
     config = _load_params(repo_dir)
-    pointers = [p for p in pointer_files(config) if (Path(repo_dir) / p).is_file()]
     if backup:
-        outcome = back_up_production(repo_dir, config)
-        print(outcome.message)
-        pointers = [p for p in pointer_files(config) if (Path(repo_dir) / p).is_file()]
+        print(back_up_production(repo_dir, config).message)
+    pointers = [p for p in pointer_files(config) if (Path(repo_dir) / p).is_file()]
     print(save_experiment(repo_dir, experiment_name(flow_run.name or "run"), pointers).message)
     return pointers if backup else []
 
@@ -336,14 +329,15 @@ def reject_ingested(repo_dir: str, taken: list[str], failure: str) -> str:
     config = _load_params(repo_dir)
     with contextlib.chdir(repo_dir):
         folder = set_aside_rejected(config, taken, failure)
-    failed = failed_expectations(Path(repo_dir) / config.validation.report_dir / "summary.json")
     lines = [
         f"**Validation rejected the data with the ingested files {escape_markdown(', '.join(taken))}**",
         "",
         f"They were moved to `{escape_markdown(str(folder))}`; the prepared data, the production "
-        "model and the registry are unchanged.",
+        "model and the registry are unchanged. The validate stage said:",
         "",
-        *[f"- {escape_markdown(line)}" for line in failed],
+        "```",
+        failure.replace("`", "'"),
+        "```",
     ]
     create_markdown_artifact(
         markdown="\n".join(lines),
@@ -356,22 +350,11 @@ def reject_ingested(repo_dir: str, taken: list[str], failure: str) -> str:
     )
 
 
-def failed_expectations(summary_file: Path) -> list[str]:
-    """One line a failed expectation of the validation summary (``split: expectation (column):
-    details``); empty when the summary cannot be read."""
-    try:
-        summary = json.loads(summary_file.read_text())
-    except (OSError, ValueError):
-        return []
-    lines = []
-    for split in (summary.get("splits") or {}).values():
-        for item in split.get("expectations") or []:
-            if not item.get("success", True):
-                column = f" ({item['column']})" if item.get("column") else ""
-                lines.append(
-                    f"{item.get('split')}: {item.get('expectation')}{column}: {item.get('details')}"
-                )
-    return lines
+def _stays(production: str | None) -> str:
+    """Which production version stays in place (``production``, its folder)."""
+    if not production:
+        return "no production model yet"
+    return f"production stays {Path(production).name}: {production}"
 
 
 def decision_message(
@@ -380,11 +363,7 @@ def decision_message(
     """One line: the version this run promoted, or why it rejected the candidate, or that it
     had nothing to decide (``decided`` false: the promote stage was skipped), and then which
     production version (``production``, its folder) stays in place."""
-    stays = (
-        f"production stays {Path(production).name}: {production}"
-        if production
-        else "no production model yet"
-    )
+    stays = _stays(production)
     if not decided:
         return f"nothing changed since the last decision ({promotion['decision']}); {stays}"
     if promotion["decision"] == "promoted":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ppo_core.config import Config
 from ppo_core.files import atomic_folder, atomic_write_text, file_sha256
-from ppo_core.modeling.data import Prompt, PromptFileError, chat_json
+from ppo_core.modeling.data import Prompt, PromptFileError, chat_json, load_prompts
 
 
 def _normalise(text: str) -> str:
@@ -38,6 +38,19 @@ def _in_eval_split(prompt: str, seed: int, fraction: float) -> bool:
 def raw_sources(raw_dir: Path) -> list[Path]:
     """The raw prompt files ``prepare`` reads, in the order it reads them."""
     return sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
+
+
+def read_raw_prompts(config: Config, path: Path) -> list[Prompt]:
+    """The prompts of one raw file as ``prepare`` reads them: ``data.prompt_field``, blank
+    prompts kept (``prepare`` counts and drops them), within ``data``'s size limits."""
+    data = config.data
+    return load_prompts(
+        path,
+        data.prompt_field,
+        allow_empty=True,
+        max_rows=data.max_rows_per_file,
+        max_bytes=data.max_bytes_per_file,
+    )
 
 
 class StaleDataError(PromptFileError):
@@ -108,7 +121,6 @@ def prepare(config: Config) -> Path:
     from ppo_core.modeling.data import (
         CHAT_FIELD,
         is_chat,
-        load_prompts,
         parquet_size,
         project_path,
     )
@@ -124,13 +136,7 @@ def prepare(config: Config) -> Path:
     source_info = []
     first_of_kind: dict[bool, str] = {}  # is_chat -> the first source file of that kind
     for source in sources:
-        rows = load_prompts(
-            source,
-            data.prompt_field,
-            allow_empty=True,
-            max_rows=data.max_rows_per_file,
-            max_bytes=data.max_bytes_per_file,
-        )
+        rows = read_raw_prompts(config, source)
         source_info.append(
             {"file": project_path(source), "sha256": file_sha256(source), "rows": len(rows)}
         )

@@ -1,8 +1,9 @@
 """Which code made an output (layer 3): the git commit of the project and whether its tracked
 files differed from it.
 
-Recorded in every checkpoint, in the candidate's ``training_summary.json`` and in the model
-registry's entries, beside the data hash and the config."""
+Recorded in the model registry's entries, beside the data hash and the config; not in
+checkpoints or the candidate, which are DVC outputs (a commit inside them would change with
+the very commit that records ``dvc.lock``)."""
 
 from __future__ import annotations
 
