@@ -1,11 +1,12 @@
 """The Prefect flow ``retrain``: the DVC stages in order, with retries, timeouts, logs and
 artifacts.
 
-Each task runs ``dvc repro --single-item <stage>`` in the project, so the stage logic stays in
-``ppo <stage>`` and ``dvc.lock`` stays true: a stage whose inputs did not change is skipped, a
-retried ``train`` resumes from its persisted checkpoints.
+Each task runs ``dvc repro --single-item <stage>`` in the project (through one DVC process a
+run, :mod:`flows.dvc_session`), so the stage logic stays in ``ppo <stage>`` and ``dvc.lock``
+stays true: a stage whose inputs did not change is skipped, a retried ``train`` resumes from its
+persisted checkpoints.
 
-    python -m flows.pipeline run                 # one run now (temporary local Prefect server)
+    python -m flows.pipeline run                 # one run now (its own local Prefect server)
     python -m flows.pipeline serve               # the deployments of prefect.yaml, no work pool
     prefect --no-prompt deploy --all             # the same for a work pool (see prefect.yaml)
     prefect deployment run 'retrain/manual'      # with a Prefect server up
@@ -16,11 +17,20 @@ run parameter; a run's ``params`` are held to an allow-list (:mod:`flows.run_par
 
 from __future__ import annotations
 
+import sys
+
+if __name__ == "__main__":
+    # `python -m flows.pipeline run` without a Prefect server: start the run's own server before
+    # the imports below, so that its process and this one import at the same time.
+    from flows.local_server import start_if_needed
+
+    _early_server = start_if_needed(sys.argv[1:])
+
 import contextlib
 import json
 import os
 import shlex
-import sys
+import threading
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
@@ -30,7 +40,8 @@ from prefect import flow, get_run_logger, task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.states import Completed
 
-from flows.relay import CommandTimedOut, StageRelay, relay_command, stage_environment
+from flows.dvc_session import DvcSession
+from flows.relay import CommandTimedOut, StageRelay, stage_environment
 from flows.run_params import check_run_params, params_for_this_run, put_back_left_params
 
 if TYPE_CHECKING:
@@ -39,6 +50,7 @@ if TYPE_CHECKING:
     from prefect.states import State
     from prefect.tasks import Task
 
+    from flows.local_server import LocalServer
     from ppo_core.config import Config
 
 STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
@@ -67,6 +79,38 @@ def project_dir() -> Path:
     return Path(os.environ.get(PROJECT_ENV) or ".").resolve()
 
 
+# The DVC process of each project's running flow (:mod:`flows.dvc_session`), shared by its
+# stages; a stage task called on its own starts one for itself.
+_SESSIONS: dict[str, DvcSession] = {}
+
+
+@contextlib.contextmanager
+def _dvc_session(repo_dir: str) -> Iterator[DvcSession]:
+    if repo_dir in _SESSIONS:
+        yield _SESSIONS[repo_dir]
+    else:
+        with DvcSession(repo_dir, stage_environment()) as session:
+            yield session
+
+
+@contextlib.contextmanager
+def stage_session(repo_dir: str) -> Iterator[None]:
+    """One DVC process for the stages of this run, started now, so that it imports DVC while
+    the first task is set up."""
+    session = DvcSession(repo_dir, stage_environment())
+    session.start()
+    _SESSIONS[repo_dir] = session
+    try:
+        yield
+    except BaseException:
+        del _SESSIONS[repo_dir]
+        session.close()
+        raise
+    del _SESSIONS[repo_dir]
+    # Idle, its process ends by itself once its input is closed (about 1 s): the run goes on.
+    threading.Thread(target=session.close, daemon=True).start()
+
+
 def _retry_unless_timed_out(task: Task[Any, Any], task_run: TaskRun, state: State[Any]) -> bool:
     """A stage over its time limit has used its budget: retrying it would hold the retraining
     lock for that long again."""
@@ -90,13 +134,8 @@ def run_stage(stage: str, repo_dir: str, timeout: float = 0.0) -> dict[str, Any]
         stage, lambda level, text: logger.log(level, "%s | %s", stage, text), repo_dir
     )
     try:
-        returncode = relay_command(
-            [str(Path(sys.executable).parent / "dvc"), "repro", "--single-item", stage],
-            cwd=repo_dir,
-            env=stage_environment(),
-            relay=relay,
-            timeout=timeout,
-        )
+        with _dvc_session(repo_dir) as session:
+            returncode = session.run(["repro", "--single-item", stage], relay, timeout)
     except CommandTimedOut as stopped:
         raise StageTimedOut(
             f"stage {stage} ran longer than flow.{stage}_timeout ({stopped.seconds:g} s) and was "
@@ -131,6 +170,7 @@ def retrain(
     params: dict[str, Any] | None = None,
     new_data_only: bool = False,
     backup: bool = False,
+    restart_limit: int = 0,
 ) -> dict[str, Any]:
     """Prepare, validate, train, evaluate and promote, each through `dvc repro`, in the project
     folder fixed where the flow is served (``$PPO_PROJECT_DIR``, else the working folder).
@@ -150,12 +190,21 @@ def retrain(
         backup: after a decision, back the production versions and the registry up in the DVC
             remote (:func:`flows.records.back_up_production`); the deployments of
             ``prefect.yaml`` do.
+        restart_limit: set by each deployment's trigger on its crashed runs (``prefect.yaml``):
+            this run restarts one that crashed, and fails at once, running nothing, when the
+            deployment's last ``restart_limit`` runs all crashed (:mod:`flows.restarts`).
 
     Every run that reaches a decision is recorded as a DVC experiment
     (:func:`flows.records.save_experiment`).
     """
     from ppo_core.files import exclusive_run
 
+    if restart_limit:
+        from prefect.runtime import deployment
+
+        from flows.restarts import check_restart
+
+        check_restart(restart_limit, deployment.id, deployment.name or "")
     repo_dir = str(project_dir())
     updates = check_run_params(repo_dir, params)
     with exclusive_run(
@@ -244,21 +293,8 @@ def nothing_new(repo_dir: str) -> dict[str, Any]:
 def _retrain(
     repo_dir: str, updates: dict[str, Any], taken: list[str], backup: bool
 ) -> dict[str, Any]:
-    timeouts = _load_params(repo_dir).flow  # and flow.gpu_limit
-    status = {}
-    to_track: list[str] = []
-    for stage in STAGES:
-        runner = run_stage.with_options(retries=RETRIED.get(stage, 0), retry_delay_seconds=5)
-        slot = accelerator_slot(timeouts.gpu_limit) if stage in ACCELERATED else nullcontext()
-        try:
-            with slot:
-                result = runner(stage, repo_dir, getattr(timeouts, f"{stage}_timeout"))
-        except StageFailed as failed:
-            if stage == "validate" and taken and not isinstance(failed, StageTimedOut):
-                raise StageFailed(reject_ingested(repo_dir, taken, str(failed))) from None
-            raise
-        status[stage] = result["status"]
-        to_track += [f for f in result["to_track"] if f not in to_track]
+    with stage_session(repo_dir):
+        status, to_track = _run_stages(repo_dir, taken)
     outputs = publish_results(repo_dir, status)
     to_track += keep_records(repo_dir, backup and outputs["decided"])
     if to_track:
@@ -276,6 +312,27 @@ def _retrain(
     print(f"decision: {outputs['message']}")
     announce_decision(outputs)
     return outputs
+
+
+def _run_stages(repo_dir: str, taken: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Each stage as a task, in order; returns each stage's status and the files DVC asks to
+    `git add`."""
+    timeouts = _load_params(repo_dir).flow  # and flow.gpu_limit
+    status = {}
+    to_track: list[str] = []
+    for stage in STAGES:
+        runner = run_stage.with_options(retries=RETRIED.get(stage, 0), retry_delay_seconds=5)
+        slot = accelerator_slot(timeouts.gpu_limit) if stage in ACCELERATED else nullcontext()
+        try:
+            with slot:
+                result = runner(stage, repo_dir, getattr(timeouts, f"{stage}_timeout"))
+        except StageFailed as failed:
+            if stage == "validate" and taken and not isinstance(failed, StageTimedOut):
+                raise StageFailed(reject_ingested(repo_dir, taken, str(failed))) from None
+            raise
+        status[stage] = result["status"]
+        to_track += [f for f in result["to_track"] if f not in to_track]
+    return status, to_track
 
 
 def announce_decision(outputs: dict[str, Any]) -> None:
@@ -324,7 +381,7 @@ def reject_ingested(repo_dir: str, taken: list[str], failure: str) -> str:
     made from, publish the failed expectations as the artifact ``validation-failure``, and
     return the run's error message."""
     from flows.ingest import set_aside_rejected
-    from ppo_core.evaluation import escape_markdown
+    from ppo_core.markdown import escape_markdown
 
     config = _load_params(repo_dir)
     with contextlib.chdir(repo_dir):
@@ -376,7 +433,7 @@ def publish_results(repo_dir: str, status: dict[str, str]) -> dict[str, Any]:
     """Evaluation report and metrics as Prefect artifacts; returns where the outputs are (the
     paths of params.yaml, under ``repo_dir``) and the promotion decision."""
     from flows.loggers import metric_group
-    from ppo_core.evaluation import escape_markdown
+    from ppo_core.markdown import escape_markdown
 
     root = Path(repo_dir)
     config = _load_params(repo_dir)
@@ -540,7 +597,9 @@ def _parse_set(assignment: str) -> tuple[str, Any]:
         return key, text
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None, server: LocalServer | None = None) -> None:
+    """The command line; ``server`` is the run's own Prefect server when one was started
+    already (:mod:`flows.local_server`); ``run`` starts one itself where it needs one."""
     import argparse
 
     from flows.run_params import RUN_PARAMS
@@ -580,23 +639,33 @@ def main(argv: list[str] | None = None) -> None:
     serve_parser.add_argument("--repo", default=".", help="the project folder (default: here)")
     args = parser.parse_args(argv)
     os.environ[PROJECT_ENV] = str(Path(args.repo).resolve())
-    params: dict[str, Any] = {}
-    if args.command == "run":
-        from flows.run_params import RunParamsError, check_run_params
-        from ppo_core.config import ConfigError
-
-        params = dict(_parse_set(a) for a in args.set)
-        try:  # before a Prefect server starts: a typo is one line, not a flow's traceback
-            check_run_params(project_dir(), params)
-        except (RunParamsError, ConfigError) as exc:
-            raise SystemExit(f"error: {exc}") from None
-    with local_server_settings():
-        if args.command == "run":
-            outputs = retrain(from_production=args.from_production, params=params or None)
-            print(summary(outputs))
-        else:
+    if args.command == "serve":
+        with local_server_settings():
             serve_deployments(args.repo)
+        return
+    from flows.local_server import LocalServer, LocalServerError, api_url_named
+    from flows.run_params import RunParamsError
+    from ppo_core.config import ConfigError
+
+    if server is None and not api_url_named():
+        server = LocalServer()
+    params = dict(_parse_set(a) for a in args.set)
+    try:  # before the server is waited for: a typo is one line, not a flow's traceback
+        check_run_params(project_dir(), params)
+    except (RunParamsError, ConfigError) as exc:
+        raise SystemExit(f"error: {exc}") from None
+    with contextlib.ExitStack() as stack:
+        if server is not None:
+            from prefect.settings import temporary_settings
+
+            try:
+                server.wait_until_up()
+            except LocalServerError as exc:
+                raise SystemExit(f"error: {exc}") from None
+            stack.enter_context(temporary_settings(updates=server.settings()))
+        outputs = retrain(from_production=args.from_production, params=params or None)
+    print(summary(outputs))
 
 
 if __name__ == "__main__":
-    main()
+    main(server=_early_server)

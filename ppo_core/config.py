@@ -27,9 +27,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ppo_core.files import atomic_write_text, first_line
-from ppo_core.math.batching import check_batch_sizes
-from ppo_core.math.kl import KLEstimator
-from ppo_core.math.losses import LossAggMode
+from ppo_core.math.choices import KLEstimator, LossAggMode, check_batch_sizes
 from ppo_core.modeling.data import MAX_BYTES_PER_FILE, MAX_ROWS_PER_FILE
 
 __all__ = [

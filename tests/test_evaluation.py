@@ -408,7 +408,7 @@ def _render_python_markdown(text: str) -> str:
 
 
 def test_escape_markdown_keeps_plain_text_plain():
-    from ppo_core.evaluation import escape_markdown
+    from ppo_core.markdown import escape_markdown
 
     assert escape_markdown("a plain review of the film") == "a plain review of the film"
     assert escape_markdown("models/base_v2/my_module:score") == "models/base_v2/my_module:score"

@@ -14,47 +14,9 @@ import warnings
 import torch
 from torch import Tensor
 
+from ppo_core.math.choices import check_batch_sizes
+
 __all__ = ["check_batch_sizes", "micro_batch_slices", "minibatch_indices"]
-
-
-def check_batch_sizes(
-    rollout_batch_size: int, mini_batch_size: int, micro_batch_size: int, drop_last: bool = False
-) -> None:
-    """Check ``rollout_batch_size >= mini_batch_size >= micro_batch_size >= 1`` and divisibility.
-
-    Raises:
-        ValueError: naming the sizes, when they do not nest or do not divide.
-    """
-    names = {
-        "rollout_batch_size": rollout_batch_size,
-        "mini_batch_size": mini_batch_size,
-        "micro_batch_size": micro_batch_size,
-    }
-    for name, value in names.items():
-        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    if mini_batch_size > rollout_batch_size:
-        raise ValueError(
-            f"mini_batch_size={mini_batch_size} is larger than rollout_batch_size="
-            f"{rollout_batch_size}; sizes must nest rollout >= mini >= micro"
-        )
-    if micro_batch_size > mini_batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} is larger than mini_batch_size="
-            f"{mini_batch_size}; sizes must nest rollout >= mini >= micro"
-        )
-    if mini_batch_size % micro_batch_size:
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size} does not divide mini_batch_size="
-            f"{mini_batch_size}; choose a divisor (e.g. "
-            f"{_largest_divisor_at_most(mini_batch_size, micro_batch_size)})"
-        )
-    if rollout_batch_size % mini_batch_size and not drop_last:
-        raise ValueError(
-            f"mini_batch_size={mini_batch_size} does not divide rollout_batch_size="
-            f"{rollout_batch_size} ({rollout_batch_size % mini_batch_size} rows would be left "
-            "over); choose a divisor or set drop_last to drop them every epoch"
-        )
 
 
 def minibatch_indices(
@@ -113,7 +75,3 @@ def micro_batch_slices(size: int, micro_batch_size: int) -> list[slice]:
         slice(start, min(start + micro_batch_size, size))
         for start in range(0, size, micro_batch_size)
     ]
-
-
-def _largest_divisor_at_most(n: int, limit: int) -> int:
-    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)

@@ -17,11 +17,11 @@ The adaptive controller is theirs too (section 2.2): ``e = clip(KL / target - 1,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, get_args
 
 import torch
 from torch import Tensor
 
+from ppo_core.math.choices import KL_ESTIMATORS, KLEstimator
 from ppo_core.math.masked import select
 
 __all__ = [
@@ -33,9 +33,6 @@ __all__ = [
     "last_valid_index",
     "token_rewards",
 ]
-
-KLEstimator = Literal["k1", "k2", "k3", "abs"]
-KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 
 
 def kl_penalty(

@@ -18,11 +18,12 @@ count instead of a mean: see docs/design.md section 4 and :mod:`ppo_core.math.ac
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
+from ppo_core.math.choices import LOSS_AGG_MODES, LossAggMode
 from ppo_core.math.masked import select
 from ppo_core.math.running_mean import RunningMean
 
@@ -39,9 +40,6 @@ __all__ = [
     "policy_loss",
     "value_loss",
 ]
-
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGG_MODES: tuple[str, ...] = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
 
 
 class PolicyLossOutput(NamedTuple):

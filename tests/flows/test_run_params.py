@@ -183,6 +183,7 @@ def test_the_project_folder_is_not_a_parameter_of_the_flow():
         "params": {"ppo.epochs": 2},
         "new_data_only": False,
         "backup": False,
+        "restart_limit": 0,
     }
 
 

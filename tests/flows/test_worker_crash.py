@@ -100,9 +100,13 @@ def test_a_run_whose_worker_died_is_started_again_and_resumes(tiny_project, tmp_
             )
 
         wait_for(resumed_run_ended, 600, "the crashed run to be marked and run again")
-        states = {r["id"]: r["state_type"] for r in manual_runs(env, project)}
-        assert states.pop(dead["id"]) == "CRASHED"
-        assert list(states.values()) == ["COMPLETED"], log.read_text()[-3000:]
+        runs = {r["id"]: r for r in manual_runs(env, project)}
+        assert runs.pop(dead["id"])["state_type"] == "CRASHED"
+        [restart] = runs.values()
+        assert restart["state_type"] == "COMPLETED", log.read_text()[-3000:]
+        # a restart, bounded: one crash is under the limit of prefect.yaml
+        assert restart["parameters"]["restart_limit"] == 3
+        assert restart["parameters"]["backup"] is True  # the deployment's own parameters kept
         text = log.read_text()
         # The new run's training picked up where the checkpoints end, not at iteration 0.
         assert "(resumed at 0)" not in text

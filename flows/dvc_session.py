@@ -1,0 +1,147 @@
+"""One DVC process for all the stages of a run.
+
+Each ``dvc`` command is a Python process that imports DVC and opens the repository before it
+does anything: about 0.8 s, six times a run, where the stages of the default pipeline take two
+minutes in all (docs/benchmarks.md, "Orchestration overhead"). A :class:`DvcSession` starts one
+process (``python -m flows.dvc_session``) that imports DVC once and runs each command it is sent
+through DVC's own command line entry, ``dvc.cli.main``: the same parsing, output, lock and exit
+code as the ``dvc`` command, in a process that is already warm.
+
+The stage's command, which DVC starts, writes to that process's output, so the output reaches
+the relay (:class:`flows.relay.StageRelay`) as the ``dvc`` command's did. A line holding only
+:data:`DONE` and the exit code ends each command's output. A command past its deadline is
+stopped with the whole process (:func:`flows.relay.stop_process_tree`); the next command starts
+a new one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import subprocess
+import sys
+import threading
+from types import TracebackType
+
+from flows.relay import CommandTimedOut, StageRelay, output_segments, stop_process_tree
+
+# Ends the output of one command; the exit code follows. A record separator first, so that no
+# line a stage prints can be read as it.
+DONE = "\x1eppo-dvc-done"
+# How long an idle session's process gets to end by itself once its input is closed.
+CLOSE_WAIT_S = 5.0
+
+
+class DvcSession:
+    """Runs ``dvc`` commands in one process, started on first use, in ``repo_dir``.
+
+    Commands run one at a time (:meth:`run`); :meth:`close` (or leaving the ``with`` block)
+    ends the process.
+    """
+
+    def __init__(self, repo_dir: str, env: dict[str, str]):
+        self.repo_dir = repo_dir
+        self.env = env
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        """Start the process now (it imports DVC while the caller goes on)."""
+        if self.process is None or self.process.poll() is not None:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "flows.dvc_session"],
+                cwd=self.repo_dir,
+                env=self.env,
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )
+
+    def run(self, args: list[str], relay: StageRelay, timeout: float | None = None) -> int:
+        """``dvc ARGS`` with its output fed to ``relay`` as it arrives; returns the exit code.
+
+        With ``timeout`` (seconds, > 0), the process and everything under it is stopped when
+        the command runs longer, and :class:`flows.relay.CommandTimedOut` is raised.
+        """
+        self.start()
+        process = self.process
+        assert process is not None and process.stdin is not None and process.stdout is not None
+        timed_out = threading.Event()
+
+        def stop_on_deadline() -> None:
+            timed_out.set()
+            stop_process_tree(process.pid)
+
+        deadline = threading.Timer(timeout or 0, stop_on_deadline)
+        deadline.daemon = True
+        returncode: int | None = None
+        try:
+            process.stdin.write((json.dumps(args) + "\n").encode())
+            process.stdin.flush()
+            if timeout:
+                deadline.start()
+            stopped = lambda: timed_out.is_set() and process.poll() is not None  # noqa: E731
+            for text, finished in output_segments(process.stdout, stopped):
+                if finished and text.startswith(DONE):
+                    returncode = int(text[len(DONE) :])
+                    break
+                relay.feed(text, finished)
+        except BaseException:
+            # Cancelled or interrupted: the stage's processes get the chance to stop cleanly,
+            # and DVC to release its lock.
+            self.close()
+            raise
+        finally:
+            deadline.cancel()
+        if timed_out.is_set():
+            deadline.join()
+            self.close()
+            raise CommandTimedOut(timeout or 0)
+        if returncode is None:  # the process ended without finishing the command
+            code = process.wait()
+            self.process = None
+            return code or 1
+        return returncode
+
+    def close(self) -> None:
+        """End the process: at once when it waits for a command (its input ends), else
+        stopped with everything it runs."""
+        process, self.process = self.process, None
+        if process is None:
+            return
+        assert process.stdin is not None and process.stdout is not None
+        with contextlib.suppress(BrokenPipeError):
+            process.stdin.close()
+        try:
+            process.wait(timeout=CLOSE_WAIT_S)
+        except subprocess.TimeoutExpired:
+            stop_process_tree(process.pid)
+            process.wait()
+        process.stdout.close()
+
+    def __enter__(self) -> DvcSession:
+        return self
+
+    def __exit__(
+        self,
+        kind: type[BaseException] | None,
+        value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def serve() -> None:
+    """The session's process: one JSON list of arguments a line on stdin, each run as
+    ``dvc ARGS``; :data:`DONE` and the exit code after each."""
+    from dvc.cli import main as dvc_main
+
+    for line in sys.stdin:
+        args = json.loads(line)
+        code = dvc_main(args)
+        sys.stderr.flush()
+        sys.stdout.write(f"\n{DONE}{code}\n")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    serve()

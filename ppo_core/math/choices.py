@@ -1,0 +1,65 @@
+"""The math layer's named choices and batch-size rule, in plain Python.
+
+The config (layer 3) checks these when it loads, before any tensor exists; keeping them free of
+torch lets the orchestration process (the Prefect flow, ``ppo ingest``, ``ppo config``) load and
+check a config without importing torch, which costs seconds a run (docs/benchmarks.md,
+"Orchestration overhead"). The modules that use them re-export them.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+__all__ = ["KL_ESTIMATORS", "LOSS_AGG_MODES", "KLEstimator", "LossAggMode", "check_batch_sizes"]
+
+# KL(pi || ref) estimators of Schulman (2020), "Approximating KL divergence" (ppo_core.math.kl).
+KLEstimator = Literal["k1", "k2", "k3", "abs"]
+KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
+
+# How token losses reduce to one loss (ppo_core.math.losses.aggregate_loss).
+LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
+LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+
+
+def check_batch_sizes(
+    rollout_batch_size: int, mini_batch_size: int, micro_batch_size: int, drop_last: bool = False
+) -> None:
+    """Check ``rollout_batch_size >= mini_batch_size >= micro_batch_size >= 1`` and divisibility.
+
+    Raises:
+        ValueError: naming the sizes, when they do not nest or do not divide.
+    """
+    names = {
+        "rollout_batch_size": rollout_batch_size,
+        "mini_batch_size": mini_batch_size,
+        "micro_batch_size": micro_batch_size,
+    }
+    for name, value in names.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    if mini_batch_size > rollout_batch_size:
+        raise ValueError(
+            f"mini_batch_size={mini_batch_size} is larger than rollout_batch_size="
+            f"{rollout_batch_size}; sizes must nest rollout >= mini >= micro"
+        )
+    if micro_batch_size > mini_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} is larger than mini_batch_size="
+            f"{mini_batch_size}; sizes must nest rollout >= mini >= micro"
+        )
+    if mini_batch_size % micro_batch_size:
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size} does not divide mini_batch_size="
+            f"{mini_batch_size}; choose a divisor (e.g. "
+            f"{_largest_divisor_at_most(mini_batch_size, micro_batch_size)})"
+        )
+    if rollout_batch_size % mini_batch_size and not drop_last:
+        raise ValueError(
+            f"mini_batch_size={mini_batch_size} does not divide rollout_batch_size="
+            f"{rollout_batch_size} ({rollout_batch_size % mini_batch_size} rows would be left "
+            "over); choose a divisor or set drop_last to drop them every epoch"
+        )
+
+
+def _largest_divisor_at_most(n: int, limit: int) -> int:
+    return max(d for d in range(1, min(n, limit) + 1) if n % d == 0)
