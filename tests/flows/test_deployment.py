@@ -98,7 +98,15 @@ def deployment_run(env: dict[str, str], *args: str) -> subprocess.CompletedProce
 def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
     # Fire every minute, so that the test sees the schedule start a run on its own.
     set_params(str(tiny_project), {"schedule.cron": "* * * * *"})
-    env, logs, server = start_server(tmp_path)
+    # The scheduler looks for due runs every 5 s (60 s by default) and the served runner asks for
+    # them every 2 s (10 s), so the scheduled run starts soon after its minute comes.
+    env, logs, server = start_server(
+        tmp_path,
+        {
+            "PREFECT_SERVER_SERVICES_SCHEDULER_LOOP_SECONDS": "5",
+            "PREFECT_RUNNER_POLL_FREQUENCY": "2",
+        },
+    )
     served = None
     try:
         served = subprocess.Popen(
