@@ -12,7 +12,11 @@ a temporary folder, no outputs yet) and times, from the same empty state:
   up, as a deployment's runs find one.
 
 Both use this repository's ``.venv``. The sides alternate, ``--repeats`` times each; writes
-``bench/results/orchestration.json``.
+``bench/results/orchestration.json``. Besides wall time it records each side's CPU seconds (its
+processes and every process they started; for the third side, the running server's share too)
+and each stage's seconds (direct: the command; flow: from DVC's ``Running stage`` line to the
+task's end). On a shared machine the stages' own wall time varies by tens of seconds from run
+to run; CPU seconds vary far less, so they show what the orchestration itself costs.
 
     .venv/bin/python bench/orchestration.py [--repeats 2]
 """
@@ -23,6 +27,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -39,14 +44,33 @@ def fresh_clone(where: Path) -> Path:
     return where
 
 
-def timed(commands: list[list[str]], cwd: Path, env: dict[str, str]) -> tuple[float, str]:
-    """Seconds the commands take in a row, and their output (stdout and stderr)."""
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of every finished child process of this one (and theirs)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a running process has used so far (``/proc/PID/stat``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def timed(
+    commands: list[list[str]], cwd: Path, env: dict[str, str]
+) -> tuple[float, list[float], float, str]:
+    """Seconds the commands take in a row, the seconds of each, the CPU seconds they used (their
+    processes and all those they started), and their output (stdout and stderr)."""
     start = time.perf_counter()
+    cpu_before = children_cpu_seconds()
     output = ""
+    each = []
     for command in commands:
+        began = time.perf_counter()
         done = subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True, text=True)
+        each.append(time.perf_counter() - began)
         output += done.stdout + done.stderr
-    return time.perf_counter() - start, output
+    return time.perf_counter() - start, each, children_cpu_seconds() - cpu_before, output
 
 
 # Log lines of the flow that mark the phases of a run (Prefect's "HH:MM:SS.mmm | LEVEL | ...").
@@ -59,20 +83,27 @@ MARKS = {
 }
 
 
+def _stamped_lines(output: str, started: float) -> list[tuple[float, str]]:
+    """The log lines of the flow with their time, in seconds since ``started``."""
+    day = time.mktime((*time.localtime(started)[:3], 0, 0, 0, 0, 0, -1))
+    lines = []
+    for line in output.splitlines():
+        stamp = _STAMP.match(line)
+        if stamp:
+            seconds = day + int(stamp[1]) * 3600 + int(stamp[2]) * 60 + float(stamp[3])
+            lines.append((seconds - started, line))
+    return lines
+
+
 def phases(output: str, started: float, total: float) -> dict[str, float]:
     """Where the flow's wall time went, from its log's timestamps: server start-up and imports
     before the flow begins, the stages, the DVC experiment record, and the rest (the flow's end
     and the temporary server's shutdown)."""
     at: dict[str, float] = {}
-    day = time.mktime((*time.localtime(started)[:3], 0, 0, 0, 0, 0, -1))
-    for line in output.splitlines():
-        stamp = _STAMP.match(line)
-        if not stamp:
-            continue
-        seconds = day + int(stamp[1]) * 3600 + int(stamp[2]) * 60 + float(stamp[3])
+    for seconds, line in _stamped_lines(output, started):
         for name, text in MARKS.items():
             if text in line and name not in at:
-                at[name] = seconds - started
+                at[name] = seconds
     if len(at) < len(MARKS):
         return {}
     return {
@@ -81,6 +112,19 @@ def phases(output: str, started: float, total: float) -> dict[str, float]:
         "experiment_record": at["experiment_saved"] - at["stages_done"],
         "after_the_record": total - at["experiment_saved"],
     }
+
+
+def stage_seconds(output: str, started: float) -> dict[str, float]:
+    """Each stage's task in the flow, from DVC's ``Running stage`` line to the task's end."""
+    begun: dict[str, float] = {}
+    took: dict[str, float] = {}
+    for seconds, line in _stamped_lines(output, started):
+        for stage in STAGES:
+            if f"Running stage '{stage}'" in line:
+                begun[stage] = seconds
+            elif f"Task run '{stage}' - Finished" in line and stage in begun:
+                took[stage] = seconds - begun[stage]
+    return took
 
 
 def running_server(tmp: Path, env: dict[str, str]) -> tuple[subprocess.Popen, str]:
@@ -123,6 +167,8 @@ def main() -> None:
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PREFECT_API_URL", None)
     runs: dict[str, list[float]] = {side: [] for side in SIDES}
+    cpu: dict[str, list[float]] = {side: [] for side in SIDES}
+    stages: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
     breakdown: dict[str, list[dict[str, float]]] = {"flow": [], "flow_on_a_server": []}
     with tempfile.TemporaryDirectory() as tmp:
         server, api = running_server(Path(tmp), env)
@@ -135,11 +181,25 @@ def main() -> None:
                         if side == "direct"
                         else [[sys.executable, "-m", "flows.pipeline", "run"]]
                     )
-                    side_env = env | ({"PREFECT_API_URL": api} if side.endswith("server") else {})
+                    on_the_server = side.endswith("server")
+                    side_env = env | ({"PREFECT_API_URL": api} if on_the_server else {})
+                    server_cpu = process_cpu_seconds(server.pid)
                     started = time.time()
-                    seconds, output = timed(commands, project, side_env)
+                    seconds, each, cpu_seconds, output = timed(commands, project, side_env)
+                    if on_the_server:  # what the running server did for this run
+                        cpu_seconds += process_cpu_seconds(server.pid) - server_cpu
                     runs[side].append(seconds)
-                    print(f"repeat {repeat} {side}: {seconds:.1f} s", flush=True)
+                    cpu[side].append(cpu_seconds)
+                    stages[side].append(
+                        dict(zip(STAGES, each, strict=True))
+                        if side == "direct"
+                        else stage_seconds(output, started)
+                    )
+                    print(
+                        f"repeat {repeat} {side}: {seconds:.1f} s, {cpu_seconds:.1f} CPU s; "
+                        + json.dumps({k: round(v, 1) for k, v in stages[side][-1].items()}),
+                        flush=True,
+                    )
                     if side != "direct":
                         breakdown[side].append(phases(output, started, seconds))
                         print(
@@ -149,11 +209,15 @@ def main() -> None:
         finally:
             server.kill()
     median = {side: statistics.median(runs[side]) for side in SIDES}
+    median_cpu = {side: statistics.median(cpu[side]) for side in SIDES}
     overhead = {side: median[side] - median["direct"] for side in SIDES[1:]}
+    cpu_overhead = {side: median_cpu[side] - median_cpu["direct"] for side in SIDES[1:]}
     for side in SIDES[1:]:
         print(
             f"{side}: {median[side]:.1f} s against {median['direct']:.1f} s direct: overhead "
-            f"{overhead[side]:.1f} s ({overhead[side] / median[side]:.1%} of its total)"
+            f"{overhead[side]:.1f} s ({overhead[side] / median[side]:.1%} of its total); CPU "
+            f"{median_cpu[side]:.1f} s against {median_cpu['direct']:.1f} s: "
+            f"{cpu_overhead[side]:.1f} s ({cpu_overhead[side] / median_cpu[side]:.1%})"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -163,6 +227,9 @@ def main() -> None:
                 "median": median,
                 "overhead_s": overhead,
                 "overhead_share": {side: overhead[side] / median[side] for side in overhead},
+                "cpu_s": cpu,
+                "cpu_overhead_s": cpu_overhead,
+                "stage_s": stages,
                 "flow_phases": breakdown,
             },
             indent=1,

@@ -31,7 +31,7 @@ import json
 import os
 import shlex
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -51,6 +51,7 @@ if TYPE_CHECKING:
     from prefect.tasks import Task
 
     from flows.local_server import LocalServer
+    from flows.records import DvcRunner
     from ppo_core.config import Config
 
 STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
@@ -295,8 +296,8 @@ def _retrain(
 ) -> dict[str, Any]:
     with stage_session(repo_dir):
         status, to_track = _run_stages(repo_dir, taken)
-    outputs = publish_results(repo_dir, status)
-    to_track += keep_records(repo_dir, backup and outputs["decided"])
+        outputs = publish_results(repo_dir, status)
+        to_track += keep_records(repo_dir, backup and outputs["decided"])
     if to_track:
         files = shlex.join(to_track)
         print(
@@ -368,11 +369,30 @@ def keep_records(repo_dir: str, backup: bool) -> list[str]:
     from flows.records import back_up_production, experiment_name, pointer_files, save_experiment
 
     config = _load_params(repo_dir)
+    run = _in_session(repo_dir)
     if backup:
-        print(back_up_production(repo_dir, config).message)
+        print(back_up_production(repo_dir, config, run).message)
     pointers = [p for p in pointer_files(config) if (Path(repo_dir) / p).is_file()]
-    print(save_experiment(repo_dir, experiment_name(flow_run.name or "run"), pointers).message)
+    name = experiment_name(flow_run.name or "run")
+    print(save_experiment(repo_dir, name, pointers, run).message)
     return pointers if backup else []
+
+
+def _in_session(repo_dir: str) -> DvcRunner:
+    """A :data:`flows.records.DvcRunner` that sends each command to this run's DVC process (a
+    new one when there is none), so that it does not import DVC again."""
+
+    def run(args: Sequence[str], timeout: float) -> tuple[int, str]:
+        relay = StageRelay("dvc", lambda level, text: None, repo_dir)
+        try:
+            with _dvc_session(repo_dir) as session:
+                code = session.run(list(args), relay, timeout)
+        except CommandTimedOut as stopped:
+            command = " ".join(args)
+            return 124, f"`dvc {command}` ran longer than {stopped.seconds:g} s and was stopped"
+        return code, "\n".join(relay.tail)
+
+    return run
 
 
 def reject_ingested(repo_dir: str, taken: list[str], failure: str) -> str:

@@ -1,10 +1,11 @@
 """What a run of the flow leaves behind for later: a DVC experiment of the run, and a backup of
 the production versions and the registry in the DVC remote.
 
-Both go through the ``dvc`` command in the project, after the stages (a stage cannot call DVC:
-``dvc repro`` holds the repository's lock while it runs one). Neither fails a run that trained
-and decided: a project outside git, or a remote that cannot be reached, is reported in the
-run's log and leaves the run's outcome as it was.
+Both run DVC commands in the project after the stages (a stage cannot call DVC: ``dvc repro``
+holds the repository's lock while it runs one): through the flow's DVC process when the caller
+passes one (``run``, see :class:`flows.dvc_session.DvcSession`), else as ``dvc`` commands.
+Neither fails a run that trained and decided: a project outside git, or a remote that cannot be
+reached, is reported in the run's log and leaves the run's outcome as it was.
 """
 
 from __future__ import annotations
@@ -12,14 +13,15 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from ppo_core.config import Config
 
+DVC_TIMEOUT = 600.0
 # Slower than the default to time out: pushing a large model to a remote takes a while.
-PUSH_TIMEOUT = 6 * 3600
+PUSH_TIMEOUT = 6 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -28,20 +30,34 @@ class Outcome:
     message: str
 
 
-def _dvc(repo_dir: str | Path, *args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "dvc"), *args],
-        cwd=repo_dir,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=timeout,
-    )
+# Runs ``dvc ARGS`` in the project within ``timeout`` seconds; returns the exit code and the
+# output (stdout and stderr).
+DvcRunner = Callable[[Sequence[str], float], tuple[int, str]]
 
 
-def _last_line(done: subprocess.CompletedProcess) -> str:
-    lines = [line for line in (done.stderr + done.stdout).splitlines() if line.strip()]
-    return lines[-1].strip() if lines else f"exit code {done.returncode}"
+def dvc_command(repo_dir: str | Path) -> DvcRunner:
+    """A :data:`DvcRunner` that starts the ``dvc`` command of this interpreter for each call."""
+
+    def run(args: Sequence[str], timeout: float) -> tuple[int, str]:
+        try:
+            done = subprocess.run(
+                [str(Path(sys.executable).parent / "dvc"), *args],
+                cwd=repo_dir,
+                capture_output=True,
+                text=True,
+                check=False,
+                timeout=timeout,
+            )
+        except subprocess.TimeoutExpired:
+            return 124, f"`dvc {' '.join(args)}` ran longer than {timeout:g} s and was stopped"
+        return done.returncode, done.stdout + done.stderr
+
+    return run
+
+
+def _last_line(code: int, output: str) -> str:
+    lines = [line for line in output.splitlines() if line.strip()]
+    return lines[-1].strip() if lines else f"exit code {code}"
 
 
 def experiment_name(flow_run_name: str) -> str:
@@ -50,7 +66,9 @@ def experiment_name(flow_run_name: str) -> str:
     return f"retrain-{cleaned}"[:100]
 
 
-def save_experiment(repo_dir: str | Path, name: str, untracked: Sequence[str] = ()) -> Outcome:
+def save_experiment(
+    repo_dir: str | Path, name: str, untracked: Sequence[str] = (), run: DvcRunner | None = None
+) -> Outcome:
     """``dvc exp save --name NAME --force``: the workspace as it is now (``params.yaml`` with the
     run's values, ``dvc.lock`` with its data and model hashes, the metrics files) as a DVC
     experiment, which ``dvc exp show`` and ``ppo compare`` list. It changes no file of the
@@ -58,9 +76,10 @@ def save_experiment(repo_dir: str | Path, name: str, untracked: Sequence[str] = 
     flow run, retried). ``untracked`` files are included too (the backup's pointers before
     they are committed)."""
     included = [arg for path in untracked for arg in ("--include-untracked", path)]
-    done = _dvc(repo_dir, "exp", "save", "--name", name, "--force", *included)
-    if done.returncode != 0:
-        return Outcome(False, f"not recorded as a DVC experiment: {_last_line(done)}")
+    run = run or dvc_command(repo_dir)
+    code, output = run(["exp", "save", "--name", name, "--force", *included], DVC_TIMEOUT)
+    if code != 0:
+        return Outcome(False, f"not recorded as a DVC experiment: {_last_line(code, output)}")
     return Outcome(True, f"recorded as the DVC experiment {name} (`dvc exp show`)")
 
 
@@ -74,7 +93,9 @@ def pointer_files(config: Config) -> list[str]:
     return [f"{target}.dvc" for target in backup_targets(config)]
 
 
-def back_up_production(repo_dir: str | Path, config: Config) -> Outcome:
+def back_up_production(
+    repo_dir: str | Path, config: Config, run: DvcRunner | None = None
+) -> Outcome:
     """Track the production folder and the registry with DVC (``dvc add``: their content goes
     into the cache and ``<path>.dvc`` names it) and push both to the default remote.
 
@@ -84,16 +105,17 @@ def back_up_production(repo_dir: str | Path, config: Config) -> Outcome:
     if not Path(repo_dir, config.promote.registry).is_file():
         return Outcome(False, "nothing to back up yet (no registry)")
     present = [t for t in targets if Path(repo_dir, t).exists()]
-    added = _dvc(repo_dir, "add", *present)
-    if added.returncode != 0:
-        return Outcome(False, f"production and registry not backed up: {_last_line(added)}")
+    run = run or dvc_command(repo_dir)
+    code, output = run(["add", *present], DVC_TIMEOUT)
+    if code != 0:
+        return Outcome(False, f"production and registry not backed up: {_last_line(code, output)}")
     pointers = [f"{t}.dvc" for t in present]
-    pushed = _dvc(repo_dir, "push", *pointers, timeout=PUSH_TIMEOUT)
-    if pushed.returncode != 0:
+    code, output = run(["push", *pointers], PUSH_TIMEOUT)
+    if code != 0:
         return Outcome(
             False,
             f"production and registry are in the DVC cache but not in the remote: "
-            f"{_last_line(pushed)}; `dvc push {' '.join(pointers)}` sends them",
+            f"{_last_line(code, output)}; `dvc push {' '.join(pointers)}` sends them",
         )
     return Outcome(
         True,

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from flows.pipeline import _in_session
 from flows.records import (
+    DvcRunner,
     back_up_production,
     experiment_name,
     restore_command,
@@ -53,13 +55,19 @@ def repo(tmp_path) -> Path:
     return project
 
 
-def test_production_and_the_registry_come_back_byte_identical_from_the_remote(repo):
+# The flow sends its commands to its DVC process; `ppo`'s own callers start `dvc` commands.
+@pytest.fixture(params=["dvc command", "flow's DVC process"])
+def runner(request, repo) -> DvcRunner | None:
+    return None if request.param == "dvc command" else _in_session(str(repo))
+
+
+def test_production_and_the_registry_come_back_byte_identical_from_the_remote(repo, runner):
     config = Config()
     production = repo / "models" / "production"
     registry = repo / "models" / "registry.json"
     before = (tree_sha256(production), file_sha256(registry))
 
-    outcome = back_up_production(repo, config)
+    outcome = back_up_production(repo, config, runner)
     assert outcome.done, outcome.message
     assert "dvc pull models/production.dvc models/registry.json.dvc" in outcome.message
     # The pointers are files git keeps (the project's .gitignore lets them through).
@@ -76,23 +84,23 @@ def test_production_and_the_registry_come_back_byte_identical_from_the_remote(re
     assert (tree_sha256(production), file_sha256(registry)) == before
 
 
-def test_a_backup_without_a_reachable_remote_says_so_and_keeps_the_files(repo, tmp_path):
+def test_a_backup_without_a_reachable_remote_says_so_and_keeps_the_files(repo, runner):
     run(repo, str(BIN / "dvc"), "remote", "modify", "local", "url", "/proc/no-such-remote")
-    outcome = back_up_production(repo, Config())
+    outcome = back_up_production(repo, Config(), runner)
     assert not outcome.done
     assert "not in the remote" in outcome.message
     assert "dvc push models/production.dvc models/registry.json.dvc" in outcome.message
     assert (repo / "models" / "production" / "v0001" / "config.json").is_file()
 
 
-def test_a_run_is_saved_as_an_experiment_without_changing_the_workspace(repo):
+def test_a_run_is_saved_as_an_experiment_without_changing_the_workspace(repo, runner):
     (repo / "params.yaml").write_text(
         (repo / "params.yaml").read_text().replace("  epochs: 4\n", "  epochs: 2\n")
     )
     status = run(repo, "git", "status", "--porcelain").stdout
     name = experiment_name("meteoric malamute!")
     assert name == "retrain-meteoric-malamute"
-    outcome = save_experiment(repo, name)
+    outcome = save_experiment(repo, name, run=runner)
     assert outcome.done, outcome.message
     assert run(repo, "git", "status", "--porcelain").stdout == status
     shown = json.loads(run(repo, str(BIN / "dvc"), "exp", "show", "--json").stdout)
@@ -106,7 +114,7 @@ def test_a_run_is_saved_as_an_experiment_without_changing_the_workspace(repo):
     params = experiment["data"]["params"]["params.yaml"]["data"]
     assert params["ppo"]["epochs"] == 2
     # Saving the same name again (a retried flow run) replaces it.
-    assert save_experiment(repo, name).done
+    assert save_experiment(repo, name, run=runner).done
 
 
 def test_outside_git_the_experiment_is_not_recorded_and_the_reason_is_given(tmp_path):
