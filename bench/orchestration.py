@@ -12,11 +12,14 @@ a temporary folder, no outputs yet) and times, from the same empty state:
   up, as a deployment's runs find one.
 
 Both use this repository's ``.venv``. The sides alternate, ``--repeats`` times each; writes
-``bench/results/orchestration.json``. Besides wall time it records each side's CPU seconds (its
-processes and every process they started; for the third side, the running server's share too)
-and each stage's seconds (direct: the command; flow: from DVC's ``Running stage`` line to the
-task's end). On a shared machine the stages' own wall time varies by tens of seconds from run
-to run; CPU seconds vary far less, so they show what the orchestration itself costs.
+``bench/results/orchestration.json``.
+
+On a shared machine the stages' own time varies by tens of seconds from run to run, more than
+the orchestration costs, so the difference of the totals says little from a few runs. The bench
+also records each stage's seconds (direct: the command; flow: from DVC's ``Running stage`` line
+to the task's end, from the flow's log), the flow's time outside its stage tasks (server,
+imports, task bookkeeping, the experiment record), and what DVC adds to one stage
+(:func:`dvc_seconds_a_stage`); their sum estimates the overhead without the stages' noise.
 
     .venv/bin/python bench/orchestration.py [--repeats 2]
 """
@@ -27,7 +30,6 @@ import argparse
 import json
 import os
 import re
-import resource
 import statistics
 import subprocess
 import sys
@@ -44,25 +46,12 @@ def fresh_clone(where: Path) -> Path:
     return where
 
 
-def children_cpu_seconds() -> float:
-    """User + system CPU seconds of every finished child process of this one (and theirs)."""
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds a running process has used so far (``/proc/PID/stat``)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
 def timed(
     commands: list[list[str]], cwd: Path, env: dict[str, str]
-) -> tuple[float, list[float], float, str]:
-    """Seconds the commands take in a row, the seconds of each, the CPU seconds they used (their
-    processes and all those they started), and their output (stdout and stderr)."""
+) -> tuple[float, list[float], str]:
+    """Seconds the commands take in a row, the seconds of each, and their output (stdout and
+    stderr)."""
     start = time.perf_counter()
-    cpu_before = children_cpu_seconds()
     output = ""
     each = []
     for command in commands:
@@ -70,7 +59,29 @@ def timed(
         done = subprocess.run(command, cwd=cwd, env=env, check=True, capture_output=True, text=True)
         each.append(time.perf_counter() - began)
         output += done.stdout + done.stderr
-    return time.perf_counter() - start, each, children_cpu_seconds() - cpu_before, output
+    return time.perf_counter() - start, each, output
+
+
+def dvc_seconds_a_stage(project: Path, env: dict[str, str], repeats: int = 3) -> dict[str, float]:
+    """What DVC adds to one stage: ``ppo promote`` against ``dvc repro --single-item --force
+    promote`` in a project that has run (alternating, median of ``repeats`` each). Each
+    ``dvc`` command imports DVC, which the flow's one DVC process does once a run, so this is
+    an upper bound for the stages after the first."""
+    bin_dir = Path(sys.executable).parent
+    sides: dict[str, list[float]] = {"command": [], "dvc": []}
+    for _ in range(repeats):
+        sides["command"].append(
+            timed([[str(bin_dir / "ppo"), "promote", "-c", "params.yaml"]], project, env)[0]
+        )
+        sides["dvc"].append(
+            timed(
+                [[str(bin_dir / "dvc"), "repro", "--single-item", "--force", "promote"]],
+                project,
+                env,
+            )[0]
+        )
+    median = {side: statistics.median(seconds) for side, seconds in sides.items()}
+    return median | {"dvc_adds": median["dvc"] - median["command"]}
 
 
 # Log lines of the flow that mark the phases of a run (Prefect's "HH:MM:SS.mmm | LEVEL | ...").
@@ -167,9 +178,9 @@ def main() -> None:
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PREFECT_API_URL", None)
     runs: dict[str, list[float]] = {side: [] for side in SIDES}
-    cpu: dict[str, list[float]] = {side: [] for side in SIDES}
     stages: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
-    breakdown: dict[str, list[dict[str, float]]] = {"flow": [], "flow_on_a_server": []}
+    outside: dict[str, list[float]] = {side: [] for side in SIDES[1:]}
+    breakdown: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES[1:]}
     with tempfile.TemporaryDirectory() as tmp:
         server, api = running_server(Path(tmp), env)
         try:
@@ -181,43 +192,41 @@ def main() -> None:
                         if side == "direct"
                         else [[sys.executable, "-m", "flows.pipeline", "run"]]
                     )
-                    on_the_server = side.endswith("server")
-                    side_env = env | ({"PREFECT_API_URL": api} if on_the_server else {})
-                    server_cpu = process_cpu_seconds(server.pid)
+                    side_env = env | ({"PREFECT_API_URL": api} if side.endswith("server") else {})
                     started = time.time()
-                    seconds, each, cpu_seconds, output = timed(commands, project, side_env)
-                    if on_the_server:  # what the running server did for this run
-                        cpu_seconds += process_cpu_seconds(server.pid) - server_cpu
+                    seconds, each, output = timed(commands, project, side_env)
                     runs[side].append(seconds)
-                    cpu[side].append(cpu_seconds)
                     stages[side].append(
                         dict(zip(STAGES, each, strict=True))
                         if side == "direct"
                         else stage_seconds(output, started)
                     )
-                    print(
-                        f"repeat {repeat} {side}: {seconds:.1f} s, {cpu_seconds:.1f} CPU s; "
-                        + json.dumps({k: round(v, 1) for k, v in stages[side][-1].items()}),
-                        flush=True,
-                    )
+                    report = {k: round(v, 1) for k, v in stages[side][-1].items()}
+                    print(f"repeat {repeat} {side}: {seconds:.1f} s; {report}", flush=True)
                     if side != "direct":
+                        outside[side].append(seconds - sum(stages[side][-1].values()))
                         breakdown[side].append(phases(output, started, seconds))
-                        print(
-                            "  "
-                            + json.dumps({k: round(v, 1) for k, v in breakdown[side][-1].items()})
-                        )
+                        parts = {k: round(v, 1) for k, v in breakdown[side][-1].items()}
+                        print(f"  outside the stages {outside[side][-1]:.1f} s; {parts}")
+            dvc_stage = dvc_seconds_a_stage(Path(tmp) / "direct-0", env)
         finally:
             server.kill()
+    print(f"DVC a stage: {json.dumps({k: round(v, 2) for k, v in dvc_stage.items()})}")
     median = {side: statistics.median(runs[side]) for side in SIDES}
-    median_cpu = {side: statistics.median(cpu[side]) for side in SIDES}
     overhead = {side: median[side] - median["direct"] for side in SIDES[1:]}
-    cpu_overhead = {side: median_cpu[side] - median_cpu["direct"] for side in SIDES[1:]}
+    # Noise-free estimate: the flow's time outside its stage tasks, plus what DVC adds inside
+    # each of them; the stages' own compute, which varies from run to run, is not in it.
+    estimate = {
+        side: statistics.median(outside[side]) + len(STAGES) * max(dvc_stage["dvc_adds"], 0.0)
+        for side in SIDES[1:]
+    }
+    direct = median["direct"]
     for side in SIDES[1:]:
         print(
-            f"{side}: {median[side]:.1f} s against {median['direct']:.1f} s direct: overhead "
-            f"{overhead[side]:.1f} s ({overhead[side] / median[side]:.1%} of its total); CPU "
-            f"{median_cpu[side]:.1f} s against {median_cpu['direct']:.1f} s: "
-            f"{cpu_overhead[side]:.1f} s ({cpu_overhead[side] / median_cpu[side]:.1%})"
+            f"{side}: {median[side]:.1f} s against {direct:.1f} s direct (difference "
+            f"{overhead[side]:+.1f} s); outside the stages {statistics.median(outside[side]):.1f}"
+            f" s; estimated overhead {estimate[side]:.1f} s ({estimate[side] / direct:.1%} of "
+            "the direct run)"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -225,11 +234,12 @@ def main() -> None:
             {
                 "runs": runs,
                 "median": median,
-                "overhead_s": overhead,
-                "overhead_share": {side: overhead[side] / median[side] for side in overhead},
-                "cpu_s": cpu,
-                "cpu_overhead_s": cpu_overhead,
+                "difference_s": overhead,
                 "stage_s": stages,
+                "outside_the_stages_s": outside,
+                "dvc_a_stage_s": dvc_stage,
+                "estimated_overhead_s": estimate,
+                "estimated_overhead_share": {s: estimate[s] / direct for s in estimate},
                 "flow_phases": breakdown,
             },
             indent=1,

@@ -16,7 +16,15 @@ if TYPE_CHECKING:
         backward_scale,
         data_parallel_world_size,
     )
+    from ppo_core.math.advantages import (
+        AdvantageInputs,
+        consecutive_groups,
+        grpo_advantages,
+        reinforce_pp_advantages,
+        rloo_advantages,
+    )
     from ppo_core.math.batching import check_batch_sizes, micro_batch_slices, minibatch_indices
+    from ppo_core.math.choices import ADVANTAGE_ESTIMATORS
     from ppo_core.math.gae import compute_gae, whiten_advantages
     from ppo_core.math.kl import (
         KL_ESTIMATORS,
@@ -50,10 +58,12 @@ if TYPE_CHECKING:
     from ppo_core.math.running_mean import RunningMean
 
 __all__ = [
+    "ADVANTAGE_ESTIMATORS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "AccumulationResult",
     "AdaptiveKLController",
+    "AdvantageInputs",
     "FixedKLController",
     "LossParts",
     "PPOObjective",
@@ -66,9 +76,11 @@ __all__ = [
     "backward_scale",
     "check_batch_sizes",
     "compute_gae",
+    "consecutive_groups",
     "count_units",
     "data_parallel_world_size",
     "entropy_from_logits",
+    "grpo_advantages",
     "kl_penalty",
     "last_valid_index",
     "logprobs_from_logits",
@@ -81,6 +93,8 @@ __all__ = [
     "micro_batch_slices",
     "minibatch_indices",
     "policy_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
     "token_rewards",
     "value_loss",
     "whiten_advantages",
@@ -89,6 +103,7 @@ __all__ = [
 # Where each public name lives; loaded on first use (PEP 562).
 _SUBMODULES = (
     "accumulation",
+    "advantages",
     "batching",
     "choices",
     "gae",

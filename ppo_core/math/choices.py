@@ -10,7 +10,20 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["KL_ESTIMATORS", "LOSS_AGG_MODES", "KLEstimator", "LossAggMode", "check_batch_sizes"]
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_ESTIMATORS",
+    "LOSS_AGG_MODES",
+    "AdvantageEstimator",
+    "KLEstimator",
+    "LossAggMode",
+    "check_batch_sizes",
+]
+
+# Advantage estimators (ppo_core.math.advantages): GAE with a critic, and the critic-free GRPO,
+# RLOO and REINFORCE++.
+AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 
 # KL(pi || ref) estimators of Schulman (2020), "Approximating KL divergence" (ppo_core.math.kl).
 KLEstimator = Literal["k1", "k2", "k3", "abs"]
