@@ -220,13 +220,15 @@ def main() -> None:
         side: statistics.median(outside[side]) + len(STAGES) * max(dvc_stage["dvc_adds"], 0.0)
         for side in SIDES[1:]
     }
-    direct = median["direct"]
+    # The share of the same run's work (its total less the overhead), so that the stages'
+    # noise between the sides does not enter it.
+    share = {side: estimate[side] / (median[side] - estimate[side]) for side in estimate}
     for side in SIDES[1:]:
         print(
-            f"{side}: {median[side]:.1f} s against {direct:.1f} s direct (difference "
+            f"{side}: {median[side]:.1f} s against {median['direct']:.1f} s direct (difference "
             f"{overhead[side]:+.1f} s); outside the stages {statistics.median(outside[side]):.1f}"
-            f" s; estimated overhead {estimate[side]:.1f} s ({estimate[side] / direct:.1%} of "
-            "the direct run)"
+            f" s; estimated overhead {estimate[side]:.1f} s, {share[side]:.1%} on top of the "
+            "run's own work"
         )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
@@ -239,7 +241,7 @@ def main() -> None:
                 "outside_the_stages_s": outside,
                 "dvc_a_stage_s": dvc_stage,
                 "estimated_overhead_s": estimate,
-                "estimated_overhead_share": {s: estimate[s] / direct for s in estimate},
+                "estimated_overhead_share": share,
                 "flow_phases": breakdown,
             },
             indent=1,
