@@ -107,33 +107,42 @@ def _load(config_file: Path | None, overrides: list[str] | None):
 WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
+# The errors users can fix, by the module that defines each. Several of those modules import
+# torch and transformers (seconds), which `prepare`, `validate`, `promote`, `config` and
+# `ingest` never need: an error can only be raised once its module is loaded, so each class is
+# looked up among the loaded modules when an error arrives.
+USER_ERRORS = (
+    ("ppo_core.config", "ConfigError"),
+    ("ppo_core.files", "RunLockedError"),
+    ("ppo_core.modeling.checkpoint", "CheckpointError"),
+    ("ppo_core.modeling.data", "PromptFileError"),
+    ("ppo_core.modeling.policy", "ModelFolderError"),
+    ("ppo_core.modeling.reward_loading", "RewardError"),
+    ("ppo_core.registry", "RegistryError"),
+)
+
+
+def _user_error(exc: BaseException) -> bool:
+    if isinstance(exc, FileExistsError | FileNotFoundError):
+        return True
+    loaded = (sys.modules.get(module) for module, _ in USER_ERRORS)
+    classes = tuple(
+        getattr(module, name)
+        for module, (_, name) in zip(loaded, USER_ERRORS, strict=True)
+        if module is not None
+    )
+    return isinstance(exc, classes)
+
+
 def _run(action):
     """Run a stage; turn the errors users can fix into one clear line and exit code 2."""
-    from ppo_core.config import ConfigError
-    from ppo_core.files import RunLockedError
-    from ppo_core.modeling.checkpoint import CheckpointError
-    from ppo_core.modeling.data import PromptFileError
-    from ppo_core.modeling.policy import ModelFolderError
-    from ppo_core.modeling.reward_loading import RewardError
-    from ppo_core.registry import RegistryError
-
     try:
         return action()
-    except (
-        ConfigError,
-        PromptFileError,
-        ModelFolderError,
-        RewardError,
-        CheckpointError,
-        FileExistsError,
-        FileNotFoundError,
-        RunLockedError,
-        RegistryError,
-    ) as exc:
-        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
-        raise typer.Exit(code=2) from None
-    except OSError as exc:
-        if exc.errno not in WRITE_ERRNOS:
+    except Exception as exc:
+        if _user_error(exc):
+            console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+            raise typer.Exit(code=2) from None
+        if not isinstance(exc, OSError) or exc.errno not in WRITE_ERRNOS:
             raise
         # disk full, read-only or forbidden folder: outputs are written atomically, so nothing
         # half-written is left behind and the previous versions stay in place

@@ -2,6 +2,8 @@
 
 import inspect
 import re
+import subprocess
+import sys
 
 import pytest
 import yaml
@@ -9,6 +11,7 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from ppo_core.config import Config, flatten, to_yaml
+from tests.flows.conftest import environment
 
 runner = CliRunner()
 
@@ -203,3 +206,31 @@ def test_a_warning_is_one_line_without_the_source_line(tmp_path, monkeypatch):
     _load(None, [])
     text = warnings.formatwarning("not resuming from step-000080", UserWarning, __file__, 1)
     assert text == "warning: not resuming from step-000080\n"
+
+
+def test_prepare_runs_without_importing_torch(tmp_path):
+    # The stages that handle data and the registry start in under a second; torch and
+    # transformers would add seconds to each (they are loaded by base, train and evaluate).
+    raw = tmp_path / "data" / "raw"
+    raw.mkdir(parents=True)
+    (raw / "prompts.jsonl").write_text(
+        "".join(f'{{"prompt": "The film number {i} was"}}\n' for i in range(40))
+    )
+    script = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from flows.cli import app\n"
+        "result = CliRunner().invoke(app, ['prepare', '--config', 'none'])\n"
+        "assert result.exit_code == 0, result.output\n"
+        "heavy = [m for m in ('torch', 'transformers') if m in sys.modules]\n"
+        "assert not heavy, heavy\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=environment(),
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
