@@ -20,10 +20,9 @@ import contextlib
 import json
 import subprocess
 import sys
-import threading
 from types import TracebackType
 
-from flows.relay import CommandTimedOut, StageRelay, output_segments, stop_process_tree
+from flows.relay import Deadline, StageRelay, output_segments, stop_process_tree
 
 # Ends the output of one command; the exit code follows. A record separator first, so that no
 # line a stage prints can be read as it.
@@ -65,22 +64,12 @@ class DvcSession:
         self.start()
         process = self.process
         assert process is not None and process.stdin is not None and process.stdout is not None
-        timed_out = threading.Event()
-
-        def stop_on_deadline() -> None:
-            timed_out.set()
-            stop_process_tree(process.pid)
-
-        deadline = threading.Timer(timeout or 0, stop_on_deadline)
-        deadline.daemon = True
         returncode: int | None = None
+        deadline = Deadline(process, timeout)
         try:
             process.stdin.write((json.dumps(args) + "\n").encode())
             process.stdin.flush()
-            if timeout:
-                deadline.start()
-            stopped = lambda: timed_out.is_set() and process.poll() is not None  # noqa: E731
-            for text, finished in output_segments(process.stdout, stopped):
+            for text, finished in output_segments(process.stdout, deadline.stopped):
                 if finished and text.startswith(DONE):
                     returncode = int(text[len(DONE) :])
                     break
@@ -92,10 +81,11 @@ class DvcSession:
             raise
         finally:
             deadline.cancel()
-        if timed_out.is_set():
-            deadline.join()
-            self.close()
-            raise CommandTimedOut(timeout or 0)
+        if deadline.passed.is_set():
+            try:
+                deadline.check()
+            finally:
+                self.close()
         if returncode is None:  # the process ended without finishing the command
             code = process.wait()
             self.process = None

@@ -243,20 +243,10 @@ def relay_command(
         command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
     )
     assert process.stdout is not None
-    timed_out = threading.Event()
-
-    def stop_on_deadline() -> None:
-        timed_out.set()
-        stop_process_tree(process.pid)
-
-    deadline = threading.Timer(timeout or 0, stop_on_deadline)
-    deadline.daemon = True
-    if timeout:
-        deadline.start()
+    deadline = Deadline(process, timeout)
     try:
         with process.stdout:
-            stopped = lambda: timed_out.is_set() and process.poll() is not None  # noqa: E731
-            for text, finished in output_segments(process.stdout, stopped):
+            for text, finished in output_segments(process.stdout, deadline.stopped):
                 relay.feed(text, finished)
     except BaseException:
         # Cancelled or interrupted: the stage's processes get the chance to stop cleanly, and
@@ -266,8 +256,37 @@ def relay_command(
     finally:
         deadline.cancel()
     returncode = process.wait()
-    if timed_out.is_set():
-        # The output can end (the first process gone) while the deadline still stops the rest.
-        deadline.join()
-        raise CommandTimedOut(timeout or 0)
+    deadline.check()
     return returncode
+
+
+class Deadline:
+    """Stops ``process`` and everything under it once ``timeout`` seconds (> 0) have passed
+    (never without a timeout)."""
+
+    def __init__(self, process: subprocess.Popen, timeout: float | None):
+        self.process = process
+        self.timeout = timeout or 0
+        self.passed = threading.Event()
+        self._timer = threading.Timer(self.timeout, self._stop)
+        self._timer.daemon = True
+        if timeout:
+            self._timer.start()
+
+    def _stop(self) -> None:
+        self.passed.set()
+        stop_process_tree(self.process.pid)
+
+    def stopped(self) -> bool:
+        """The deadline passed and the process is gone (its output may still be held open)."""
+        return self.passed.is_set() and self.process.poll() is not None
+
+    def cancel(self) -> None:
+        self._timer.cancel()
+
+    def check(self) -> None:
+        """Raise :class:`CommandTimedOut` when the deadline passed, once its stopping is done:
+        the output can end (the first process gone) while it still stops the rest."""
+        if self.passed.is_set():
+            self._timer.join()
+            raise CommandTimedOut(self.timeout)
