@@ -249,12 +249,14 @@ def train(
     The settings changed most often, as key=value (`ppo config --docs` explains every key):
 
     - train.iterations: PPO iterations (rollout + update)
-    - ppo.rollout_batch_size: prompts sampled per iteration
+    - ppo.rollout_batch_size: responses sampled per iteration
     - ppo.mini_batch_size: rows per optimizer step; divides ppo.rollout_batch_size
     - ppo.micro_batch_size: rows per forward/backward pass; divides ppo.mini_batch_size; sets
       memory use, not the result
     - optim.lr: learning rate
     - kl.coef: weight of the KL penalty against the reference model
+    - ppo.advantage_estimator: gae (with a critic) or, with model.critic=none, grpo, rloo or
+      reinforce_pp; grpo and rloo need ppo.samples_per_prompt >= 2
     - model.policy: folder of the model to start from
     - model.reward: builtin:sentiment, module:function or a reward-model folder
     - device: auto, cpu or cuda

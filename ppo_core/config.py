@@ -27,7 +27,14 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from ppo_core.files import atomic_write_text, first_line
-from ppo_core.math.choices import KLEstimator, LossAggMode, check_batch_sizes
+from ppo_core.math.choices import (
+    AdvantageEstimator,
+    KLEstimator,
+    LossAggMode,
+    check_batch_sizes,
+    needs_critic,
+    needs_groups,
+)
 from ppo_core.modeling.data import MAX_BYTES_PER_FILE, MAX_ROWS_PER_FILE
 
 __all__ = [
@@ -58,7 +65,7 @@ SHOWN_CHARS = 40
 # math functions that take them.
 Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16"]
-Critic = Literal["shared", "separate"]
+Critic = Literal["shared", "separate", "none"]
 OptimizerName = Literal["adamw", "sgd"]
 SchedulerName = Literal["constant", "linear"]
 StrategyName = Literal["ddp", "fsdp"]
@@ -84,6 +91,7 @@ CHOICES: dict[str, Any] = {
     "model.critic": Critic,
     "model.reference_dtype": Precision,
     "ppo.loss_agg_mode": LossAggMode,
+    "ppo.advantage_estimator": AdvantageEstimator,
     "kl.estimator": KLEstimator,
     "optim.name": OptimizerName,
     "optim.scheduler": SchedulerName,
@@ -136,7 +144,8 @@ class ModelConfig:
     waits without limit."""
     critic: Choice[Critic] = "shared"
     """``shared``: a value head on the policy's trunk; ``separate``: a critic trunk of its own,
-    initialised from the policy folder."""
+    initialised from the policy folder; ``none``: no value model at all, for the critic-free
+    ``ppo.advantage_estimator`` choices (``grpo``, ``rloo``, ``reinforce_pp``)."""
     trust_remote_code: bool = False
     """Allow model folders to run their own Python code when loaded. Off unless you trust them."""
     reference_dtype: Choice[Precision] = "fp32"
@@ -216,7 +225,8 @@ class PPOConfig:
     """The PPO update (Schulman et al. 2017) and its batching."""
 
     rollout_batch_size: int = 64
-    """Prompts sampled per iteration (per data-parallel rank)."""
+    """Responses sampled per iteration (per data-parallel rank): ``rollout_batch_size /
+    samples_per_prompt`` drawn prompts, each sampled ``samples_per_prompt`` times."""
     mini_batch_size: int = 16
     """Rows per optimizer step; must divide ``rollout_batch_size`` (or set ``drop_last``)."""
     micro_batch_size: int = 16
@@ -250,10 +260,20 @@ class PPOConfig:
     """Discount factor."""
     lam: float = 0.95
     """GAE lambda."""
+    advantage_estimator: Choice[AdvantageEstimator] = "gae"
+    """``gae`` (with a critic, ``model.critic`` shared or separate) or a critic-free one
+    (``model.critic=none``): ``grpo`` (scores normalised within each prompt's samples), ``rloo``
+    (leave-one-out baseline), ``reinforce_pp`` (returns normalised over the batch); see
+    docs/training.md, "Advantage estimators"."""
+    samples_per_prompt: int = 1
+    """Responses sampled for each drawn prompt, in consecutive rows that stay on one rank; must
+    divide ``rollout_batch_size`` (which counts responses). ``grpo`` and ``rloo`` compare the
+    samples of a prompt, so they need at least 2."""
     loss_agg_mode: Choice[LossAggMode] = "token-mean"
     """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
     whiten_advantages: bool = True
-    """Whiten advantages once per rollout batch."""
+    """Whiten GAE advantages once per rollout batch (``reinforce_pp`` always normalises over the
+    batch, ``grpo`` within groups, ``rloo`` not at all, as their papers do)."""
     target_kl: float | None = None
     """Stop the remaining updates of an iteration when a mini-batch's approximate KL exceeds it."""
     max_grad_norm: float | None = 1.0
@@ -267,7 +287,10 @@ class KLConfig:
     """The KL penalty against the reference model."""
 
     estimator: Choice[KLEstimator] = "k1"
-    """``k1``, ``k2``, ``k3`` or ``abs`` (per-token estimate in the reward)."""
+    """``k1``, ``k2``, ``k3`` or ``abs``: the per-token estimate, in the reward or in the loss."""
+    in_loss: bool = False
+    """Add ``coef * KL`` to each token's loss, as GRPO does, instead of ``-coef * KL`` to its
+    reward (the reward then is the score alone; ``k3`` is the usual estimator there)."""
     coef: float = 0.1
     """Initial (or fixed) coefficient ``beta``. 0.1 holds the tiny default near 2.5 nats per
     sequence; 0.05 lets it drift past 4 and 0.01 breaks grammar (docs/training.md)."""
@@ -829,6 +852,7 @@ UPPER_BOUNDS: dict[str, int] = {
     "ppo.micro_batch_size": _BATCH_ROWS,
     "ppo.generation_batch_size": _BATCH_ROWS,
     "ppo.scoring_batch_size": _BATCH_ROWS,
+    "ppo.samples_per_prompt": _BATCH_ROWS,
     "ppo.epochs": 10_000,
     "kl.horizon": 10**12,
     "optim.warmup_iterations": _ITERATIONS,
@@ -1050,11 +1074,43 @@ def validate_config(config: Config) -> None:
             f"optim.betas must be two numbers in [0, 1), got {_short(config.optim.betas)}"
         )
     _check_lora(config.model)
+    _check_estimator(config)
     if config.parallel.reference_offload and config.parallel.strategy != "fsdp":
         raise ConfigError(
             "parallel.reference_offload=true needs parallel.strategy=fsdp (got "
             f"{config.parallel.strategy!r}): only a sharded reference is offloaded"
         )
+
+
+def _check_estimator(config: Config) -> None:
+    """``ppo.advantage_estimator`` against ``model.critic`` and ``ppo.samples_per_prompt``: one
+    error naming every key to change."""
+    ppo, critic = config.ppo, config.model.critic
+    estimator = ppo.advantage_estimator
+    if ppo.samples_per_prompt < 1 or ppo.rollout_batch_size % ppo.samples_per_prompt:
+        raise ConfigError(
+            f"ppo.samples_per_prompt={ppo.samples_per_prompt} must be a positive divisor of "
+            f"ppo.rollout_batch_size={ppo.rollout_batch_size} (which counts responses, "
+            "each prompt's samples in consecutive rows)"
+        )
+    problems = []
+    if needs_groups(estimator) and ppo.samples_per_prompt < 2:
+        problems.append(
+            "it compares the samples of each prompt and needs ppo.samples_per_prompt >= 2, got "
+            f"ppo.samples_per_prompt={ppo.samples_per_prompt}"
+        )
+    if needs_critic(estimator) and critic == "none":
+        problems.append(
+            "it needs a critic, but model.critic=none; set model.critic=shared (or separate), "
+            "or choose a critic-free estimator (grpo, rloo, reinforce_pp)"
+        )
+    if not needs_critic(estimator) and critic != "none":
+        problems.append(
+            f"it uses no critic, but model.critic={critic} would build and train one; set "
+            "model.critic=none"
+        )
+    if problems:
+        raise ConfigError(f"ppo.advantage_estimator={estimator}: " + "; ".join(problems))
 
 
 def _check_lora(model: ModelConfig) -> None:
@@ -1078,7 +1134,7 @@ def _check_lora(model: ModelConfig) -> None:
             "model.lora.target_modules must be a non-empty list of module names (or "
             f"[all-linear]), got {_short(lora.target_modules)}"
         )
-    if model.critic != "shared":
+    if model.critic == "separate":
         raise ConfigError(
             "model.critic=separate is not supported with model.lora.enabled=true: the value "
             "head shares the adapted trunk (model.critic=shared)"

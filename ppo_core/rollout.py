@@ -4,20 +4,23 @@
 evaluation, so both see the same prompts, positions and sampling distribution
 (docs/design.md section 8). :func:`collect_rollout` adds the reward shaping of Ziegler et al.
 (2019), "Fine-Tuning Language Models from Human Preferences": the per-token KL penalty plus the
-score on the last response token, then GAE (Schulman et al. 2016) and whitening once per batch.
+score on the last response token (the score alone when the KL is in the loss instead), then the
+advantages of ``ppo.advantage_estimator`` once per batch: GAE (Schulman et al. 2016) with the
+critic's values, or a critic-free one (:mod:`ppo_core.math.advantages`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ppo_core.config import ConfigError, GenerationConfig, KLConfig, ModelConfig, PPOConfig
+from ppo_core.math.advantages import ESTIMATORS, AdvantageInputs, consecutive_groups
 from ppo_core.math.batching import micro_batch_slices
-from ppo_core.math.gae import compute_gae, whiten_advantages
 from ppo_core.math.kl import kl_penalty, token_rewards
 from ppo_core.math.masked import masked_moments, masked_sum
 from ppo_core.math.running_mean import RunningMean
@@ -47,7 +50,8 @@ POSITIVE_SCORE = 0.05
 
 @dataclass
 class RolloutBatch:
-    """One iteration's experience. Token fields are ``[B, T]``, ``scores`` is ``[B]``."""
+    """One iteration's experience. Token fields are ``[B, T]``, ``scores`` is ``[B]``;
+    ``old_values`` and ``returns`` are ``None`` without a critic."""
 
     prompt_ids: Tensor  # [B, P] left-padded
     prompt_mask: Tensor  # [B, P]
@@ -55,17 +59,21 @@ class RolloutBatch:
     response_mask: Tensor  # [B, T] real response tokens, first EOS included
     old_logprobs: Tensor  # [B, T] sampling policy
     ref_logprobs: Tensor  # [B, T] frozen reference
-    old_values: Tensor  # [B, T] critic at rollout time
+    old_values: Tensor | None  # [B, T] critic at rollout time
     scores: Tensor  # [B] sequence scores (after the missing-EOS penalty)
-    rewards: Tensor  # [B, T] -beta * kl + score on the last token
-    advantages: Tensor  # [B, T] whitened once per rollout batch
-    returns: Tensor  # [B, T]
+    rewards: Tensor  # [B, T] -beta * kl (unless in the loss) + score on the last token
+    advantages: Tensor  # [B, T] computed once per rollout batch
+    returns: Tensor | None  # [B, T] the critic's targets
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
 
     def rows(self, index: Tensor | slice) -> RolloutBatch:
-        return RolloutBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+        values: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            values[f.name] = None if value is None else value[index]
+        return RolloutBatch(**values)
 
     def trimmed(self) -> RolloutBatch:
         """The same rows without the columns that are padding in every row: left prompt padding
@@ -84,7 +92,9 @@ class RolloutBatch:
         values = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name.startswith("prompt_"):
+            if value is None:
+                pass
+            elif f.name.startswith("prompt_"):
                 value = value[:, first:]
             elif value.dim() == 2:
                 value = value[:, :end]
@@ -227,8 +237,11 @@ def collect_rollout(
 ) -> tuple[RolloutBatch, dict[str, float], list[str]]:
     """Generate, score and turn one batch of prompts into advantages and returns.
 
-    ``kl_coef`` is the controller's current ``beta`` (``kl.coef`` only at the start). Under data
-    parallelism the advantages are whitened and the metrics averaged over every rank's rows.
+    ``kl_coef`` is the controller's current ``beta`` (``kl.coef`` only at the start); with
+    ``kl.in_loss`` the rewards hold the score alone and the update adds the KL term. Under data
+    parallelism batch-wide statistics (whitening, REINFORCE++'s normalisation, the metrics) are
+    taken over every rank's rows; the groups of ``ppo.samples_per_prompt`` consecutive rows lie
+    whole on this rank, so group statistics need no communication.
 
     Returns:
         the batch, its ``rollout/*`` metrics, and the decoded responses.
@@ -245,13 +258,16 @@ def collect_rollout(
     )
     scoring_size = ppo.scoring_batch_size or ppo.micro_batch_size
     policy_scored = score_in_chunks(
-        actor_critic, generated, generation.temperature, runtime, scoring_size, with_values=True
+        actor_critic,
+        generated,
+        generation.temperature,
+        runtime,
+        scoring_size,
+        with_values=actor_critic.has_critic,
     )
     reference_scored = score_in_chunks(
         reference, generated, generation.temperature, runtime, scoring_size, with_values=False
     )
-    old_values = policy_scored.values
-    assert old_values is not None  # an ActorCritic always has values
     mask = generated.response_mask
 
     responses, raw_scores = score_responses(reward_fn, tokenizer, prompts, generated)
@@ -261,10 +277,20 @@ def collect_rollout(
         scores = torch.where(generated.has_eos, scores, scores - ppo.missing_eos_penalty)
 
     token_kl = kl_penalty(policy_scored.logprobs, reference_scored.logprobs, kl.estimator, mask)
-    rewards = token_rewards(scores, token_kl, mask, kl_coef)
-    advantages, returns = compute_gae(rewards, old_values, mask, ppo.gamma, ppo.lam)
-    if ppo.whiten_advantages:
-        advantages = whiten_advantages(advantages, mask, all_ranks=all_ranks)
+    rewards = token_rewards(scores, token_kl, mask, 0.0 if kl.in_loss else kl_coef)
+    advantages, returns = ESTIMATORS[ppo.advantage_estimator](
+        AdvantageInputs(
+            scores=scores,
+            rewards=rewards,
+            response_mask=mask,
+            gamma=ppo.gamma,
+            lam=ppo.lam,
+            values=policy_scored.values,
+            group_ids=consecutive_groups(len(prompts), ppo.samples_per_prompt, mask.device),
+            whiten=ppo.whiten_advantages,
+            all_ranks=all_ranks,
+        )
+    )
 
     batch = RolloutBatch(
         prompt_ids=generated.prompt_ids,
@@ -273,7 +299,7 @@ def collect_rollout(
         response_mask=mask,
         old_logprobs=policy_scored.logprobs,
         ref_logprobs=reference_scored.logprobs,
-        old_values=old_values,
+        old_values=policy_scored.values,
         scores=scores,
         rewards=rewards,
         advantages=advantages,
@@ -288,7 +314,8 @@ def _rollout_metrics(
     batch: RolloutBatch, raw_scores: Tensor, token_kl: Tensor, has_eos: Tensor, all_ranks: bool
 ) -> dict[str, float]:
     """Per-sequence means of score, KL, reward, length and EOS rate (over every rank's rows with
-    ``all_ranks``), the token-weighted value mean and the score's standard deviation."""
+    ``all_ranks``), the token-weighted value mean (with a critic) and the score's standard
+    deviation."""
     mask = batch.response_mask
     per_sequence = {
         "rollout/score": raw_scores,
@@ -299,7 +326,8 @@ def _rollout_metrics(
         "rollout/eos_rate": has_eos.float(),
     }
     means = {name: RunningMean.from_sum(v.sum(), len(v)) for name, v in per_sequence.items()}
-    means["rollout/value_mean"] = RunningMean.from_masked(batch.old_values, mask)
+    if batch.old_values is not None:
+        means["rollout/value_mean"] = RunningMean.from_masked(batch.old_values, mask)
     metrics = {name: (m.all_reduce() if all_ranks else m).item() for name, m in means.items()}
     every_row = torch.ones_like(raw_scores, dtype=torch.bool)
     metrics["rollout/score_std"] = (

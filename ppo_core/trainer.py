@@ -65,7 +65,7 @@ from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismat
 from ppo_core.parallel import ParallelStrategy, make_strategy
 from ppo_core.rollout import build_reward, collect_rollout, load_reference
 from ppo_core.runtime import Runtime, setup_runtime
-from ppo_core.update import ppo_update
+from ppo_core.update import objective_from, ppo_update
 
 __all__ = [
     "TIMINGS",
@@ -131,12 +131,17 @@ def stream_seed(seed: int, iteration: int, stream: RandomStream, chunk: int = 0)
 def draw_prompts(
     train_prompts: Sequence[Prompt], config: Config, iteration: int, parallel: DataParallel
 ) -> list[Prompt]:
-    """This rank's rows of the iteration's global prompt batch (drawn with replacement)."""
+    """This rank's rows of the iteration's global prompt batch: prompts drawn with replacement,
+    each repeated ``ppo.samples_per_prompt`` times in consecutive rows. The per-rank batch is a
+    multiple of the group size, so every group lies whole on one rank, where its advantages are
+    computed (docs/design.md section 4)."""
     draw = torch.Generator().manual_seed(
         stream_seed(config.seed, iteration, RandomStream.PROMPT_DRAW)
     )
+    group = config.ppo.samples_per_prompt
     global_size = config.ppo.rollout_batch_size * parallel.world_size
-    picks = torch.randint(len(train_prompts), (global_size,), generator=draw)
+    picks = torch.randint(len(train_prompts), (global_size // group,), generator=draw)
+    picks = picks.repeat_interleave(group)
     first, last = parallel.rows(config.ppo.rollout_batch_size)
     return [train_prompts[i] for i in picks[first:last].tolist()]
 
@@ -555,6 +560,7 @@ def run_iteration(
                 temperature=config.generation.temperature,
                 generator=shuffle,
                 runtime=runtime,
+                objective=objective_from(config.ppo, config.kl, state.kl_controller.value),
             )
         )
     # 4. Adapt the KL coefficient and the learning rate.

@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from ppo_core.config import PPOConfig
+from ppo_core.config import KLConfig, PPOConfig
 from ppo_core.math.accumulation import accumulate_gradients
 from ppo_core.math.batching import micro_batch_slices, minibatch_indices
 from ppo_core.math.losses import LossParts
@@ -29,9 +29,15 @@ class NonFiniteError(FloatingPointError):
     """A NaN or inf reached a reward, a loss or a gradient; the update was not applied."""
 
 
-def objective_from(ppo: PPOConfig) -> PPOObjective:
-    """The PPO objective with the coefficients of the ``ppo`` config section."""
+def objective_from(
+    ppo: PPOConfig, kl: KLConfig | None = None, kl_coef: float = 0.0
+) -> PPOObjective:
+    """The PPO objective with the coefficients of the ``ppo`` config section, and with the KL
+    term ``kl_coef`` (the controller's current ``beta``) when ``kl.in_loss`` puts it there."""
+    in_loss = kl is not None and kl.in_loss
     return PPOObjective(
+        kl_coef=kl_coef if in_loss else 0.0,
+        kl_estimator=kl.estimator if kl is not None else "k1",
         clip_eps=ppo.clip_eps,
         clip_eps_high=ppo.clip_eps_high,
         dual_clip=ppo.dual_clip,
@@ -51,6 +57,7 @@ def ppo_update(
     temperature: float,
     generator: torch.Generator,
     runtime: Runtime | None = None,
+    objective: PPOObjective | None = None,
 ) -> dict[str, float]:
     """``ppo.epochs`` passes over shuffled mini-batches; one optimizer step per mini-batch, each
     the exact gradient of the mini-batch objective accumulated over micro-batches.
@@ -62,6 +69,7 @@ def ppo_update(
         temperature: the sampling temperature, so logprobs describe the sampled distribution.
         generator: the shuffle's random stream.
         runtime: device, ranks and autocast; one CPU process when ``None``.
+        objective: the loss; ``None`` is :func:`objective_from` ``(ppo)`` (no KL term).
 
     Under data parallelism ``batch`` holds rows ``[rank * b, (rank + 1) * b)`` of a global rollout
     batch of ``world_size * b`` rows and ``ppo.mini_batch_size`` is per rank: every rank draws the
@@ -75,7 +83,7 @@ def ppo_update(
         ``ppo/early_stopped`` (1.0 when ``target_kl`` cut the epochs short).
     """
     runtime = runtime or Runtime()
-    objective = objective_from(ppo)
+    objective = objective or objective_from(ppo)
     world_size = runtime.parallel.world_size
 
     def loss_fn(micro: RolloutBatch) -> tuple[LossParts, dict[str, RunningMean]]:
@@ -87,10 +95,10 @@ def ppo_update(
                 micro.response_ids,
                 micro.response_mask,
                 temperature=temperature,
+                with_values=micro.old_values is not None,
                 with_entropy=True,
                 entropy_grad=objective.entropy_coef > 0,
             )
-        assert out.values is not None
         parts, stats = objective(
             out.logprobs,
             out.values,
@@ -100,6 +108,7 @@ def ppo_update(
             micro.advantages,
             micro.returns,
             micro.response_mask,
+            ref_logprobs=micro.ref_logprobs,
         )
         return parts, {f"ppo/{name}": value for name, value in stats.items()}
 
@@ -210,12 +219,15 @@ def _raise_non_finite_loss(stats: dict[str, RunningMean], mini_batch: RolloutBat
     """Name which loss term, and which rollout input under the mask, is not finite on this rank;
     called before the optimizer step, so none is taken."""
     bad_terms = [
-        name for name in ("policy", "value") if not torch.isfinite(stats[f"ppo/{name}_loss"].mean)
+        name
+        for name in ("policy", "value", "kl")
+        if f"ppo/{name}_loss" in stats and not torch.isfinite(stats[f"ppo/{name}_loss"].mean)
     ]
     bad_inputs = [
         name
-        for name in ("old_logprobs", "advantages", "returns", "old_values")
-        if not torch.isfinite(
+        for name in ("old_logprobs", "ref_logprobs", "advantages", "returns", "old_values")
+        if getattr(mini_batch, name) is not None
+        and not torch.isfinite(
             select(getattr(mini_batch, name).float(), mini_batch.response_mask)
         ).all()
     ]

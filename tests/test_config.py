@@ -86,7 +86,7 @@ def test_file_then_overrides(tmp_path):
         ),
         (["optim.scheduler=cosine"], r"optim.scheduler='cosine' is not one of constant, linear"),
         (["precision=fp16"], r"precision='fp16' is not one of fp32, bf16"),
-        (["model.critic=none"], r"model.critic='none' is not one of shared, separate"),
+        (["model.critic=twin"], r"model.critic='twin' is not one of shared, separate, none"),
         (["device=[1]"], r"bad value for config key 'device'"),
         (["schedule.timezone=Mars/Olympus"], r"schedule.timezone='Mars/Olympus' is not an IANA"),
         (

@@ -63,6 +63,39 @@ def test_two_ranks_reach_the_parameters_of_one_process(tmp_path, tiny_model_dir,
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    ("estimator", "strategy"),
+    [(["grpo", "ppo.samples_per_prompt=4"], "ddp"), (["reinforce_pp"], "fsdp")],
+)
+def test_critic_free_estimators_on_two_ranks_match_one_process(
+    tmp_path, tiny_model_dir, prompt_files, estimator, strategy
+):
+    """GRPO's groups of 4 consecutive rows lie whole on a rank, so their statistics are local;
+    REINFORCE++ normalises its returns over both ranks' tokens. Either way 2 ranks reach the
+    weights of one process holding the whole batch, and no value head is saved."""
+    name, *extra = estimator
+    settings = [f"ppo.advantage_estimator={name}", "model.critic=none", *extra]
+    single = tmp_path / "single"
+    train(
+        load_config(overrides=[*overrides(single, tiny_model_dir, prompt_files, 16, 8), *settings])
+    )
+    double = tmp_path / "double"
+    train_on_two_ranks(
+        [
+            *overrides(double, tiny_model_dir, prompt_files, 8, 4),
+            *settings,
+            f"parallel.strategy={strategy}",
+        ]
+    )
+    one, two = parameters(single / "candidate"), parameters(double / "candidate")
+    assert not (double / "candidate" / "value_head.safetensors").exists()
+    assert one.keys() == two.keys()
+    for key in one:
+        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=3e-6, msg=key)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("micro", [1, 4])
 def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
     tmp_path, tiny_model_dir, prompt_files, micro

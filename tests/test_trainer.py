@@ -42,10 +42,11 @@ def small_config(tmp: Path, model: Path, prompts: tuple[Path, Path], *extra: str
 
 
 def parameters(folder: Path) -> dict[str, torch.Tensor]:
+    """The policy's weights in a candidate folder, and its value head's where it has one."""
     weights = load_file(str(folder / "model.safetensors"))
-    weights.update(
-        {f"value_head.{k}": v for k, v in load_file(str(folder / "value_head.safetensors")).items()}
-    )
+    head = folder / "value_head.safetensors"
+    if head.is_file():
+        weights.update({f"value_head.{k}": v for k, v in load_file(str(head)).items()})
     return weights
 
 

@@ -18,12 +18,25 @@ __all__ = [
     "KLEstimator",
     "LossAggMode",
     "check_batch_sizes",
+    "needs_critic",
+    "needs_groups",
 ]
 
 # Advantage estimators (ppo_core.math.advantages): GAE with a critic, and the critic-free GRPO,
 # RLOO and REINFORCE++.
 AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
+
+
+def needs_critic(estimator: str) -> bool:
+    """Whether an advantage estimator reads the critic's values (only ``gae`` does)."""
+    return estimator == "gae"
+
+
+def needs_groups(estimator: str) -> bool:
+    """Whether an advantage estimator compares the samples of one prompt (at least 2 each)."""
+    return estimator in ("grpo", "rloo")
+
 
 # KL(pi || ref) estimators of Schulman (2020), "Approximating KL divergence" (ppo_core.math.kl).
 KLEstimator = Literal["k1", "k2", "k3", "abs"]

@@ -320,7 +320,12 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> tu
             ) from None
         for chunk in column.chunks:
             # each row's length, taken from its dictionary entry: no row's text is copied
-            lengths = pc.take(pc.binary_length(chunk.dictionary), chunk.indices)
+            try:
+                lengths = pc.take(pc.binary_length(chunk.dictionary), chunk.indices)
+            except pa.ArrowException as exc:  # a damaged file: indices past its dictionary
+                raise PromptFileError(
+                    f"{path}: not a readable parquet file ({_one_line(exc)})"
+                ) from None
             measured += pc.sum(lengths).as_py() or 0
             read += len(chunk)
             chunks.append(chunk)

@@ -246,16 +246,17 @@ def position_ids_from_mask(attention_mask: Tensor) -> Tensor:
 
 
 class ActorCritic(nn.Module):
-    """A causal LM policy with a scalar value head on its trunk, or on a critic trunk of its own.
+    """A causal LM policy with a scalar value head on its trunk, or on a critic trunk of its own,
+    or with no value model at all (``value_head=None``, for the critic-free estimators).
 
     ``forward`` returns ``(logits [B, L, V], values [B, L])``; ``values[:, t]`` estimates the return
-    from the state that ends at token ``t``.
+    from the state that ends at token ``t``; without a value head ``values`` is ``None``.
     """
 
     def __init__(
         self,
         policy: PreTrainedModel,
-        value_head: nn.Linear,
+        value_head: nn.Linear | None,
         critic: PreTrainedModel | None = None,
         adapter_base: str | Path | None = None,
     ):
@@ -267,6 +268,11 @@ class ActorCritic(nn.Module):
         """The base model folder when ``policy`` is a ``peft`` LoRA model, else None."""
 
     @property
+    def has_critic(self) -> bool:
+        """Whether this model computes values (a value head, on either trunk)."""
+        return self.value_head is not None
+
+    @property
     def causal_lm(self) -> nn.Module:
         """The Hugging Face causal LM that computes the policy: ``policy`` itself, or the model
         inside the ``peft`` wrapper (its LoRA layers in place)."""
@@ -274,7 +280,7 @@ class ActorCritic(nn.Module):
 
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0
-    ) -> tuple[Tensor, Tensor]:
+    ) -> tuple[Tensor, Tensor | None]:
         """With ``logits_to_keep=n > 0`` only the last ``n`` positions get logits (``[B, n, V]``);
         values always cover all ``L`` positions."""
         position_ids = position_ids_from_mask(attention_mask)
@@ -282,10 +288,12 @@ class ActorCritic(nn.Module):
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            output_hidden_states=self.critic is None,
+            output_hidden_states=self.has_critic and self.critic is None,
             use_cache=False,
             **_keep_kwargs(self.causal_lm, logits_to_keep),
         )
+        if self.value_head is None:
+            return out.logits, None
         if self.critic is None:
             hidden = out.hidden_states[-1]
         else:
@@ -332,7 +340,7 @@ class ActorCritic(nn.Module):
             save_adapter(self.policy, folder, self.adapter_base)
         if tokenizer is not None:
             tokenizer.save_pretrained(folder)
-        if full_state is not None:
+        if full_state is not None or self.value_head is None:
             return
         save_file(
             {k: v.detach().contiguous() for k, v in self.value_head.state_dict().items()},
@@ -377,7 +385,8 @@ class ActorCritic(nn.Module):
             if merged:  # the base read again, with the adapter just written merged in
                 load_causal_lm(adapter, "policy").save_pretrained(folder, safe_serialization=True)
                 shutil.rmtree(adapter)
-        save_file(part("value_head."), str(folder / VALUE_HEAD_FILE))
+        if self.value_head is not None:
+            save_file(part("value_head."), str(folder / VALUE_HEAD_FILE))
         if self.critic is not None:
             self.critic.save_pretrained(
                 folder / CRITIC_DIR, state_dict=part("critic."), safe_serialization=True
@@ -394,7 +403,8 @@ def load_actor_critic(
     lora_base: str | Path | None = None,
 ) -> ActorCritic:
     """Policy (and critic) from a folder; the value head is loaded when the folder has one and
-    initialised to zero otherwise (so the first values are 0, not noise).
+    initialised to zero otherwise (so the first values are 0, not noise). With ``critic="none"``
+    there is no value head, and a folder's ``value_head.safetensors`` is not read.
 
     With ``lora`` the policy is the model in ``lora_base`` (``model.policy``) with a trainable
     LoRA adapter: the one in ``path`` when it is an adapter folder (a checkpoint, or a starting
@@ -430,6 +440,8 @@ def load_actor_critic(
             )
         ).eval()
         hidden = _hidden_size(critic_trunk.config)
+    if critic == "none":
+        return ActorCritic(policy, None, None, adapter_base).eval()
     value_head = nn.Linear(hidden, 1, dtype=torch.float32)
     head_file = folder / VALUE_HEAD_FILE
     if head_file.is_file():
@@ -495,6 +507,7 @@ def score_sequences(
     # length + 1 positions but the final one; the LM head skips the prompt where the model allows.
     if isinstance(_unwrap(model), ActorCritic):
         logits, values = model(input_ids, attention_mask, logits_to_keep=length + 1)
+        values = values if with_values else None
     else:
         logits = model(
             input_ids=input_ids,
@@ -513,11 +526,9 @@ def score_sequences(
         # Entropy only enters the loss with an entropy bonus; as a metric it needs no graph.
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             entropy = entropy_from_logits(response_logits, temperature)
-    if values is not None and with_values:
+    if values is not None:
         values = values[:, prompt_len - 1 : prompt_len - 1 + length]
         values = values.to(torch.promote_types(values.dtype, torch.float32))
-    else:
-        values = None
     return ScoredBatch(logprobs=logprobs, values=values, entropy=entropy)
 
 

@@ -134,3 +134,33 @@ def test_garbage_under_the_mask_changes_no_gradient(garbage, mode):
     for clean_grad, dirty_grad in zip(*grads, strict=True):
         assert torch.isfinite(dirty_grad).all()
         assert torch.equal(clean_grad, dirty_grad)
+
+
+def test_the_kl_loss_term_hand_computed():
+    """``kl_coef * k3`` per token, with its gradient ``kl_coef * (1 - exp(ref - logp))``; with no
+    critic there is no value term and no value statistic."""
+    from ppo_core import PPOObjective
+
+    logp = torch.tensor([[math.log(0.5), math.log(0.2), 0.0]], requires_grad=True)
+    ref = torch.tensor([[math.log(0.25), math.log(0.4), float("nan")]])
+    mask = torch.tensor([[True, True, False]])
+    zeros = torch.zeros(1, 3)
+    objective = PPOObjective(kl_coef=0.5, kl_estimator="k3", loss_agg_mode="token-mean")
+    parts, stats = objective(
+        logp, None, None, logp.detach(), None, zeros, None, mask, ref_logprobs=ref
+    )
+    # d = logp - ref = ln 2, ln 0.5; k3 = exp(-d) - 1 + d; the policy term is 0 (A = 0)
+    k3 = [0.5 - 1 + math.log(2), 2 - 1 + math.log(0.5)]
+    assert float(parts.total.detach()) == pytest.approx(0.5 * sum(k3))
+    assert float(parts.count) == 2
+    assert stats["kl_loss"].item() == pytest.approx(sum(k3) / 2)
+    assert "value_loss" not in stats and "vf_clipfrac" not in stats
+    parts.total.backward()
+    assert_close(logp.grad, [[0.5 * (1 - 0.5), 0.5 * (1 - 2.0), 0.0]])
+    # off (the default): the same call adds nothing
+    parts, stats = PPOObjective()(logp, None, None, logp.detach(), None, zeros, None, mask)
+    assert float(parts.total) == 0.0 and "kl_loss" not in stats
+    with pytest.raises(ValueError, match="reference"):
+        objective(logp, None, None, logp.detach(), None, zeros, None, mask)
+    with pytest.raises(ValueError, match="together"):
+        PPOObjective()(logp, zeros, None, logp.detach(), None, zeros, None, mask)

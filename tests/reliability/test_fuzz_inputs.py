@@ -908,7 +908,7 @@ def test_a_reference_of_the_wrong_type_is_a_config_error_naming_the_key(override
             "ppo.rollout_batch_size=64; sizes must nest rollout >= mini >= micro",
         ),
         (["precision=fp8"], "precision='fp8' is not one of fp32, bf16"),
-        (["model.critic=twin"], "model.critic='twin' is not one of shared, separate"),
+        (["model.critic=twin"], "model.critic='twin' is not one of shared, separate, none"),
         (
             ["ppo.epochs=two"],
             "bad value for config key 'ppo.epochs' (override 'ppo.epochs=two'): Value "

@@ -1,0 +1,194 @@
+"""The critic-free advantage estimators end to end on a real (tiny) GPT-2: no value model is
+built, run or saved; grouped sampling; the exact update and resume with ``grpo``; the KL as a
+loss term; and the config errors of the combinations that cannot work."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ppo_core.config import ConfigError, load_config
+from ppo_core.distributed import DataParallel
+from ppo_core.modeling.data import load_prompts
+from ppo_core.trainer import RandomStream, draw_prompts, stream_seed, train
+from tests.test_trainer import (
+    Recorder,
+    max_relative_difference,
+    parameters,
+    parameters_after_one_sgd_iteration,
+    small_config,
+)
+
+GRPO = ["ppo.advantage_estimator=grpo", "model.critic=none", "ppo.samples_per_prompt=4"]
+VALUE_METRICS = ("ppo/value_loss", "ppo/vf_clipfrac", "rollout/value_mean")
+
+
+def test_grpo_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_dir, prompt_files):
+    """As ``test_micro_batch_size_does_not_change_the_update``, with group-normalised scores and
+    no critic: micro-batches of 1 and 8 rows reach the same weights after one SGD iteration."""
+    results = parameters_after_one_sgd_iteration(tmp_path, tiny_model_dir, prompt_files, *GRPO)
+    base = load_file(str(tiny_model_dir / "model.safetensors"))
+    assert results[8].keys() == base.keys()  # the policy only: no value head
+    assert max_relative_difference(results[8], base) > 1e-4
+    assert max_relative_difference(results[1], results[8]) <= 1e-3
+
+
+def test_grpo_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prompt_files):
+    full = small_config(
+        tmp_path / "full", tiny_model_dir, prompt_files, "train.iterations=3", *GRPO
+    )
+    train(full)
+    part = tmp_path / "part"
+    train(small_config(part, tiny_model_dir, prompt_files, "train.iterations=1", *GRPO))
+    summary = train(small_config(part, tiny_model_dir, prompt_files, "train.iterations=3", *GRPO))
+    assert summary.resumed_from == 1
+    one, two = parameters(part / "candidate"), parameters(tmp_path / "full" / "candidate")
+    assert max_relative_difference(one, two) == 0.0
+
+
+@pytest.mark.parametrize(
+    "estimator",
+    [["rloo", "ppo.samples_per_prompt=2"], ["reinforce_pp", "ppo.whiten_advantages=false"]],
+)
+def test_a_critic_free_run_builds_runs_and_saves_no_value_model(
+    tmp_path, tiny_model_dir, prompt_files, estimator
+):
+    name, *extra = estimator
+    recorder = Recorder()
+    summary = train(
+        small_config(
+            tmp_path,
+            tiny_model_dir,
+            prompt_files,
+            f"ppo.advantage_estimator={name}",
+            "model.critic=none",
+            *extra,
+        ),
+        loggers=[recorder],
+    )
+    for _, metrics in recorder.rows:
+        assert not set(VALUE_METRICS) & metrics.keys()  # absent, not zero
+        assert math.isfinite(metrics["ppo/policy_loss"])
+    for folder in (summary.output_dir, tmp_path / "checkpoints" / "step-000002" / "model"):
+        assert folder.is_dir()
+        assert not (folder / "value_head.safetensors").exists()
+        assert not (folder / "critic").exists()
+    # the optimizer holds the policy's parameters only
+    optimizer = torch.load(
+        tmp_path / "checkpoints" / "step-000002" / "optimizer.pt", weights_only=True
+    )
+    policy = load_file(str(summary.output_dir / "model.safetensors"))
+    held = len(optimizer["param_groups"][0]["params"])
+    assert held == len(policy) or held == len(policy) + 1  # GPT-2 ties lm_head to wte
+    saved = json.loads((summary.output_dir / "training_summary.json").read_text())
+    assert "rollout/value_mean" not in saved["final_metrics"]
+
+
+def test_the_kl_in_the_loss_leaves_the_reward_to_the_score(tmp_path, tiny_model_dir, prompt_files):
+    recorder = Recorder()
+    train(
+        small_config(
+            tmp_path,
+            tiny_model_dir,
+            prompt_files,
+            *GRPO,
+            "kl.in_loss=true",
+            "kl.estimator=k3",
+            "train.iterations=2",
+        ),
+        loggers=[recorder],
+    )
+    second = recorder.rows[1][1]
+    # by iteration 2 the policy has moved, so the KL is not 0, yet the reward is the score alone
+    assert second["rollout/kl"] > 1e-6
+    assert second["rollout/reward"] == pytest.approx(second["rollout/score"], abs=1e-6)
+    assert second["ppo/kl_loss"] > 0  # k3 >= 0, and > 0 once the policy differs
+    # with the KL in the reward instead, the two differ by -beta * KL
+    in_reward = Recorder()
+    train(small_config(tmp_path / "b", tiny_model_dir, prompt_files, *GRPO), loggers=[in_reward])
+    row = in_reward.rows[1][1]
+    assert "ppo/kl_loss" not in row
+    assert row["rollout/reward"] == pytest.approx(
+        row["rollout/score"] - row["rollout/kl_coef"] * row["rollout/kl"], abs=1e-5
+    )
+
+
+def test_groups_are_consecutive_and_whole_on_each_rank(tiny_model_dir, prompt_files):
+    """Each drawn prompt fills ``samples_per_prompt`` consecutive rows; a rank's rows are whole
+    groups, and 2 ranks hold together exactly the rows of 1 rank drawing the global batch."""
+    prompts = load_prompts(prompt_files[0], "prompt")
+
+    def drawn(rollout: int, group: int, rank: int, world_size: int):
+        config = load_config(
+            overrides=[
+                f"ppo.rollout_batch_size={rollout}",
+                "ppo.mini_batch_size=4",
+                "ppo.micro_batch_size=4",
+                f"ppo.samples_per_prompt={group}",
+            ]
+        )
+        return draw_prompts(prompts, config, 3, DataParallel(rank=rank, world_size=world_size))
+
+    one = drawn(16, 4, 0, 1)
+    assert all(one[i] == one[i - i % 4] for i in range(16))  # groups of 4 in a row
+    assert len({str(one[i]) for i in range(0, 16, 4)}) > 1  # of different prompts
+    assert drawn(8, 4, 0, 2) + drawn(8, 4, 1, 2) == one
+    # one sample a prompt draws as before groups existed: the committed runs are unchanged
+    config = load_config(
+        overrides=["ppo.rollout_batch_size=16", "ppo.mini_batch_size=4", "ppo.micro_batch_size=4"]
+    )
+    generator = torch.Generator().manual_seed(stream_seed(0, 3, RandomStream.PROMPT_DRAW))
+    picks = torch.randint(len(prompts), (16,), generator=generator).tolist()
+    assert draw_prompts(prompts, config, 3, DataParallel(rank=0, world_size=1)) == [
+        prompts[i] for i in picks
+    ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        (["ppo.samples_per_prompt=3"], ["ppo.samples_per_prompt=3", "ppo.rollout_batch_size=64"]),
+        (["ppo.samples_per_prompt=0"], ["ppo.samples_per_prompt=0"]),
+        (
+            ["ppo.advantage_estimator=grpo"],
+            ["ppo.advantage_estimator=grpo", "model.critic=shared", "model.critic=none"],
+        ),
+        (
+            ["ppo.advantage_estimator=rloo", "model.critic=none"],
+            ["ppo.advantage_estimator=rloo", "ppo.samples_per_prompt >= 2"],
+        ),
+        (["model.critic=none"], ["ppo.advantage_estimator=gae", "model.critic=none"]),
+        (
+            ["ppo.advantage_estimator=reinforce_pp", "model.critic=separate"],
+            ["model.critic=separate"],
+        ),
+        (["ppo.advantage_estimator=ppo"], ["ppo.advantage_estimator", "grpo"]),
+    ],
+)
+def test_estimator_settings_that_cannot_work_fail_at_load_time(overrides, named):
+    with pytest.raises(ConfigError) as error:
+        load_config(overrides=overrides)
+    for text in named:
+        assert text in str(error.value)
+
+
+def test_a_critic_free_run_with_lora_trains_the_adapter_only(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    summary = train(
+        small_config(
+            tmp_path,
+            tiny_model_dir,
+            prompt_files,
+            *GRPO,
+            "model.lora.enabled=true",
+            "model.lora.rank=4",
+            "train.iterations=1",
+        )
+    )
+    assert (summary.output_dir / "adapter_model.safetensors").is_file()
+    assert not (summary.output_dir / "value_head.safetensors").exists()
