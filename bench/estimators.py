@@ -27,6 +27,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+COMMIT = subprocess.run(
+    ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
+).stdout.strip()
+"""The code measured; a finished run of the same commit is not run again."""
 
 SETTINGS: dict[str, list[str]] = {
     "gae": [],
@@ -59,6 +63,11 @@ def run_measured(command: list[str], log: Path) -> tuple[float, float]:
 
 def one_run(estimator: str, seed: int, workdir: Path) -> dict:
     folder = workdir / f"{estimator}-seed{seed}"
+    done = folder / "row.json"
+    if done.is_file():  # finished by an earlier, interrupted invocation of the same commit
+        row = json.loads(done.read_text())
+        if row.get("commit") == COMMIT:
+            return row
     folder.mkdir(parents=True, exist_ok=True)
     overrides = [
         f"seed={seed}",
@@ -77,7 +86,8 @@ def one_run(estimator: str, seed: int, workdir: Path) -> dict:
     run_measured([*cli, "evaluate", "-c", "params.yaml", *overrides], folder / "evaluate.log")
     metrics = json.loads((folder / "eval" / "metrics.json").read_text())
     row = {name: metrics[key] for name, key in REPORTED.items()}
-    row.update(estimator=estimator, seed=seed, train_s=seconds, peak_mib=peak_mib)
+    row.update(estimator=estimator, seed=seed, train_s=seconds, peak_mib=peak_mib, commit=COMMIT)
+    done.write_text(json.dumps(row))
     print(json.dumps(row), flush=True)
     return row
 

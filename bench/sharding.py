@@ -82,6 +82,19 @@ class PeakOfSecondIteration:
         return self.full_model_state(models)
 
 
+GLOBAL_BATCH = 8
+"""Rollout rows of an iteration over all ranks (each rank's share rounded up)."""
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now, for one torchrun launch."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def rank_main(args: argparse.Namespace) -> None:
     """One rank of a torchrun launch: two iterations, then this rank's numbers on stdout."""
     before_gib = resident_gib()
@@ -92,6 +105,7 @@ def rank_main(args: argparse.Namespace) -> None:
     work = Path(args.work)
     out = work / f"out-{args.strategy}-{ranks}"  # a run of its own: nothing to resume from
     peak = PeakOfSecondIteration(trainer)
+    per_rank = -(-GLOBAL_BATCH // ranks)  # at least GLOBAL_BATCH rows in all, on any count
     summary = trainer.train(
         load_config(
             overrides=[
@@ -102,9 +116,9 @@ def rank_main(args: argparse.Namespace) -> None:
                 "train.resume=false",
                 "train.iterations=2",
                 "train.checkpoint_every=1",
-                f"ppo.rollout_batch_size={8 // ranks}",
-                f"ppo.mini_batch_size={8 // ranks}",
-                f"ppo.micro_batch_size={min(4, 8 // ranks)}",
+                f"ppo.rollout_batch_size={per_rank}",
+                f"ppo.mini_batch_size={per_rank}",
+                f"ppo.micro_batch_size={min(4, per_rank)}",
                 "ppo.epochs=1",
                 "generation.max_new_tokens=16",
                 "threads=1",
@@ -191,7 +205,7 @@ def main() -> None:
                 if strategy == "fsdp" and ranks == 1:
                     continue  # nothing to shard over (refused by key)
                 done = subprocess.run(
-                    [str(torchrun), "--nproc_per_node", str(ranks), "--master-port", "29533",
+                    [str(torchrun), "--nproc_per_node", str(ranks), "--master-port", str(free_port()),
                      __file__, "--rank-of", str(work), "--strategy", strategy,
                      "--device", args.device, "--precision", args.precision],
                     cwd=ROOT, env=env, capture_output=True, text=True, check=False,

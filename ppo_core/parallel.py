@@ -113,8 +113,38 @@ class FullyShardedStrategy(ParallelStrategy):
             return build()
 
     def wrap(self, actor_critic: nn.Module) -> nn.Module:
+        self._check_gradient_averaging()
         self._shard(actor_critic)
         return actor_critic
+
+    def _check_gradient_averaging(self) -> None:
+        """Refuse to train when FSDP's gradient reduction does not average over the ranks.
+
+        The exact update (docs/design.md section 4) relies on it averaging as DDP does; some
+        torch and backend builds have summed instead, which would make every step ``R`` times
+        too large without any error. Checked, not assumed: a probe sharded with this run's
+        policies, on which rank ``r``'s loss is ``(r + 1) * sum(w)``, must get the gradient
+        ``(R + 1) / 2`` on every weight (a sum gives ``R (R + 1) / 2``). One small collective.
+        """
+        from torch.distributed.fsdp import fully_shard
+
+        ranks = self.parallel.world_size
+        probe = nn.Linear(ranks, 1, bias=False, device=self.device)
+        nn.init.zeros_(probe.weight)
+        fully_shard(probe, **self._policies(offload=False))
+        inputs = torch.full((1, ranks), float(self.parallel.rank + 1), device=self.device)
+        probe(inputs).sum().backward()
+        gradient = probe.weight.grad
+        assert gradient is not None
+        reduced = gradient.full_tensor() if hasattr(gradient, "full_tensor") else gradient
+        kind = reduction_kind(reduced.float().cpu(), ranks)
+        if kind != "average":
+            raise ShardingError(
+                f"parallel.strategy=fsdp: this torch build's FSDP gradient reduction gives the "
+                f"{kind} over {ranks} ranks, not their average (probe gradient "
+                f"{reduced.flatten()[0].item():g}, expected {(ranks + 1) / 2:g}); the update "
+                "would not be exact. Use parallel.strategy=ddp, or another torch version"
+            )
 
     def wrap_reference(self, reference: nn.Module) -> nn.Module:
         self._shard(reference, offload=self.reference_offload)
@@ -236,6 +266,16 @@ class FullyShardedStrategy(ParallelStrategy):
                 "param_groups": state["param_groups"],
             }
         )
+
+
+def reduction_kind(gradient: torch.Tensor, ranks: int) -> str:
+    """What the FSDP probe's reduced gradient shows (:meth:`FullyShardedStrategy.wrap`):
+    ``average``, ``sum``, or ``an unexpected value``; rank ``r`` contributed ``r + 1``."""
+    contributions = torch.arange(1, ranks + 1, dtype=torch.float32)
+    for kind, value in (("average", contributions.mean()), ("sum", contributions.sum())):
+        if torch.allclose(gradient, torch.full_like(gradient, float(value))):
+            return kind
+    return "an unexpected value"
 
 
 def make_strategy(

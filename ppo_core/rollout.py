@@ -277,10 +277,14 @@ def collect_rollout(
         scores = torch.where(generated.has_eos, scores, scores - ppo.missing_eos_penalty)
 
     token_kl = kl_penalty(policy_scored.logprobs, reference_scored.logprobs, kl.estimator, mask)
-    rewards = token_rewards(scores, token_kl, mask, 0.0 if kl.in_loss else kl_coef)
+    reward_kl_coef = 0.0 if kl.in_loss else kl_coef
+    rewards = token_rewards(scores, token_kl, mask, reward_kl_coef)
+    # The group estimators compare whole responses: each one's return is its score minus the
+    # KL penalty of all its tokens (the sum of its per-token rewards), as in RLOO's paper.
+    sequence_returns = scores - reward_kl_coef * masked_sum(token_kl, mask, dim=1)
     advantages, returns = ESTIMATORS[ppo.advantage_estimator](
         AdvantageInputs(
-            scores=scores,
+            scores=sequence_returns,
             rewards=rewards,
             response_mask=mask,
             gamma=ppo.gamma,

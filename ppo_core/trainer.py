@@ -258,12 +258,37 @@ def resume_mismatch(
         if before.get(k) != now.get(k) and not k.startswith(RESUME_FREE_KEYS)
     )
     if changed:
-        return "its config differs in " + ", ".join(
-            f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:5]
+        return (
+            "its config differs in "
+            + ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:5])
+            + _per_rank_hint(state, changed, before_ranks, world_size)
         )
     if int(state["iteration"]) > config.train.iterations:
         return f"it is at iteration {state['iteration']}, past train.iterations={config.train.iterations}"
     return None
+
+
+def _per_rank_hint(
+    state: dict[str, Any], changed: list[str], before_ranks: int, world_size: int
+) -> str:
+    """For per-rank sizes that changed only because the number of ranks did: the per-rank value
+    that continues the old run on this many ranks, or why none does."""
+    if before_ranks == world_size:
+        return ""
+    from omegaconf import OmegaConf
+
+    old = flatten(OmegaConf.create(state.get("config", "{}")))
+    ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
+    hints = []
+    for key in PER_RANK_KEYS:
+        if key not in changed or not isinstance(old.get(key), int):
+            continue
+        total = old[key] * before_ranks
+        if total % world_size:
+            hints.append(f"{key}: the old run's {total} in all does not divide over {ranks}")
+        else:
+            hints.append(f"{key}={total // world_size} continues it on {ranks}")
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def set_aside_checkpoints(checkpoint_dir: str | Path, keep: int) -> tuple[Path, list[Path]]:

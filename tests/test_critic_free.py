@@ -192,3 +192,60 @@ def test_a_critic_free_run_with_lora_trains_the_adapter_only(
     )
     assert (summary.output_dir / "adapter_model.safetensors").is_file()
     assert not (summary.output_dir / "value_head.safetensors").exists()
+
+
+@pytest.mark.parametrize("in_loss", [False, True])
+def test_group_estimators_compare_whole_returns_with_the_kl_penalty(
+    tiny_model_dir, prompt_files, in_loss
+):
+    """RLOO's baseline on the rollout's own numbers: each response's return is its score minus
+    ``beta`` times the KL of all its tokens when the KL is in the reward, its score alone when
+    the KL is in the loss; the advantage is that return minus the mean of the others'."""
+    from ppo_core.modeling.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.rollout import build_reward, collect_rollout
+    from ppo_core.runtime import Runtime
+
+    config = load_config(
+        overrides=[
+            f"model.policy={tiny_model_dir}",
+            "ppo.advantage_estimator=rloo",
+            "model.critic=none",
+            "ppo.rollout_batch_size=8",
+            "ppo.mini_batch_size=8",
+            "ppo.micro_batch_size=8",
+            "ppo.samples_per_prompt=4",
+            "generation.max_new_tokens=6",
+            f"kl.in_loss={in_loss}",
+        ]
+    )
+    torch.manual_seed(0)
+    policy = load_actor_critic(tiny_model_dir, "none")
+    with torch.no_grad():  # a policy that has moved away from its reference: KL > 0
+        for parameter in policy.parameters():
+            parameter.add_(0.05 * torch.randn_like(parameter))
+    prompts = load_prompts(prompt_files[0], "prompt")[:2]
+    batch, metrics, _ = collect_rollout(
+        policy,
+        load_causal_lm(tiny_model_dir, "reference"),
+        load_tokenizer(tiny_model_dir),
+        [prompts[0]] * 4 + [prompts[1]] * 4,
+        build_reward(config.model, torch.device("cpu")),
+        ppo=config.ppo,
+        generation=config.generation,
+        kl=config.kl,
+        kl_coef=0.5,
+        runtime=Runtime(),
+    )
+    assert batch.old_values is None and batch.returns is None
+    mask = batch.response_mask
+    kl = ((batch.old_logprobs - batch.ref_logprobs) * mask).sum(dim=1).double()
+    assert kl.abs().max() > 1e-3
+    returns = batch.scores.double() - (0.0 if in_loss else 0.5) * kl
+    for group in (range(0, 4), range(4, 8)):
+        for i in group:
+            others = [returns[j] for j in group if j != i]
+            expected = returns[i] - sum(others) / 3
+            assert batch.advantages[i][mask[i]].double() == pytest.approx(
+                [float(expected)] * int(mask[i].sum()), abs=1e-5
+            )
+    assert "rollout/value_mean" not in metrics

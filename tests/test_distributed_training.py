@@ -119,6 +119,14 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
     assert one.keys() == two.keys()
     for name in one:
         torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=3e-6, msg=name)
+    # the gathered candidate is an ordinary Hugging Face folder
+    from transformers import AutoModelForCausalLM
+
+    loaded = AutoModelForCausalLM.from_pretrained(sharded / "candidate").state_dict()
+    for name, value in loaded.items():
+        if name in two:
+            torch.testing.assert_close(value, two[name], rtol=0, atol=0, msg=name)
+    assert "lm_head.weight" in loaded  # tied to the embedding, restored by from_pretrained
 
 
 @pytest.mark.distributed
@@ -253,6 +261,19 @@ def test_fsdp_in_one_process_is_refused_by_key_before_anything_is_written(
     with pytest.raises(ConfigError, match="parallel.strategy=fsdp needs 2 or more processes"):
         train(config)
     assert not (tmp_path / "candidate").exists() and not (tmp_path / "ckpt").exists()
+
+
+def test_the_fsdp_probe_tells_an_average_from_a_sum():
+    """Every fsdp run checks that FSDP averages its gradient reduction (the probe runs in each
+    2-rank fsdp test above, which pass only when it reports an average); here, what the probe's
+    reading means, for 2 and 4 ranks contributing 1, 2, ..., R."""
+    from ppo_core.parallel import reduction_kind
+
+    assert reduction_kind(torch.full((1, 2), 1.5), 2) == "average"
+    assert reduction_kind(torch.full((1, 2), 3.0), 2) == "sum"
+    assert reduction_kind(torch.full((1, 4), 2.5), 4) == "average"
+    assert reduction_kind(torch.full((1, 4), 10.0), 4) == "sum"
+    assert reduction_kind(torch.tensor([[1.5, 3.0]]), 2) == "an unexpected value"
 
 
 def shard_on_two_ranks(model_dir, precision: str, tmp_path) -> list[dict]:

@@ -539,3 +539,35 @@ def test_a_bf16_reference_rounds_the_kl_term_only_slightly(tmp_path, tiny_model_
         kl[dtype] = train(config).history[0]["rollout/kl"]
     assert kl["fp32"] == 0.0
     assert 0.0 < abs(kl["bf16"]) < 0.05
+
+
+def test_resuming_on_another_number_of_ranks_compares_the_global_batch_sizes():
+    """Batch sizes are per rank: a checkpoint continues a run of the same global sizes on any
+    number of ranks, and when they differ the reason says which per-rank size would continue it,
+    or that none can."""
+    from ppo_core.config import to_yaml
+    from ppo_core.trainer import resume_mismatch
+
+    def sizes(rollout: int, mini: int):
+        return load_config(
+            overrides=[
+                f"ppo.rollout_batch_size={rollout}",
+                f"ppo.mini_batch_size={mini}",
+                "ppo.micro_batch_size=2",
+            ]
+        )
+
+    state = {"data_hash": "h", "config": to_yaml(sizes(8, 4)), "world_size": 2, "iteration": 1}
+    assert resume_mismatch(sizes(16, 8), state, "h", world_size=1) is None  # 16 and 8 in all
+    assert resume_mismatch(sizes(4, 2), state, "h", world_size=4) is None
+    reason = resume_mismatch(sizes(8, 4), state, "h", world_size=1)
+    assert reason is not None
+    assert "ppo.rollout_batch_size ('16 in all' -> '8 in all')" in reason
+    assert "ppo.rollout_batch_size=16 continues it on 1 rank" in reason
+    assert "ppo.mini_batch_size=8 continues it on 1 rank" in reason
+    reason = resume_mismatch(sizes(6, 2), state, "h", world_size=3)
+    assert reason is not None
+    assert "the old run's 16 in all does not divide over 3 ranks" in reason
+    # the same number of ranks: no hint, the sizes were changed on purpose
+    reason = resume_mismatch(sizes(4, 4), state, "h", world_size=2)
+    assert reason is not None and "continues it" not in reason

@@ -150,6 +150,9 @@ def reinforce_pp_advantages(
 class AdvantageInputs:
     """What the estimators read; token fields ``[B, T]``, ``scores`` and ``group_ids`` ``[B]``.
 
+    ``scores`` is each response's whole return (its score, minus the KL penalty of its tokens
+    when the KL is in the reward), ``rewards`` the same spread over tokens.
+
     ``values`` is needed by ``gae`` only, ``group_ids`` by ``grpo`` and ``rloo`` only.
     """
 
