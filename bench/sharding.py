@@ -130,6 +130,11 @@ def rank_main(args: argparse.Namespace) -> None:
         )
     )
     metrics = summary.history[1]
+    update_comm_s = (
+        update_collectives_seconds(work / "model", ranks, passes=1, device=args.device)
+        if args.strategy == "fsdp"
+        else 0.0
+    )
     print(
         "RANK "
         + json.dumps(
@@ -142,10 +147,47 @@ def rank_main(args: argparse.Namespace) -> None:
                 "rollout_s": metrics["perf/rollout_s"],
                 "gather_s": metrics.get("perf/gather_s", 0.0),
                 "update_s": metrics["perf/update_s"],
+                "update_comm_s": update_comm_s,
             }
         ),
         flush=True,
     )
+
+
+def update_collectives_seconds(model: Path, ranks: int, passes: int, device: str) -> float:
+    """The FSDP update's communication, timed alone: for each of its ``passes`` micro-batch
+    passes (1 here: one epoch of one mini-batch of one micro-batch per rank) the parameters are
+    all-gathered for the forward pass and again for the backward pass (they are resharded after
+    the forward pass) and the gradients are reduce-scattered, each over every parameter (fp32,
+    as the shards are). Collectives of the model's own size, median of 3, without the overlap
+    with compute that FSDP's prefetching gets: an upper bound of what the update waits for."""
+    import math
+    import statistics
+    import time
+
+    import torch.distributed as dist
+    from safetensors import safe_open
+
+    with safe_open(str(model / "model.safetensors"), "pt") as weights:
+        numel = sum(math.prod(weights.get_slice(k).get_shape()) for k in weights.keys())  # noqa: SIM118
+    numel = -(-numel // ranks) * ranks
+    whole = torch.zeros(numel, device=device)
+    shard = torch.zeros(numel // ranks, device=device)
+
+    def timed(collective) -> float:
+        times = []
+        for _ in range(3):
+            dist.barrier()
+            started = time.perf_counter()
+            collective()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - started)
+        return statistics.median(times)
+
+    gather = timed(lambda: dist.all_gather_into_tensor(whole, shard))
+    scatter = timed(lambda: dist.reduce_scatter_tensor(shard, whole))
+    return passes * (2 * gather + scatter)
 
 
 def build(work: Path) -> int:
@@ -227,6 +269,7 @@ def main() -> None:
                     },
                     **{key: max(r[key] for r in found) for key in ("rollout_s", "gather_s")},
                     "update_s": max(r["update_s"] for r in found),
+                    "update_comm_s": max(r["update_comm_s"] for r in found),
                 }
                 runs.append(row)
                 print(json.dumps(row), file=sys.stderr)
@@ -237,9 +280,9 @@ def main() -> None:
     print(f"{params:,} parameters\n")
     print(
         "| strategy | ranks | iteration peak GiB by rank | before loading | whole process | "
-        "rollout s | of which gather s | update s | GPU GiB by rank |"
+        "rollout s | of which gather s | update s | its collectives s | GPU GiB by rank |"
     )
-    print("|---|---:|---|---|---|---:|---:|---:|---|")
+    print("|---|---:|---|---|---|---:|---:|---:|---:|---|")
 
     def by_rank(values: list[float]) -> str:
         return " / ".join(f"{value:.2f}" for value in values)
@@ -248,7 +291,8 @@ def main() -> None:
         print(
             f"| {r['strategy']} | {r['ranks']} | {by_rank(r['iteration_gib'])} | "
             f"{by_rank(r['before_gib'])} | {by_rank(r['process_gib'])} | {r['rollout_s']:.1f} | "
-            f"{r['gather_s']:.2f} | {r['update_s']:.1f} | {by_rank(r['device_gib'])} |"
+            f"{r['gather_s']:.2f} | {r['update_s']:.1f} | {r['update_comm_s']:.2f} | "
+            f"{by_rank(r['device_gib'])} |"
         )
 
 
