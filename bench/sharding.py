@@ -130,9 +130,11 @@ def rank_main(args: argparse.Namespace) -> None:
         )
     )
     metrics = summary.history[1]
+    # read before the collectives are timed: their buffers are the size of the whole model
+    process_gib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30
     update_comm_s = (
-        update_collectives_seconds(work / "model", ranks, passes=1, device=args.device)
-        if args.strategy == "fsdp"
+        update_collectives_seconds(work / "model", ranks, args.strategy, args.device)
+        if ranks > 1
         else 0.0
     )
     print(
@@ -143,7 +145,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 "iteration_gib": peak.iteration_gib,
                 "device_gib": peak.device_gib,
                 "before_gib": before_gib,
-                "process_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 2**30,
+                "process_gib": process_gib,
                 "rollout_s": metrics["perf/rollout_s"],
                 "gather_s": metrics.get("perf/gather_s", 0.0),
                 "update_s": metrics["perf/update_s"],
@@ -154,13 +156,14 @@ def rank_main(args: argparse.Namespace) -> None:
     )
 
 
-def update_collectives_seconds(model: Path, ranks: int, passes: int, device: str) -> float:
-    """The FSDP update's communication, timed alone: for each of its ``passes`` micro-batch
-    passes (1 here: one epoch of one mini-batch of one micro-batch per rank) the parameters are
-    all-gathered for the forward pass and again for the backward pass (they are resharded after
-    the forward pass) and the gradients are reduce-scattered, each over every parameter (fp32,
-    as the shards are). Collectives of the model's own size, median of 3, without the overlap
-    with compute that FSDP's prefetching gets: an upper bound of what the update waits for."""
+def update_collectives_seconds(model: Path, ranks: int, strategy: str, device: str) -> float:
+    """The update's communication, timed alone. This bench's update is one optimizer step of
+    one micro-batch per rank. Under ``fsdp`` the parameters are all-gathered for its forward
+    pass and again for its backward pass (they are resharded after the forward pass) and the
+    gradients are reduce-scattered; under ``ddp`` the gradients are all-reduced once. Each
+    collective covers every parameter (fp32, as the shards and gradients are); median of 3.
+    Timed without the overlap with compute that FSDP's prefetching and DDP's buckets get, so
+    it is an upper bound of what the update waits for."""
     import math
     import statistics
     import time
@@ -185,9 +188,11 @@ def update_collectives_seconds(model: Path, ranks: int, passes: int, device: str
             times.append(time.perf_counter() - started)
         return statistics.median(times)
 
+    if strategy == "ddp":
+        return timed(lambda: dist.all_reduce(whole))
     gather = timed(lambda: dist.all_gather_into_tensor(whole, shard))
     scatter = timed(lambda: dist.reduce_scatter_tensor(shard, whole))
-    return passes * (2 * gather + scatter)
+    return 2 * gather + scatter
 
 
 def build(work: Path) -> int:
