@@ -276,6 +276,22 @@ def test_the_fsdp_probe_tells_an_average_from_a_sum():
     assert reduction_kind(torch.tensor([[1.5, 3.0]]), 2) == "an unexpected value"
 
 
+def test_fsdp_policies_and_a_model_without_blocks():
+    """bf16 under FSDP gathers and computes in bf16 but reduces gradients in fp32; a model in
+    which FSDP finds no transformer block to shard is refused by key, before any collective."""
+    from ppo_core.distributed import DataParallel
+    from ppo_core.parallel import FullyShardedStrategy, ShardingError
+
+    two_ranks = DataParallel(rank=0, world_size=2)
+    bf16 = FullyShardedStrategy(two_ranks, torch.device("cpu"), "bf16")._policies(offload=False)
+    assert bf16["mp_policy"].param_dtype == torch.bfloat16
+    assert bf16["mp_policy"].reduce_dtype == torch.float32
+    fp32 = FullyShardedStrategy(two_ranks, torch.device("cpu"), "fp32")._policies(offload=True)
+    assert "mp_policy" not in fp32 and type(fp32["offload_policy"]).__name__ == "CPUOffloadPolicy"
+    with pytest.raises(ShardingError, match="parallel.strategy=fsdp: found no transformer blocks"):
+        FullyShardedStrategy(two_ranks, torch.device("cpu"))._shard(torch.nn.Linear(2, 2))
+
+
 def shard_on_two_ranks(model_dir, precision: str, tmp_path) -> list[dict]:
     """Each rank's record from ``tests/dist_train_worker.py:shard_a_model``."""
     out = tmp_path / "sharded.json"
