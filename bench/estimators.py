@@ -35,6 +35,11 @@ COMMIT = subprocess.run(
 SETTINGS: dict[str, list[str]] = {
     "gae": [],
     "grpo": ["ppo.advantage_estimator=grpo", "model.critic=none", "ppo.samples_per_prompt=4"],
+    "dr_grpo": [
+        "ppo.advantage_estimator=dr_grpo",
+        "model.critic=none",
+        "ppo.samples_per_prompt=4",
+    ],
     "rloo": ["ppo.advantage_estimator=rloo", "model.critic=none", "ppo.samples_per_prompt=4"],
     "reinforce_pp": ["ppo.advantage_estimator=reinforce_pp", "model.critic=none"],
 }

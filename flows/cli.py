@@ -255,8 +255,8 @@ def train(
       memory use, not the result
     - optim.lr: learning rate
     - kl.coef: weight of the KL penalty against the reference model
-    - ppo.advantage_estimator: gae (with a critic) or, with model.critic=none, grpo, rloo or
-      reinforce_pp; grpo and rloo need ppo.samples_per_prompt >= 2
+    - ppo.advantage_estimator: gae (with a critic) or, with model.critic=none, grpo, dr_grpo,
+      rloo or reinforce_pp; the first three need ppo.samples_per_prompt >= 2
     - model.policy: folder of the model to start from
     - model.reward: builtin:sentiment, module:function or a reward-model folder
     - device: auto, cpu or cuda

@@ -145,7 +145,7 @@ class ModelConfig:
     critic: Choice[Critic] = "shared"
     """``shared``: a value head on the policy's trunk; ``separate``: a critic trunk of its own,
     initialised from the policy folder; ``none``: no value model at all, for the critic-free
-    ``ppo.advantage_estimator`` choices (``grpo``, ``rloo``, ``reinforce_pp``)."""
+    ``ppo.advantage_estimator`` choices (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``)."""
     trust_remote_code: bool = False
     """Allow model folders to run their own Python code when loaded. Off unless you trust them."""
     reference_dtype: Choice[Precision] = "fp32"
@@ -262,13 +262,14 @@ class PPOConfig:
     """GAE lambda."""
     advantage_estimator: Choice[AdvantageEstimator] = "gae"
     """``gae`` (with a critic, ``model.critic`` shared or separate) or a critic-free one
-    (``model.critic=none``): ``grpo`` (scores normalised within each prompt's samples), ``rloo``
+    (``model.critic=none``): ``grpo`` (scores normalised within each prompt's samples),
+    ``dr_grpo`` (the same without the division by their standard deviation), ``rloo``
     (leave-one-out baseline), ``reinforce_pp`` (returns normalised over the batch); see
     docs/training.md, "Advantage estimators"."""
     samples_per_prompt: int = 1
     """Responses sampled for each drawn prompt, in consecutive rows that stay on one rank; must
-    divide ``rollout_batch_size`` (which counts responses). ``grpo`` and ``rloo`` compare the
-    samples of a prompt, so they need at least 2."""
+    divide ``rollout_batch_size`` (which counts responses). ``grpo``, ``dr_grpo`` and ``rloo``
+    compare the samples of a prompt, so they need at least 2."""
     loss_agg_mode: Choice[LossAggMode] = "token-mean"
     """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
     whiten_advantages: bool = True
@@ -1102,7 +1103,7 @@ def _check_estimator(config: Config) -> None:
     if needs_critic(estimator) and critic == "none":
         problems.append(
             "it needs a critic, but model.critic=none; set model.critic=shared (or separate), "
-            "or choose a critic-free estimator (grpo, rloo, reinforce_pp)"
+            "or choose a critic-free estimator (grpo, dr_grpo, rloo, reinforce_pp)"
         )
     if not needs_critic(estimator) and critic != "none":
         problems.append(

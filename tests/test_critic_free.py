@@ -52,7 +52,11 @@ def test_grpo_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prom
 
 @pytest.mark.parametrize(
     "estimator",
-    [["rloo", "ppo.samples_per_prompt=2"], ["reinforce_pp", "ppo.whiten_advantages=false"]],
+    [
+        ["rloo", "ppo.samples_per_prompt=2"],
+        ["dr_grpo", "ppo.samples_per_prompt=2", "ppo.loss_agg_mode=seq-mean-token-sum"],
+        ["reinforce_pp", "ppo.whiten_advantages=false"],
+    ],
 )
 def test_a_critic_free_run_builds_runs_and_saves_no_value_model(
     tmp_path, tiny_model_dir, prompt_files, estimator

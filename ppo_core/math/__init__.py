@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from ppo_core.math.advantages import (
         AdvantageInputs,
         consecutive_groups,
+        dr_grpo_advantages,
         grpo_advantages,
         reinforce_pp_advantages,
         rloo_advantages,
@@ -79,6 +80,7 @@ __all__ = [
     "consecutive_groups",
     "count_units",
     "data_parallel_world_size",
+    "dr_grpo_advantages",
     "entropy_from_logits",
     "grpo_advantages",
     "kl_penalty",

@@ -1,4 +1,4 @@
-"""Advantage estimators: GAE with a critic, and three that take their baseline from the other
+"""Advantage estimators: GAE with a critic, and four that take their baseline from the other
 samples of the batch instead (no value model).
 
 Every estimator reads one :class:`AdvantageInputs` and returns ``(advantages, returns)``, each
@@ -35,6 +35,7 @@ __all__ = [
     "ESTIMATORS",
     "AdvantageInputs",
     "consecutive_groups",
+    "dr_grpo_advantages",
     "grpo_advantages",
     "reinforce_pp_advantages",
     "rloo_advantages",
@@ -104,6 +105,22 @@ def grpo_advantages(
 
 
 @torch.no_grad()
+def dr_grpo_advantages(scores: Tensor, group_ids: Tensor, response_mask: Tensor) -> Tensor:
+    """GRPO without the division by the group's standard deviation (Dr. GRPO; Liu et al. 2025,
+    "Understanding R1-Zero-Like Training: A Critical Perspective", section 3.2), the same on
+    every token of a response:
+
+        A_i = s_i - mean_g(s)
+
+    The paper pairs it with a loss that is not normalised by each response's length
+    (``seq-mean-token-sum``). Args and errors as :func:`grpo_advantages`.
+    """
+    sums, sizes = _group_sums(scores, group_ids)
+    _require_pairs(sizes, "dr_grpo")
+    return _on_tokens(scores - sums / sizes, response_mask)
+
+
+@torch.no_grad()
 def rloo_advantages(scores: Tensor, group_ids: Tensor, response_mask: Tensor) -> Tensor:
     """Leave-one-out baseline (RLOO; Ahmadian et al. 2024, "Back to Basics: Revisiting
     REINFORCE Style Optimization for Learning from Human Feedback in LLMs", eq. 7), the same on
@@ -153,7 +170,8 @@ class AdvantageInputs:
     ``scores`` is each response's whole return (its score, minus the KL penalty of its tokens
     when the KL is in the reward), ``rewards`` the same spread over tokens.
 
-    ``values`` is needed by ``gae`` only, ``group_ids`` by ``grpo`` and ``rloo`` only.
+    ``values`` is needed by ``gae`` only, ``group_ids`` by ``grpo``, ``dr_grpo`` and ``rloo``
+    only.
     """
 
     scores: Tensor
@@ -188,6 +206,11 @@ def _grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     return grpo_advantages(inputs.scores, _groups(inputs, "grpo"), inputs.response_mask), None
 
 
+def _dr_grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
+    groups = _groups(inputs, "dr_grpo")
+    return dr_grpo_advantages(inputs.scores, groups, inputs.response_mask), None
+
+
 def _rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     return rloo_advantages(inputs.scores, _groups(inputs, "rloo"), inputs.response_mask), None
 
@@ -202,6 +225,7 @@ def _reinforce_pp(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
 ESTIMATORS: dict[AdvantageEstimator, Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]] = {
     "gae": _gae,
     "grpo": _grpo,
+    "dr_grpo": _dr_grpo,
     "rloo": _rloo,
     "reinforce_pp": _reinforce_pp,
 }

@@ -23,8 +23,8 @@ __all__ = [
 ]
 
 # Advantage estimators (ppo_core.math.advantages): GAE with a critic, and the critic-free GRPO,
-# RLOO and REINFORCE++.
-AdvantageEstimator = Literal["gae", "grpo", "rloo", "reinforce_pp"]
+# Dr. GRPO, RLOO and REINFORCE++.
+AdvantageEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 
 
@@ -35,7 +35,7 @@ def needs_critic(estimator: str) -> bool:
 
 def needs_groups(estimator: str) -> bool:
     """Whether an advantage estimator compares the samples of one prompt (at least 2 each)."""
-    return estimator in ("grpo", "rloo")
+    return estimator in ("grpo", "dr_grpo", "rloo")
 
 
 # KL(pi || ref) estimators of Schulman (2020), "Approximating KL divergence" (ppo_core.math.kl).

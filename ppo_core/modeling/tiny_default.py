@@ -187,6 +187,9 @@ def build_tiny_default(
 
         config = tiny_gpt2_config(len(tokenizer), n_layer, n_embd, n_head, n_positions)
         model = GPT2LMHeadModel(config)
+        # transformers finds no loss for the class name GPT2LMHeadModel and logs that it falls
+        # back to the causal-LM loss; naming that loss says the same without the warning
+        model.loss_type = "ForCausalLM"
         model.train()  # dropout is 0.0, so train and eval modes compute the same function
         optimizer = torch.optim.AdamW(
             model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98)

@@ -13,6 +13,7 @@ from ppo_core.math.advantages import (
     ESTIMATORS,
     AdvantageInputs,
     consecutive_groups,
+    dr_grpo_advantages,
     grpo_advantages,
     reinforce_pp_advantages,
     rloo_advantages,
@@ -32,6 +33,16 @@ def reference_grpo(scores, groups, mask, eps=1e-6):
         for t in range(mask.shape[1]):
             if mask[i, t]:
                 out[i, t] = (float(scores[i]) - mean) / (std + eps)
+    return out
+
+
+def reference_dr_grpo(scores, groups, mask):
+    out = torch.zeros(mask.shape, dtype=torch.float64)
+    for i, g in enumerate(groups):
+        mine = [float(scores[j]) for j in range(len(groups)) if groups[j] == g]
+        for t in range(mask.shape[1]):
+            if mask[i, t]:
+                out[i, t] = float(scores[i]) - sum(mine) / len(mine)
     return out
 
 
@@ -90,6 +101,14 @@ def test_grpo_matches_plain_python(seed, sizes, length):
 
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), sizes=group_sizes, length=st.integers(1, 6))
+def test_dr_grpo_matches_plain_python(seed, sizes, length):
+    scores, _, mask, groups = random_batch(seed, sizes, length)
+    got = dr_grpo_advantages(scores, torch.tensor(groups), mask)
+    torch.testing.assert_close(got, reference_dr_grpo(scores, groups, mask), **TOL)
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), sizes=group_sizes, length=st.integers(1, 6))
 def test_rloo_matches_plain_python(seed, sizes, length):
     scores, _, mask, groups = random_batch(seed, sizes, length)
     got = rloo_advantages(scores, torch.tensor(groups), mask)
@@ -123,6 +142,8 @@ def test_grpo_and_rloo_by_hand():
         0.0,
         0.0,
     ]
+    # Dr. GRPO: the group mean only, 1 - 1 = 0, 0 - 1 = -1, 2 - 1 = 1, 5 - 5 = 0
+    assert dr_grpo_advantages(scores, groups, mask).flatten().tolist() == [0.0, -1.0, 1.0, 0, 0]
     # leave-one-out: 1 - (0 + 2) / 2 = 0, 0 - 1.5 = -1.5, 2 - 0.5 = 1.5
     assert rloo_advantages(scores, groups, mask).flatten().tolist() == [0.0, -1.5, 1.5, 0.0, 0.0]
 
@@ -135,7 +156,7 @@ def test_an_all_masked_row_counts_in_its_group_but_reaches_no_token():
     assert rloo_advantages(scores, groups, mask).tolist() == [[0.0, 0.0], [-2.0, -2.0]]
 
 
-@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages])
+@pytest.mark.parametrize("estimator", [grpo_advantages, dr_grpo_advantages, rloo_advantages])
 def test_a_group_of_one_is_refused(estimator):
     with pytest.raises(ValueError, match="at least 2 samples of each prompt"):
         estimator(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([0, 0, 1]), torch.ones(3, 2))
@@ -153,7 +174,7 @@ def test_group_estimators_do_not_depend_on_row_order(seed, sizes):
     scores, _, mask, groups = random_batch(seed, sizes, 4)
     order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed))
     ids = torch.tensor(groups)
-    for estimator in (grpo_advantages, rloo_advantages):
+    for estimator in (grpo_advantages, dr_grpo_advantages, rloo_advantages):
         whole = estimator(scores, ids, mask)
         shuffled = estimator(scores[order], ids[order], mask[order])
         torch.testing.assert_close(shuffled, whole[order], **TOL)
@@ -176,6 +197,7 @@ def test_the_registry_runs_each_estimator_by_name():
     expected = {
         "gae": (whiten_advantages(gae_advantages, mask), gae_returns),
         "grpo": (grpo_advantages(scores, torch.tensor(groups), mask), None),
+        "dr_grpo": (dr_grpo_advantages(scores, torch.tensor(groups), mask), None),
         "rloo": (rloo_advantages(scores, torch.tensor(groups), mask), None),
         "reinforce_pp": (reinforce_pp_advantages(rewards, mask, 0.9), None),
     }
