@@ -279,21 +279,8 @@ def collect_rollout(
     token_kl = kl_penalty(policy_scored.logprobs, reference_scored.logprobs, kl.estimator, mask)
     reward_kl_coef = 0.0 if kl.in_loss else kl_coef
     rewards = token_rewards(scores, token_kl, mask, reward_kl_coef)
-    # The group estimators compare whole responses: each one's return is its score minus the
-    # KL penalty of all its tokens (the sum of its per-token rewards), as in RLOO's paper.
-    sequence_returns = scores - reward_kl_coef * masked_sum(token_kl, mask, dim=1)
-    advantages, returns = ESTIMATORS[ppo.advantage_estimator](
-        AdvantageInputs(
-            scores=sequence_returns,
-            rewards=rewards,
-            response_mask=mask,
-            gamma=ppo.gamma,
-            lam=ppo.lam,
-            values=policy_scored.values,
-            group_ids=consecutive_groups(len(prompts), ppo.samples_per_prompt, mask.device),
-            whiten=ppo.whiten_advantages,
-            all_ranks=all_ranks,
-        )
+    advantages, returns = _advantages(
+        ppo, scores, token_kl, reward_kl_coef, rewards, mask, policy_scored.values, all_ranks
     )
 
     batch = RolloutBatch(
@@ -312,6 +299,36 @@ def collect_rollout(
     metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
     metrics["rollout/kl_coef"] = float(kl_coef)
     return batch, metrics, responses
+
+
+def _advantages(
+    ppo: PPOConfig,
+    scores: Tensor,
+    token_kl: Tensor,
+    reward_kl_coef: float,
+    rewards: Tensor,
+    mask: Tensor,
+    values: Tensor | None,
+    all_ranks: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """``(advantages, returns)`` of ``ppo.advantage_estimator`` for this rank's rows, whose
+    groups of ``ppo.samples_per_prompt`` consecutive rows are whole here."""
+    # The group estimators compare whole responses: each one's return is its score minus the
+    # KL penalty of all its tokens (the sum of its per-token rewards), as in RLOO's paper.
+    sequence_returns = scores - reward_kl_coef * masked_sum(token_kl, mask, dim=1)
+    return ESTIMATORS[ppo.advantage_estimator](
+        AdvantageInputs(
+            scores=sequence_returns,
+            rewards=rewards,
+            response_mask=mask,
+            gamma=ppo.gamma,
+            lam=ppo.lam,
+            values=values,
+            group_ids=consecutive_groups(len(scores), ppo.samples_per_prompt, mask.device),
+            whiten=ppo.whiten_advantages,
+            all_ranks=all_ranks,
+        )
+    )
 
 
 def _rollout_metrics(

@@ -248,6 +248,7 @@ def resume_mismatch(
     before = flatten(OmegaConf.create(state.get("config", "{}")))
     now = flatten(config)
     before_ranks = int(state.get("world_size", 1))
+    old_per_rank = {key: before.get(key) for key in PER_RANK_KEYS}
     for key in PER_RANK_KEYS:
         if isinstance(before.get(key), int) and isinstance(now.get(key), int):
             before[key] = f"{before[key] * before_ranks} in all"
@@ -261,7 +262,7 @@ def resume_mismatch(
         return (
             "its config differs in "
             + ", ".join(f"{k} ({before.get(k)!r} -> {now.get(k)!r})" for k in changed[:5])
-            + _per_rank_hint(state, changed, before_ranks, world_size)
+            + _per_rank_hint(old_per_rank, changed, before_ranks, world_size)
         )
     if int(state["iteration"]) > config.train.iterations:
         return f"it is at iteration {state['iteration']}, past train.iterations={config.train.iterations}"
@@ -269,15 +270,13 @@ def resume_mismatch(
 
 
 def _per_rank_hint(
-    state: dict[str, Any], changed: list[str], before_ranks: int, world_size: int
+    old: dict[str, Any], changed: list[str], before_ranks: int, world_size: int
 ) -> str:
-    """For per-rank sizes that changed only because the number of ranks did: the per-rank value
-    that continues the old run on this many ranks, or why none does."""
+    """For per-rank sizes (``old``: the checkpoint's values) that changed only because the
+    number of ranks did: the per-rank value that continues the old run on this many ranks, or
+    why none does."""
     if before_ranks == world_size:
         return ""
-    from omegaconf import OmegaConf
-
-    old = flatten(OmegaConf.create(state.get("config", "{}")))
     ranks = f"{world_size} rank{'s' if world_size > 1 else ''}"
     hints = []
     for key in PER_RANK_KEYS:

@@ -91,28 +91,21 @@ def random_batch(seed: int, group_sizes: list[int], length: int):
 group_sizes = st.lists(st.integers(2, 5), min_size=1, max_size=5)
 
 
+@pytest.mark.parametrize(
+    ("estimator", "reference"),
+    [
+        (grpo_advantages, reference_grpo),
+        (dr_grpo_advantages, reference_dr_grpo),
+        (rloo_advantages, reference_rloo),
+    ],
+    ids=["grpo", "dr_grpo", "rloo"],
+)
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), sizes=group_sizes, length=st.integers(1, 6))
-def test_grpo_matches_plain_python(seed, sizes, length):
+def test_group_estimators_match_plain_python(estimator, reference, seed, sizes, length):
     scores, _, mask, groups = random_batch(seed, sizes, length)
-    got = grpo_advantages(scores, torch.tensor(groups), mask)
-    torch.testing.assert_close(got, reference_grpo(scores, groups, mask), **TOL)
-
-
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), sizes=group_sizes, length=st.integers(1, 6))
-def test_dr_grpo_matches_plain_python(seed, sizes, length):
-    scores, _, mask, groups = random_batch(seed, sizes, length)
-    got = dr_grpo_advantages(scores, torch.tensor(groups), mask)
-    torch.testing.assert_close(got, reference_dr_grpo(scores, groups, mask), **TOL)
-
-
-@settings(max_examples=40, deadline=None)
-@given(seed=st.integers(0, 10_000), sizes=group_sizes, length=st.integers(1, 6))
-def test_rloo_matches_plain_python(seed, sizes, length):
-    scores, _, mask, groups = random_batch(seed, sizes, length)
-    got = rloo_advantages(scores, torch.tensor(groups), mask)
-    torch.testing.assert_close(got, reference_rloo(scores, groups, mask), **TOL)
+    got = estimator(scores, torch.tensor(groups), mask)
+    torch.testing.assert_close(got, reference(scores, groups, mask), **TOL)
 
 
 @settings(max_examples=40, deadline=None)
