@@ -96,8 +96,8 @@ def _dvc_session(repo_dir: str) -> Iterator[DvcSession]:
 
 @contextlib.contextmanager
 def stage_session(repo_dir: str) -> Iterator[None]:
-    """One DVC process for the stages of this run, started now, so that it imports DVC while
-    the first task is set up."""
+    """One DVC process for the stages and records of this run, started now, so that it imports
+    DVC while the run takes its new data and the first task is set up."""
     session = DvcSession(repo_dir, stage_environment())
     session.start()
     _SESSIONS[repo_dir] = session
@@ -150,10 +150,30 @@ def run_stage(stage: str, repo_dir: str, timeout: float = 0.0) -> dict[str, Any]
     return {"status": "skipped" if relay.skipped else "ran", "to_track": relay.to_track}
 
 
+# The config of each project's params.yaml with the text it was built from: a run reads it at
+# every step, and building it (OmegaConf's merge and the checks) takes 0.1-0.6 s each time.
+_PARAMS: dict[Path, tuple[str, Config]] = {}
+
+
 def _load_params(repo_dir: str) -> Config:
+    """The config of ``repo_dir``'s ``params.yaml``, built again only when the file's text
+    changed (a run's own values come and go, :func:`flows.run_params.params_for_this_run`).
+    One object is shared by its callers: read it, never change it."""
     from ppo_core.config import load_config
 
-    return load_config(Path(repo_dir) / "params.yaml")
+    path = Path(repo_dir) / "params.yaml"
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError):
+        return load_config(path)  # its error names the file and the problem
+    cached = _PARAMS.get(path)
+    if cached is not None and cached[0] == text:
+        return cached[1]
+    config = load_config(path)
+    with contextlib.suppress(OSError, UnicodeDecodeError):
+        if path.read_text() == text:  # not changed while it was read
+            _PARAMS[path] = (text, config)
+    return config
 
 
 def _production_version(repo_dir: str) -> str | None:
@@ -208,8 +228,11 @@ def retrain(
         check_restart(restart_limit, deployment.id, deployment.name or "")
     repo_dir = str(project_dir())
     updates = check_run_params(repo_dir, params)
-    with exclusive_run(
-        Path(repo_dir) / ".retrain.lock", "retraining run in this repository", on_wait=_waiting
+    with (
+        exclusive_run(
+            Path(repo_dir) / ".retrain.lock", "retraining run in this repository", on_wait=_waiting
+        ),
+        stage_session(repo_dir),
     ):
         left = put_back_left_params(repo_dir)
         if left:
@@ -294,10 +317,9 @@ def nothing_new(repo_dir: str) -> dict[str, Any]:
 def _retrain(
     repo_dir: str, updates: dict[str, Any], taken: list[str], backup: bool
 ) -> dict[str, Any]:
-    with stage_session(repo_dir):
-        status, to_track = _run_stages(repo_dir, taken)
-        outputs = publish_results(repo_dir, status)
-        to_track += keep_records(repo_dir, backup and outputs["decided"])
+    status, to_track = _run_stages(repo_dir, taken)
+    outputs = publish_results(repo_dir, status)
+    to_track += keep_records(repo_dir, backup and outputs["decided"])
     if to_track:
         files = shlex.join(to_track)
         print(
@@ -374,7 +396,9 @@ def keep_records(repo_dir: str, backup: bool) -> list[str]:
         print(back_up_production(repo_dir, config, run).message)
     pointers = [p for p in pointer_files(config) if (Path(repo_dir) / p).is_file()]
     name = experiment_name(flow_run.name or "run")
-    print(save_experiment(repo_dir, name, pointers, run).message)
+    # `dvc repro` cached each stage's outputs as it ran: the record caches only the last stage
+    # again (an empty list would hash and cache every stage's outputs a second time).
+    print(save_experiment(repo_dir, name, pointers, run, stages=[STAGES[-1]]).message)
     return pointers if backup else []
 
 

@@ -67,17 +67,25 @@ def experiment_name(flow_run_name: str) -> str:
 
 
 def save_experiment(
-    repo_dir: str | Path, name: str, untracked: Sequence[str] = (), run: DvcRunner | None = None
+    repo_dir: str | Path,
+    name: str,
+    untracked: Sequence[str] = (),
+    run: DvcRunner | None = None,
+    stages: Sequence[str] = (),
 ) -> Outcome:
-    """``dvc exp save --name NAME --force``: the workspace as it is now (``params.yaml`` with the
-    run's values, ``dvc.lock`` with its data and model hashes, the metrics files) as a DVC
-    experiment, which ``dvc exp show`` and ``ppo compare`` list. It changes no file of the
-    workspace and no git branch; ``--force`` replaces an experiment of the same name (the same
-    flow run, retried). ``untracked`` files are included too (the backup's pointers before
-    they are committed)."""
+    """``dvc exp save --name NAME --force [STAGES]``: the workspace as it is now
+    (``params.yaml`` with the run's values, ``dvc.lock`` with its data and model hashes, the
+    metrics files) as a DVC experiment, which ``dvc exp show`` and ``ppo compare`` list. It
+    changes no file of the workspace and no git branch; ``--force`` replaces an experiment of
+    the same name (the same flow run, retried). ``untracked`` files are included too (the
+    backup's pointers before they are committed).
+
+    DVC caches the outputs of ``stages`` first (every stage's when empty); after ``dvc repro``
+    they are all cached already, and naming one spares hashing the others again."""
     included = [arg for path in untracked for arg in ("--include-untracked", path)]
     run = run or dvc_command(repo_dir)
-    code, output = run(["exp", "save", "--name", name, "--force", *included], DVC_TIMEOUT)
+    command = ["exp", "save", "--name", name, "--force", *included, *stages]
+    code, output = run(command, DVC_TIMEOUT)
     if code != 0:
         return Outcome(False, f"not recorded as a DVC experiment: {_last_line(code, output)}")
     return Outcome(True, f"recorded as the DVC experiment {name} (`dvc exp show`)")
