@@ -18,8 +18,9 @@ On a shared machine the stages' own time varies by tens of seconds from run to r
 the orchestration costs, so the difference of the totals says little from a few runs. The bench
 also records each stage's seconds (direct: the command; flow: from DVC's ``Running stage`` line
 to the task's end, from the flow's log), the flow's time outside its stage tasks (server,
-imports, task bookkeeping, the experiment record), and what DVC adds to one stage
-(:func:`dvc_seconds_a_stage`); their sum estimates the overhead without the stages' noise.
+imports, task bookkeeping, DVC's work before each stage, the experiment record), and what DVC
+adds inside a stage's time, after its command (:func:`dvc_seconds_a_stage`); their sum
+estimates the overhead without the stages' noise.
 
     .venv/bin/python bench/orchestration.py [--repeats 2]
 """
@@ -62,26 +63,51 @@ def timed(
     return time.perf_counter() - start, each, output
 
 
-def dvc_seconds_a_stage(project: Path, env: dict[str, str], repeats: int = 3) -> dict[str, float]:
-    """What DVC adds to one stage: ``ppo promote`` against ``dvc repro --single-item --force
-    promote`` in a project that has run (alternating, median of ``repeats`` each). Each
-    ``dvc`` command imports DVC, which the flow's one DVC process does once a run, so this is
-    an upper bound for the stages after the first."""
+def dvc_seconds_a_stage(project: Path, env: dict[str, str], repeats: int = 5) -> dict[str, float]:
+    """What DVC adds to one stage as the flow runs it: ``ppo promote`` on its own, against
+    ``dvc repro --single-item --force promote`` sent to a :class:`flows.dvc_session.DvcSession`
+    that has imported DVC and run one command already, as the flow's has by its second stage
+    (alternating, median of ``repeats`` each). Each ``--force`` run writes a new production
+    version: run it in a project of its own.
+
+    Returns the medians of both sides, ``dvc_adds`` (their difference), and its two parts:
+    ``before_the_stage`` (to DVC's ``Running stage`` line, which the flow's log shows outside
+    the stage's time) and ``after_the_command`` (hashing and caching the outputs, the lock;
+    inside it)."""
+    sys.path.insert(0, str(ROOT))
+    from flows.dvc_session import DvcSession
+    from flows.relay import StageRelay
+
     bin_dir = Path(sys.executable).parent
-    sides: dict[str, list[float]] = {"command": [], "dvc": []}
-    for _ in range(repeats):
-        sides["command"].append(
-            timed([[str(bin_dir / "ppo"), "promote", "-c", "params.yaml"]], project, env)[0]
-        )
-        sides["dvc"].append(
-            timed(
-                [[str(bin_dir / "dvc"), "repro", "--single-item", "--force", "promote"]],
-                project,
-                env,
-            )[0]
-        )
+    sides: dict[str, list[float]] = {"command": [], "dvc": [], "before_the_stage": []}
+    forced = ["repro", "--single-item", "--force", "promote"]
+    with DvcSession(str(project), env) as session:
+
+        def forced_run() -> tuple[float, float]:
+            """Seconds to the ``Running stage`` line, and in all."""
+            began = time.perf_counter()
+            running: list[float] = []
+
+            def log(level: int, text: str) -> None:
+                if not running and "Running stage" in text:
+                    running.append(time.perf_counter() - began)
+
+            code = session.run(forced, StageRelay("promote", log, str(project)))
+            if code != 0 or not running:
+                raise RuntimeError(f"`dvc {' '.join(forced)}` failed with exit code {code}")
+            return running[0], time.perf_counter() - began
+
+        forced_run()  # DVC imported and warm, as after the flow's first stage
+        for _ in range(repeats):
+            sides["command"].append(
+                timed([[str(bin_dir / "ppo"), "promote", "-c", "params.yaml"]], project, env)[0]
+            )
+            before, total = forced_run()
+            sides["before_the_stage"].append(before)
+            sides["dvc"].append(total)
     median = {side: statistics.median(seconds) for side, seconds in sides.items()}
-    return median | {"dvc_adds": median["dvc"] - median["command"]}
+    adds = median["dvc"] - median["command"]
+    return median | {"dvc_adds": adds, "after_the_command": adds - median["before_the_stage"]}
 
 
 # Log lines of the flow that mark the phases of a run (Prefect's "HH:MM:SS.mmm | LEVEL | ...").
@@ -214,12 +240,11 @@ def main() -> None:
     print(f"DVC a stage: {json.dumps({k: round(v, 2) for k, v in dvc_stage.items()})}")
     median = {side: statistics.median(runs[side]) for side in SIDES}
     overhead = {side: median[side] - median["direct"] for side in SIDES[1:]}
-    # Noise-free estimate: the flow's time outside its stage tasks, plus what DVC adds inside
-    # each of them; the stages' own compute, which varies from run to run, is not in it.
-    estimate = {
-        side: statistics.median(outside[side]) + len(STAGES) * max(dvc_stage["dvc_adds"], 0.0)
-        for side in SIDES[1:]
-    }
+    # Noise-free estimate: the flow's time outside its stage tasks (DVC's work before each
+    # stage's `Running stage` line is in it), plus what DVC adds inside each of them, after the
+    # stage's command; the stages' own compute, which varies from run to run, is not in it.
+    inside = max(dvc_stage["after_the_command"], 0.0)
+    estimate = {side: statistics.median(outside[side]) + len(STAGES) * inside for side in SIDES[1:]}
     # The share of the same run's work (its total less the overhead), so that the stages'
     # noise between the sides does not enter it.
     share = {side: estimate[side] / (median[side] - estimate[side]) for side in estimate}
