@@ -20,6 +20,7 @@ import contextlib
 import json
 import subprocess
 import sys
+from pathlib import Path
 from types import TracebackType
 
 from flows.relay import Deadline, StageRelay, output_segments, stop_process_tree
@@ -149,6 +150,47 @@ def _import_ahead(modules: tuple[str, ...]) -> None:
     for module in modules:
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
+
+
+# Sessions started ahead of the run that takes them (:func:`start_ahead`), by project folder.
+_AHEAD: dict[str, DvcSession] = {}
+
+
+def start_ahead(repo_dir: str, env: dict[str, str]) -> None:
+    """Start the process of the session that :func:`take` will give for ``repo_dir`` and
+    ``env``, now, so that it imports DVC while this process imports Prefect (``python -m
+    flows.pipeline run``: on two cores the two imports overlap). A session never taken ends
+    with this process: its input closes."""
+    session = DvcSession(repo_dir, env)
+    session.start()
+    _AHEAD[repo_dir] = session
+
+
+def take(repo_dir: str, env: dict[str, str]) -> DvcSession:
+    """A started session in ``repo_dir`` with ``env``: the one started ahead for them while its
+    process still runs, else a new one."""
+    ahead = _AHEAD.pop(repo_dir, None)
+    if ahead is not None:
+        if ahead.env == env and ahead.process is not None and ahead.process.poll() is None:
+            return ahead
+        ahead.close()
+    session = DvcSession(repo_dir, env)
+    session.start()
+    return session
+
+
+def run_folder(argv: list[str]) -> str | None:
+    """The project folder of ``python -m flows.pipeline run [--repo DIR]`` (resolved), from its
+    arguments before they are parsed; ``None`` for anything else."""
+    if not argv or argv[0] != "run" or "-h" in argv or "--help" in argv:
+        return None
+    folder = "."
+    for index, arg in enumerate(argv):
+        if arg == "--repo" and index + 1 < len(argv):
+            folder = argv[index + 1]
+        elif arg.startswith("--repo="):
+            folder = arg.removeprefix("--repo=")
+    return str(Path(folder).resolve())
 
 
 def serve() -> None:

@@ -19,12 +19,23 @@ from __future__ import annotations
 
 import sys
 
+# The project folder of every run of the flow in this process and the runs it starts: set by
+# `serve` (or the deployment's environment) from the folder it was given; the working folder
+# when unset. A run cannot choose it, so it cannot point the flow at another `dvc.yaml`.
+PROJECT_ENV = "PPO_PROJECT_DIR"
+
 if __name__ == "__main__":
-    # `python -m flows.pipeline run` without a Prefect server: start the run's own server before
-    # the imports below, so that its process and this one import at the same time.
+    # `python -m flows.pipeline run`: start the run's own Prefect server (when none is named)
+    # and its DVC process before the imports below, so that they import at the same time as
+    # this process does.
+    from flows.dvc_session import run_folder, start_ahead
     from flows.local_server import start_if_needed
+    from flows.relay import stage_environment
 
     _early_server = start_if_needed(sys.argv[1:])
+    _folder = run_folder(sys.argv[1:])
+    if _folder is not None:
+        start_ahead(_folder, stage_environment() | {PROJECT_ENV: _folder})
 
 import contextlib
 import json
@@ -41,6 +52,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.states import Completed
 
 from flows.dvc_session import DvcSession
+from flows.dvc_session import take as take_session
 from flows.relay import CommandTimedOut, StageRelay, stage_environment
 from flows.run_params import check_run_params, params_for_this_run, put_back_left_params
 
@@ -60,10 +72,6 @@ STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
 ACCELERATED = ("train", "evaluate")
 # Stages worth retrying: the long, resumable ones. A validation failure is not retried.
 RETRIED = {"train": 2, "evaluate": 1}
-# The project folder of every run of the flow in this process and the runs it starts: set by
-# `serve` (or the deployment's environment) from the folder it was given; the working folder
-# when unset. A run cannot choose it, so it cannot point the flow at another `dvc.yaml`.
-PROJECT_ENV = "PPO_PROJECT_DIR"
 
 
 class StageFailed(RuntimeError):
@@ -96,10 +104,10 @@ def _dvc_session(repo_dir: str) -> Iterator[DvcSession]:
 
 @contextlib.contextmanager
 def stage_session(repo_dir: str) -> Iterator[None]:
-    """One DVC process for the stages and records of this run, started now, so that it imports
-    DVC while the run takes its new data and the first task is set up."""
-    session = DvcSession(repo_dir, stage_environment())
-    session.start()
+    """One DVC process for the stages and records of this run, started now (or taken from
+    :func:`flows.dvc_session.start_ahead`), so that it imports DVC while the run takes its new
+    data and the first task is set up."""
+    session = take_session(repo_dir, stage_environment())
     _SESSIONS[repo_dir] = session
     try:
         yield
