@@ -10,7 +10,15 @@ from pathlib import Path
 
 import pytest
 
-from flows.dvc_session import DvcSession
+from flows.dvc_session import (
+    _AHEAD,
+    FIRST_MODULES,
+    LATER_MODULES,
+    DvcSession,
+    run_folder,
+    start_ahead,
+    take,
+)
 from flows.relay import CommandTimedOut, StageRelay, stage_environment
 from tests.flows.test_flow_output import HANGING, Recorder
 
@@ -88,3 +96,58 @@ def test_a_command_whose_process_dies_fails_and_the_next_one_starts_afresh(tmp_p
         assert session.run(["repro", "die"], StageRelay("die", Recorder())) != 0
         assert session.process is None
         assert session.run(["status"], StageRelay("x", Recorder())) == 0
+
+
+def session_ahead(project: str) -> DvcSession:
+    return _AHEAD[project]
+
+
+def test_a_session_started_ahead_is_taken_by_the_run_it_was_started_for(tmp_path):
+    project = str(dvc_project(tmp_path, TWO_STAGES))
+    env = stage_environment() | {"PPO_PROJECT_DIR": project}
+    start_ahead(project, env)
+    session = take(project, env)
+    try:
+        assert session.process is not None and session.process.poll() is None
+        pid = session.process.pid
+        assert (
+            session.run(["repro", "--single-item", "hello"], StageRelay("hello", Recorder())) == 0
+        )
+        assert session.process.pid == pid  # the process started ahead ran the command
+    finally:
+        session.close()
+    # Started ahead with another environment (or for another folder), it is not taken: the
+    # run gets a process of its own, and the other one is ended.
+    start_ahead(project, env)
+    ahead = session_ahead(project)
+    other = take(project, env | {"PPO_PROJECT_DIR": "/elsewhere"})
+    try:
+        assert other is not ahead and ahead.process is None
+        assert other.process is not None and other.process.poll() is None
+    finally:
+        other.close()
+
+
+@pytest.mark.parametrize(
+    ("argv", "folder"),
+    [
+        (["run"], "."),
+        (["run", "--repo", "sub"], "sub"),
+        (["run", "--from-production", "--repo=sub"], "sub"),
+        (["run", "--help"], None),
+        (["serve", "--repo", "sub"], None),
+        ([], None),
+    ],
+)
+def test_the_folder_of_a_run_is_read_from_its_arguments(argv, folder, monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    expected = None if folder is None else str((tmp_path / folder).resolve())
+    assert run_folder(argv) == expected
+
+
+def test_the_modules_imported_ahead_exist_in_the_installed_dvc():
+    """A DVC release that moves one of them would quietly lose the head start."""
+    import importlib.util
+
+    missing = [m for m in (*FIRST_MODULES, *LATER_MODULES) if importlib.util.find_spec(m) is None]
+    assert not missing, f"not in this DVC: {missing}"

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.flows.conftest import environment, read_json
+from tests.flows.conftest import dvc, environment, read_json
+from tests.flows.test_dvc_pipeline import experiment_scores
 
 
 @pytest.fixture(scope="module")
@@ -78,6 +79,13 @@ def test_retrain_flow_runs_every_stage_and_publishes_artifacts(
     assert not (tiny_project / ".retrain-params.json").exists()
     registry = read_json(tiny_project / "models" / "registry.json")
     assert len(registry["entries"]) == 2
+    # Each run is a DVC experiment with the metrics it reached (the record caches only the last
+    # stage again: `dvc repro` cached the others as they ran).
+    shown = dvc(tiny_project, "exp", "show", "--json")
+    assert shown.returncode == 0, shown.stderr
+    scores = experiment_scores(shown.stdout)
+    assert len(scores) == 2 and all(name.startswith("retrain-") for name in scores), scores
+    assert all(score is not None for score in scores.values()), scores
 
 
 def run_like_make_run(project: Path, prefect_home: Path) -> str:

@@ -7,7 +7,8 @@ import shutil
 import pytest
 
 from flows.pipeline import deployments
-from flows.run_params import set_params
+from flows.run_params import params_for_this_run, set_params
+from ppo_core.config import ConfigError
 from tests.flows.conftest import ROOT
 
 
@@ -68,3 +69,18 @@ def test_the_served_deployments_are_those_of_prefect_yaml_with_the_configured_sc
         # one run at a time; a run started meanwhile waits in line
         assert deployment.concurrency_limit == 1
         assert deployment.concurrency_options.collision_strategy == "ENQUEUE"
+
+
+def test_params_are_built_once_per_text_and_again_when_the_file_changes(project):
+    from flows.pipeline import _load_params
+
+    first = _load_params(str(project))
+    assert _load_params(str(project)) is first  # the same text: not built again
+    with params_for_this_run(str(project), {"ppo.epochs": 2}):
+        during = _load_params(str(project))
+        assert during is not first and during.ppo.epochs == 2
+    after = _load_params(str(project))
+    assert after.ppo.epochs == first.ppo.epochs
+    (project / "params.yaml").write_text("ppo:\n  epochs: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        _load_params(str(project))  # a broken file is never answered from the cache
