@@ -98,12 +98,19 @@ class LocalServer:
     def api_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/api"
 
-    def settings(self) -> dict[Setting, str]:
+    def settings(self) -> dict[Setting | str, str | None]:
         """Prefect settings that point this process at the server (for
-        ``prefect.settings.temporary_settings``): its API, and no UI link, as it serves none."""
+        ``prefect.settings.temporary_settings``): its API; no UI link, as it serves none; and no
+        flow-run heartbeats. Heartbeats are for an automation that marks a run Crashed when they
+        stop (``automations.yaml``), which a server started for one run has not got, and
+        Prefect's heartbeat thread holds up the run's end for up to 1 s."""
         from prefect.settings import PREFECT_API_URL, PREFECT_UI_URL
 
-        return {PREFECT_API_URL: self.api_url, PREFECT_UI_URL: ""}
+        return {
+            PREFECT_API_URL: self.api_url,
+            PREFECT_UI_URL: "",
+            "flows.heartbeat_frequency": None,
+        }
 
     def _healthy(self) -> bool:
         try:

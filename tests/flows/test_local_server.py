@@ -21,6 +21,13 @@ def test_the_server_answers_on_loopback_and_is_gone_after_stop(tmp_path, monkeyp
         with urllib.request.urlopen(f"{server.api_url}/health", timeout=10) as answer:
             assert answer.status == 200
         assert server.api_url.startswith("http://127.0.0.1:")
+        from prefect.settings import get_current_settings, temporary_settings
+
+        with temporary_settings(updates=server.settings()):
+            current = get_current_settings()
+            assert str(current.api.url) == server.api_url
+            # nothing watches a one-run server's heartbeats: none are sent
+            assert current.flows.heartbeat_frequency is None
     finally:
         server.stop()
     assert server.process.poll() is not None
