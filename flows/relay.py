@@ -1,7 +1,8 @@
 """A stage's output as log records: its lines as they are printed, progress bars now and then,
 DVC's advice once, warnings on one line; and the stage's process tree stopped on a deadline.
 
-The Prefect flow in :mod:`flows.pipeline` runs each stage through :func:`relay_command`.
+The Prefect flow in :mod:`flows.pipeline` sends each stage to its DVC process
+(:mod:`flows.dvc_session`), whose output a :class:`StageRelay` turns into the task's log.
 """
 
 from __future__ import annotations
@@ -224,40 +225,6 @@ def stop_process_tree(pid: int, grace: float = STOP_GRACE_S) -> None:
         with contextlib.suppress(psutil.NoSuchProcess):
             process.kill()
     psutil.wait_procs(alive, timeout=grace)
-
-
-def relay_command(
-    command: list[str],
-    cwd: str,
-    env: dict[str, str],
-    relay: StageRelay,
-    timeout: float | None = None,
-) -> int:
-    """Run ``command`` with its output (stderr merged into stdout, in order) fed to ``relay``
-    as it arrives; returns the exit code.
-
-    With ``timeout`` (seconds, > 0), the command's process tree is stopped when it runs longer
-    and :class:`CommandTimedOut` is raised once its output has ended.
-    """
-    process = subprocess.Popen(
-        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
-    )
-    assert process.stdout is not None
-    deadline = Deadline(process, timeout)
-    try:
-        with process.stdout:
-            for text, finished in output_segments(process.stdout, deadline.stopped):
-                relay.feed(text, finished)
-    except BaseException:
-        # Cancelled or interrupted: the stage's processes get the chance to stop cleanly, and
-        # DVC to release its lock.
-        stop_process_tree(process.pid)
-        raise
-    finally:
-        deadline.cancel()
-    returncode = process.wait()
-    deadline.check()
-    return returncode
 
 
 class Deadline:

@@ -14,8 +14,43 @@ from pathlib import Path
 import pytest
 
 from flows.pipeline import StageFailed, decision_message, run_stage, summary
-from flows.relay import StageRelay, output_segments, relay_command
+from flows.relay import Deadline, StageRelay, output_segments, stop_process_tree
 from flows.relay import stage_environment as _environment
+
+
+def relay_command(
+    command: list[str],
+    cwd: str,
+    env: dict[str, str],
+    relay: StageRelay,
+    timeout: float | None = None,
+) -> int:
+    """Run ``command`` with its output (stderr merged into stdout, in order) fed to ``relay``
+    as it arrives, as :class:`flows.dvc_session.DvcSession` feeds a stage's; returns the exit
+    code.
+
+    With ``timeout`` (seconds, > 0), the command's process tree is stopped when it runs longer
+    and :class:`CommandTimedOut` is raised once its output has ended.
+    """
+    process = subprocess.Popen(
+        command, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
+    assert process.stdout is not None
+    deadline = Deadline(process, timeout)
+    try:
+        with process.stdout:
+            for text, finished in output_segments(process.stdout, deadline.stopped):
+                relay.feed(text, finished)
+    except BaseException:
+        # Cancelled or interrupted: the stage's processes get the chance to stop cleanly, and
+        # DVC to release its lock.
+        stop_process_tree(process.pid)
+        raise
+    finally:
+        deadline.cancel()
+    returncode = process.wait()
+    deadline.check()
+    return returncode
 
 
 class Recorder:
