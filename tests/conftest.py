@@ -9,8 +9,13 @@ from hypothesis import settings
 # build, a DDP test) no longer makes OpenMP threads spin against each other.
 torch.set_num_threads(int(os.environ.get("PPO_TEST_THREADS", "1")))
 
-settings.register_profile("ci", deadline=None, print_blob=True)
-settings.load_profile("ci")
+# `make test` draws the same examples on every run (derived from each test's source) and remembers
+# nothing between runs, so a run passes or fails for the code alone. `make fuzz` explores: new
+# random examples, PPO_FUZZ_SCALE times as many, with failures kept in .hypothesis/ and replayed
+# until they are pinned with @example.
+settings.register_profile("deterministic", derandomize=True, database=None, deadline=None)
+settings.register_profile("fuzz", deadline=None, print_blob=True, max_examples=1000)
+settings.load_profile(os.environ.get("PPO_HYPOTHESIS_PROFILE", "deterministic"))
 
 
 import json  # noqa: E402

@@ -1,6 +1,17 @@
 """Small assertion helpers shared by the tests."""
 
+import os
+
 import torch
+
+# `make fuzz` sets PPO_FUZZ_SCALE (10): each property test draws that many times its examples.
+FUZZ_SCALE = int(os.environ.get("PPO_FUZZ_SCALE", "1"))
+
+
+def examples(count: int) -> int:
+    """A property test's number of hypothesis examples: ``count`` in `make test`, scaled up by
+    `make fuzz`."""
+    return count * FUZZ_SCALE
 
 
 def assert_close(actual: torch.Tensor, expected, rtol: float = 1e-6, atol: float = 1e-6) -> None:

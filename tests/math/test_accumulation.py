@@ -14,6 +14,7 @@ from ppo_core import (
     count_units,
     micro_batch_slices,
 )
+from tests.helpers import examples
 from tests.math.toy import ToyBatch, ToyPolicy, ppo_micro_loss, random_batch
 
 
@@ -52,7 +53,7 @@ def relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> 
     return diff / scale
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     seed=st.integers(0, 2**31 - 1),
     batch=st.integers(1, 10),

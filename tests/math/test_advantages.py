@@ -20,6 +20,7 @@ from ppo_core.math.advantages import (
 )
 from ppo_core.math.choices import ADVANTAGE_ESTIMATORS
 from ppo_core.math.gae import compute_gae, whiten_advantages
+from tests.helpers import examples
 
 TOL = dict(rtol=1e-12, atol=1e-12)
 
@@ -100,7 +101,7 @@ group_sizes = st.lists(st.integers(2, 5), min_size=1, max_size=5)
     ],
     ids=["grpo", "dr_grpo", "rloo"],
 )
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(seed=st.integers(0, 10_000), sizes=group_sizes, length=st.integers(1, 6))
 def test_group_estimators_match_plain_python(estimator, reference, seed, sizes, length):
     scores, _, mask, groups = random_batch(seed, sizes, length)
@@ -108,7 +109,7 @@ def test_group_estimators_match_plain_python(estimator, reference, seed, sizes, 
     torch.testing.assert_close(got, reference(scores, groups, mask), **TOL)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(
     seed=st.integers(0, 10_000),
     sizes=group_sizes,
@@ -161,7 +162,7 @@ def test_consecutive_groups():
         consecutive_groups(6, 4)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=examples(20), deadline=None)
 @given(seed=st.integers(0, 10_000), sizes=group_sizes)
 def test_group_estimators_do_not_depend_on_row_order(seed, sizes):
     scores, _, mask, groups = random_batch(seed, sizes, 4)

@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_core import compute_gae, masked_mean, masked_var, whiten_advantages
-from tests.helpers import assert_close
+from tests.helpers import assert_close, examples
 
 
 def reference_gae(rewards, values, mask, gamma, lam):
@@ -45,7 +45,7 @@ def test_gae_skips_masked_positions_and_ignores_garbage():
     assert ret.tolist() == [[2.0, 0.0, 1.0, 0.0]]
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(
     rows=st.integers(1, 4),
     cols=st.integers(1, 9),

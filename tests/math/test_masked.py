@@ -6,6 +6,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_core import masked_mean, masked_sum, masked_var, masked_whiten
+from tests.helpers import examples
 
 NAN, INF = float("nan"), float("inf")
 
@@ -66,7 +67,7 @@ def reference_whiten(values, mask, shift_mean=True):
     return torch.tensor(out, dtype=torch.float64).reshape(values.shape)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(
     rows=st.integers(1, 5),
     cols=st.integers(2, 7),  # at least two elements: the variance needs two valid values
@@ -83,7 +84,7 @@ def test_masked_whiten_matches_reference_loop(rows, cols, seed, shift_mean):
     torch.testing.assert_close(got, reference_whiten(x, m, shift_mean), rtol=1e-10, atol=1e-10)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(seed=st.integers(0, 2**31 - 1), garbage=st.sampled_from([NAN, INF, -INF, 1e30]))
 def test_garbage_under_the_mask_changes_nothing(seed, garbage):
     gen = torch.Generator().manual_seed(seed)

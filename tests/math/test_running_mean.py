@@ -4,6 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ppo_core import RunningMean
+from tests.helpers import examples
 
 
 def test_hand_computed_merge():
@@ -37,7 +38,7 @@ def test_from_masked_ignores_garbage():
     assert rm.item() == 3.0 and float(rm.count) == 2.0
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(
     chunks=st.lists(
         st.lists(st.floats(-1e6, 1e6, allow_nan=False), min_size=0, max_size=6),

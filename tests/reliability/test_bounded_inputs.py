@@ -34,6 +34,7 @@ from ppo_core.config import (
     load_config,
 )
 from ppo_core.modeling.data import PromptFileError, load_prompts
+from tests.helpers import examples
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = "fuzz-secret-0123456789"
@@ -133,7 +134,7 @@ def _get(config, key: str):
 
 
 @settings(
-    max_examples=200,
+    max_examples=examples(200),
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
 )
@@ -222,7 +223,7 @@ def parquet_files(draw) -> tuple[bytes, list[str]]:
     return parquet_of(column, draw(st.sampled_from([None, 7, 64]))), prompts
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     case=parquet_files(),
     max_rows=st.one_of(st.integers(1, 300), st.just(1000)),
@@ -272,7 +273,7 @@ def test_fuzzed_parquet_files_load_or_name_the_cap(tmp_path_factory, case, max_r
     assert loaded == prompts
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(
     lines=st.lists(st.sampled_from(["prompt", "blank", "empty"]), max_size=40),
     max_rows=st.integers(1, 40),

@@ -36,6 +36,7 @@ from flows.cli import app
 from flows.stages import prepare
 from ppo_core.config import Config, ConfigError, flatten, load_config
 from ppo_core.modeling.data import MAX_LINE_BYTES, PromptFileError, load_prompts
+from tests.helpers import examples
 
 GOOD = [f"I thought the movie number {i} was" for i in range(40)]
 FIELD = (
@@ -514,7 +515,7 @@ def check_message(message: str, path: Path, tail: str | None) -> None:
     assert re.fullmatch(expected, message), f"{message!r} does not match {expected!r}"
 
 
-@settings(max_examples=650, **FUZZ_SETTINGS)
+@settings(max_examples=examples(650), **FUZZ_SETTINGS)
 @given(case=raw_cases, allow_empty=st.booleans())
 def test_fuzzed_raw_files_name_the_file_and_the_line(tmp_path_factory, case, allow_empty):
     event(case.kind)  # --hypothesis-show-statistics lists how often each kind was generated
@@ -564,7 +565,7 @@ def normalised(prompts: list[str]) -> list[str]:
     return [" ".join(p.split()) for p in prompts]
 
 
-@settings(max_examples=200, **FUZZ_SETTINGS)
+@settings(max_examples=examples(200), **FUZZ_SETTINGS)
 @given(case=st.one_of(jsonl_cases(suffixes=(".jsonl",)), parquet_cases()))
 def test_fuzzed_raw_files_fail_cleanly_and_keep_the_prepared_version(project, case):
     event(case.kind)
@@ -870,7 +871,7 @@ def check_config(overrides: list[tuple[str, str]]) -> None:
 config_overrides = st.lists(st.tuples(st.sampled_from(KEYS), values), min_size=1, max_size=3)
 
 
-@settings(max_examples=200)
+@settings(max_examples=examples(200))
 @given(overrides=config_overrides)
 @example(overrides=[("data", "{lam: 5}")])  # a section given a mapping with an unknown key
 def test_fuzzed_configs_load_or_name_the_wrong_key(overrides):
