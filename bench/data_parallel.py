@@ -6,7 +6,12 @@ prompts per iteration, mini-batches of a quarter of it); with N processes each r
 iterations after the first, for each of ``--repeats`` runs, and writes
 ``bench/results/data_parallel.json``.
 
+Each run is ``ppo_core.trainer.train`` (built-in defaults plus this bench's overrides) in
+processes of its own, one per rank; rank 0 reports the trainer's own per-iteration
+``perf/rollout_s``, ``perf/update_s`` and ``perf/iteration_s`` from ``TrainSummary.history``.
+
     .venv/bin/python bench/data_parallel.py --model models/base [--procs 2] [--iterations 12]
+    .venv/bin/python bench/data_parallel.py --smoke   # a one-layer model, 2 iterations of 8 rows
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -21,9 +27,18 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+PHASES = ("rollout_s", "update_s", "iteration_s")
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on now, for one torchrun launch."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def run(procs: int, args: argparse.Namespace, work: Path) -> dict[str, float]:
+    """The medians over the iterations after the first of one run with ``procs`` processes."""
     per_rank = args.global_batch // procs
     overrides = [
         f"model.policy={args.model}",
@@ -39,32 +54,33 @@ def run(procs: int, args: argparse.Namespace, work: Path) -> dict[str, float]:
         f"ppo.micro_batch_size={per_rank // 4}",
         f"threads={args.threads}",
     ]
-    bin_dir = Path(sys.executable).parent
+    child = [__file__, "--child", json.dumps(overrides)]
     if procs == 1:
-        command = [str(bin_dir / "ppo"), "train", "--quiet", *overrides]
+        command = [sys.executable, *child]
     else:
-        command = [
-            str(bin_dir / "torchrun"),
-            "--nproc_per_node",
-            str(procs),
-            "-m",
-            "flows.cli",
-            "train",
-            "--quiet",
-            *overrides,
-        ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    subprocess.run(command, cwd=ROOT, env=env, check=True, capture_output=True)
-    rows = {}
-    for key in ("rollout_s", "update_s", "iteration_s"):
-        series = (
-            (work / "metrics" / "plots" / "metrics" / "perf" / f"{key}.tsv")
-            .read_text()
-            .split("\n")[2:]
-        )
-        values = [float(line.split("\t")[1]) for line in series if line.strip()]
-        rows[key] = statistics.median(values)
-    return rows
+        torchrun = str(Path(sys.executable).with_name("torchrun"))
+        command = [torchrun, "--nproc_per_node", str(procs), "--master-port", str(free_port())]
+        command += child
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_DISABLE_PROGRESS_BARS="1")
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True)
+    reported = [line for line in done.stdout.splitlines() if line.startswith("TIMES ")]
+    if done.returncode or len(reported) != 1:
+        sys.exit(f"{procs} process(es) failed:\n{done.stderr[-3000:]}")
+    iterations = json.loads(reported[0].removeprefix("TIMES "))[1:]
+    return {key: statistics.median(row[key] for row in iterations) for key in PHASES}
+
+
+def child(overrides: list[str]) -> None:
+    """One rank: train, then (rank 0) print each iteration's seconds as the trainer measured
+    them, on one ``TIMES [...]`` line."""
+    from ppo_core.config import load_config
+    from ppo_core.distributed import is_main_process
+    from ppo_core.trainer import train
+
+    summary = train(load_config(overrides=overrides))
+    if is_main_process():
+        times = [{key: row[f"perf/{key}"] for key in PHASES} for row in summary.history]
+        print("TIMES " + json.dumps(times), flush=True)
 
 
 def main() -> None:
@@ -79,9 +95,24 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "data_parallel.json"
     )
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    import _smoke
+
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"{_smoke.HELP} (the model: _smoke.tiny_model)"
+    )
     args = parser.parse_args()
+    if args.child:
+        child(json.loads(args.child))
+        return
     results: dict[str, list[dict[str, float]]] = {"1": [], str(args.procs): []}
     with tempfile.TemporaryDirectory() as tmp:
+        if args.smoke:  # 2 ranks of 4 rows, mini-batches of 1; the second iteration is timed
+            args.procs, args.global_batch, args.iterations, args.repeats = 2, 8, 2, 1
+            args.out = _smoke.output_folder("data_parallel") / "data_parallel.json"
+            args.model = str(_smoke.tiny_model(Path(tmp) / "model"))
+            args.prompts = str(_smoke.prompt_files(Path(tmp) / "prompts")[0])
+            results = {"1": [], "2": []}
         for repeat in range(args.repeats):
             for procs in (1, args.procs):
                 results[str(procs)].append(run(procs, args, Path(tmp) / f"{procs}-{repeat}"))

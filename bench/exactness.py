@@ -6,6 +6,7 @@ both with ppo_core's exact normalisation and with the common mean of per-micro-b
 It prints the relative errors and writes them to ``bench/results/exactness.json``.
 
     .venv/bin/python bench/exactness.py [--batch 8] [--length 12] [--dtype float64]
+    .venv/bin/python bench/exactness.py --smoke    # 3 rows x 4 tokens, to a temporary folder
 """
 
 from __future__ import annotations
@@ -84,7 +85,13 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/exactness.json"))
+    import _smoke
+
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.length = 3, 4
+        args.out = _smoke.output_folder("exactness") / "exactness.json"
     dtype = getattr(torch, args.dtype)
 
     config = GPT2Config(

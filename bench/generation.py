@@ -5,6 +5,7 @@ response tokens up to and including the first EOS. Medians over ``--repeats`` ti
 one warm-up. Writes ``bench/results/generation.json``.
 
     .venv/bin/python bench/generation.py --model models/base [--batch 64] [--new-tokens 16]
+    .venv/bin/python bench/generation.py --smoke   # a one-layer model built on the spot
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -28,9 +30,23 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "generation.json")
+    import _smoke
+
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"{_smoke.HELP} (the model: _smoke.tiny_model)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="generation-") as tmp:
+        if args.smoke:
+            args.batch, args.new_tokens, args.repeats = 4, 4, 1
+            args.out = _smoke.output_folder("generation") / "generation.json"
+            args.model = str(_smoke.tiny_model(Path(tmp) / "model"))
+        measure(args)
 
+
+def measure(args: argparse.Namespace) -> None:
+    """Time both sides on ``args.model`` and write ``args.out``."""
     from transformers import GenerationConfig
 
     from ppo_core.modeling.generation import generate_responses, response_mask_from_ids

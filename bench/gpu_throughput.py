@@ -16,8 +16,7 @@ non-embedding parameter count plus the LM head. The peak is ``--peak-tflops`` (d
 H200's dense bf16 figure); on the CPU MFU is not reported.
 
     bash bench/gpu.sh                                  # on a CUDA machine: bf16, both configs
-    .venv/bin/python bench/gpu_throughput.py --device cpu --precision fp32 --configs tiny \\
-        --batch 8 --steps 2                            # a smoke run anywhere
+    .venv/bin/python bench/gpu_throughput.py --smoke   # seconds; on the CPU without CUDA
 
 Writes ``bench/results/gpu_throughput.json``.
 """
@@ -185,7 +184,21 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "gpu_throughput.json"
     )
+    import _smoke
+
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help=f"{_smoke.HELP}; on the CPU when torch sees no CUDA device",
+    )
     args = parser.parse_args()
+    if args.smoke:
+        args.configs, args.batch, args.micro, args.steps = ["tiny"], 4, 2, 1
+        args.prompt_length = args.response_length = 4
+        args.out = _smoke.output_folder("gpu_throughput") / "gpu_throughput.json"
+        if args.device.startswith("cuda") and not torch.cuda.is_available():
+            print("no CUDA device visible to torch: the smoke run measures the CPU")
+            args.device = "cpu"
     device = torch.device(args.device)
     # bf16 weights for generation; the update keeps fp32 master weights under bf16 autocast
     results = {}

@@ -55,6 +55,7 @@ goes to stderr. The full measurement, then a small check (20M only, no Qwen2, re
 
     .venv/bin/python bench/memory_scaling.py
     .venv/bin/python bench/memory_scaling.py --sizes 20M --no-qwen2 --out /tmp/ms.json
+    .venv/bin/python bench/memory_scaling.py --smoke   # seconds: see SMOKE_SHAPE
 
 Options: ``--sizes`` (any of 20M 100M 350M), ``--modes`` (any of full lora lora+ckpt),
 ``--qwen2/--no-qwen2``, ``--out``.
@@ -98,6 +99,11 @@ QWEN2_SHAPE: dict[str, object] = dict(
     num_key_value_heads=2,
     tie_word_embeddings=True,
 )
+SMOKE_SHAPE: dict[str, int] = dict(
+    hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=1
+)
+"""``--smoke``: a two-layer Llama of width 64 (about 0.1M parameters), ``lora+ckpt`` only (the
+mode that uses the most of the trainer: adapters and gradient checkpointing), no Qwen2."""
 MODES: dict[str, list[str]] = {
     "full": [],
     "lora": [
@@ -383,6 +389,9 @@ def main() -> None:
     )
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    import _smoke
+
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.child:
         task = json.loads(args.child)
@@ -390,11 +399,15 @@ def main() -> None:
         handler = {"build": build_child, "matmul": matmul_child, "ppo": ppo_child}[kind]
         print(json.dumps(handler(**task)))
         return
+    sizes = {size: SIZES[size] for size in args.sizes}
+    if args.smoke:
+        sizes, args.modes, args.qwen2 = {"smoke": SMOKE_SHAPE}, ["lora+ckpt"], False
+        args.out = _smoke.output_folder("memory_scaling") / "memory_scaling.json"
 
     from ppo_core.modeling.review_grammar import default_prompts
 
     started = time.perf_counter()
-    peak = run_child({"kind": "matmul"}, "matmul")
+    peak = run_child({"kind": "matmul", **({"repeats": 1} if args.smoke else {})}, "matmul")
     if "error" in peak:
         sys.exit(f"the matmul peak measurement failed ({peak['error']})")
     peak_gflops = peak["peak_gflops"]
@@ -407,7 +420,7 @@ def main() -> None:
         train_file, eval_file = Path(tmp, "train.jsonl"), Path(tmp, "eval.jsonl")
         for path, chosen in ((train_file, prompts[:64]), (eval_file, prompts[64:])):
             path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in chosen))
-        jobs = [("llama", size, SIZES[size], args.modes) for size in args.sizes]
+        jobs = [("llama", size, shape, args.modes) for size, shape in sizes.items()]
         if args.qwen2:
             jobs.append(("qwen2", "qwen2-0.5B", QWEN2_SHAPE, ["lora+ckpt"]))
         for family, size, shape, modes in jobs:
@@ -488,6 +501,11 @@ def main() -> None:
             indent=1,
         )
     )
+    failed = [
+        f"{r['size']} {r['mode']}" for r in [*rows, *([qwen2] if qwen2 else [])] if "error" in r
+    ]
+    if args.smoke and failed:  # a full run reports its failures in the table and goes on
+        sys.exit(f"failed: {', '.join(failed)}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ set (``ru_maxrss``) over its value after one warm-up update of a single row; tim
 median seconds per update. Writes ``bench/results/micro_batching.json``.
 
     .venv/bin/python bench/micro_batching.py [--micro 8] [--minis 8 16 32 64 128]
+    .venv/bin/python bench/micro_batching.py --smoke  # 1 layer x 32, mini 8, to a temporary folder
 """
 
 from __future__ import annotations
@@ -109,6 +110,18 @@ def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[s
 
 
 def measure(mini: int, micro: int, args) -> dict[str, float]:
+    """One configuration in a fresh process; a configuration measured already (the split
+    configuration can also be one of the mini-batch sweep's) is not run again."""
+    key = (mini, micro)
+    if key not in MEASURED:
+        MEASURED[key] = run_child(mini, micro, args)
+    return MEASURED[key]
+
+
+MEASURED: dict[tuple[int, int], dict[str, float]] = {}
+
+
+def run_child(mini: int, micro: int, args) -> dict[str, float]:
     out = subprocess.run(
         [
             sys.executable,
@@ -142,10 +155,16 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "micro_batching.json"
     )
+    import _smoke
+
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child, args.layers, args.hidden, args.steps)))
         return
+    if args.smoke:  # two processes: mini 8 at micro 1 (the split too), and at micro 8
+        args.micro, args.minis, args.layers, args.hidden, args.steps = 1, [8], 1, 32, 1
+        args.out = _smoke.output_folder("micro_batching") / "micro_batching.json"
     memory = [measure(mini, args.micro, args) for mini in args.minis]
     print(f"fixed micro_batch_size={args.micro}, GPT-2 {args.layers} x {args.hidden}")
     print(f"{'mini':>6} {'peak growth MB':>15} {'s / update':>11}")

@@ -17,10 +17,18 @@ per micro-batch. Gradient-free rollout passes run ``batch`` rows at a time on bo
 A third side, ``ours_shared``, is this project's default: the value head sits on the policy's
 trunk (``model.critic=shared``), which TRL cannot do; everything else is the same.
 
-    bash bench/setup_trl.sh            # once: bench/.trl-venv with trl==1.12.0
-    .venv/bin/python bench/ppo_vs_trl.py [--batches 16 64 128] [--repeats 3]
+How each side is timed: ours runs ``ppo_core.trainer.train`` (built-in defaults plus this
+bench's overrides, not ``params.yaml``) in a fresh process of its own and reads the trainer's
+own per-iteration ``perf/rollout_s``, ``perf/update_s`` and ``perf/iteration_s`` from the
+returned ``TrainSummary.history`` (the metrics logger keeps wall-clock times of the last iteration
+only, in ``timings.json``); TRL's run is timed by ``bench/_trl_side.py`` from its callbacks.
 
-Writes ``bench/results/ppo_vs_trl.json`` and ``docs/ppo-vs-trl.png``.
+    bash bench/setup_trl.sh            # once: bench/.trl-venv with trl==1.12.0
+    .venv/bin/python bench/ppo_vs_trl.py [--batches 16 64 128] [--repeats 3] [--sides ours trl]
+    .venv/bin/python bench/ppo_vs_trl.py --smoke   # seconds; TRL's side only with its venv
+
+Writes ``bench/results/ppo_vs_trl.json`` and ``docs/ppo-vs-trl.png`` (``--smoke``: a temporary
+folder).
 """
 
 from __future__ import annotations
@@ -47,6 +55,19 @@ MODELS = {
     "2x128": dict(n_layer=2, n_embd=128, n_head=4),
     "4x256": dict(n_layer=4, n_embd=256, n_head=4),
 }
+PHASES = ("rollout_s", "update_s", "iteration_s")
+"""The seconds reported per iteration, on both sides."""
+SMOKE = dict(
+    models=["2x128"],
+    batches=[4],
+    micro=4,
+    epochs=1,
+    response_length=4,
+    iterations=2,
+    repeats=1,
+    prompts=16,
+)
+"""``--smoke``: the smallest model, batch and response; one timed iteration after the warm-up."""
 
 
 def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
@@ -87,6 +108,7 @@ def run_ours(
     work: Path,
     critic: str = "separate",
 ) -> list[dict]:
+    """Our per-iteration times: :func:`ours_child` in a fresh process, as TRL's side runs."""
     micro = min(batch, args.micro)
     overrides = [
         f"model.policy={assets['policy']}",
@@ -115,23 +137,27 @@ def run_ours(
         f"optim.lr={args.lr}",
         "optim.betas=[0.9,0.999]",
     ]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
-    subprocess.run(
-        [str(Path(sys.executable).parent / "ppo"), "train", "--quiet", *overrides],
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_DISABLE_PROGRESS_BARS="1")
+    completed = subprocess.run(
+        [sys.executable, __file__, "--ours-child", json.dumps(overrides)],
         cwd=ROOT,
         env=env,
-        check=True,
         capture_output=True,
+        text=True,
     )
-    series = {}
-    for key in ("rollout_s", "update_s", "iteration_s"):
-        lines = (
-            (work / "metrics" / "plots" / "metrics" / "perf" / f"{key}.tsv")
-            .read_text()
-            .split("\n")[1:]
-        )
-        series[key] = [float(line.split("\t")[1]) for line in lines if line.strip()]
-    return [dict(zip(series, values, strict=True)) for values in zip(*series.values(), strict=True)]
+    if completed.returncode:
+        raise SystemExit(f"our side ({critic} critic) failed:\n{completed.stderr[-4000:]}")
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def ours_child(overrides: list[str]) -> list[dict[str, float]]:
+    """Train with the built-in defaults and ``overrides``; the seconds of each iteration, as the
+    trainer measured them (``perf/...`` of ``TrainSummary.history``, one row per iteration)."""
+    from ppo_core.config import load_config
+    from ppo_core.trainer import train
+
+    summary = train(load_config(overrides=overrides))
+    return [{key: row[f"perf/{key}"] for key in PHASES} for row in summary.history]
 
 
 def run_trl(
@@ -159,7 +185,7 @@ def run_trl(
     completed = subprocess.run(
         [
             str(TRL_PYTHON),
-            str(ROOT / "bench" / "trl_side.py"),
+            str(ROOT / "bench" / "_trl_side.py"),
             "--job",
             str(work / "job.json"),
             "--out",
@@ -176,6 +202,7 @@ def run_trl(
 
 
 def summarize(runs: list[list[dict]], tokens: int) -> dict[str, float]:
+    """The median over runs of each run's median over its iterations after the first."""
     per_run = [{k: statistics.median(it[k] for it in run[1:]) for k in run[0]} for run in runs]
     row = {k: statistics.median(r[k] for r in per_run) for k in per_run[0]}
     row.update({f"{k.removesuffix('_s')}_tokens_per_s": tokens / row[k] for k in list(row)})
@@ -188,27 +215,30 @@ def plot(results: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    sides = [side for side in SIDES if all(side in row for row in results.values())]
+    width = 0.8 / len(sides)
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.8))
     for ax, phase in zip(axes, ("rollout", "update", "iteration"), strict=True):
         labels = [key.replace("/", "\nbatch ") for key in results]
         xs = range(len(labels))
-        for offset, (side, name) in zip((-0.27, 0.0, 0.27), SIDE_NAMES.items(), strict=True):
+        for index, side in enumerate(sides):
+            offset = (index - (len(sides) - 1) / 2) * width
             ax.bar(
                 [x + offset for x in xs],
                 [row[side][f"{phase}_tokens_per_s"] for row in results.values()],
-                0.27,
-                label=name,
+                width,
+                label=SIDE_NAMES[side],
             )
         ax.set_xticks(list(xs), labels, fontsize=8)
         ax.set_title(f"{phase}: response tokens / s")
     handles, names = axes[0].get_legend_handles_labels()
-    fig.legend(handles, names, loc="lower center", ncol=3, fontsize=8, frameon=False)
+    fig.legend(handles, names, loc="lower center", ncol=len(sides), fontsize=8, frameon=False)
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batches", nargs="+", type=int, default=[16, 64, 128])
@@ -221,62 +251,93 @@ def main() -> None:
     parser.add_argument("--kl-coef", type=float, default=0.1)
     parser.add_argument("--lr", type=float, default=1.5e-4)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prompts", type=int, default=512, help="prompts in the prompt file")
+    parser.add_argument(
+        "--sides", nargs="+", default=list(SIDES), choices=SIDES, help="the sides to run"
+    )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ppo_vs_trl.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "ppo-vs-trl.png")
     parser.add_argument("--replot", action="store_true", help="only redraw the plot from --out")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        help="the sizes of SMOKE and a temporary output folder; without bench/.trl-venv the "
+        "TRL side is left out (said on stdout). Checks that the bench runs; numbers mean nothing",
+    )
+    parser.add_argument("--ours-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        import _smoke
+
+        vars(args).update(SMOKE)
+        folder = _smoke.output_folder("ppo_vs_trl")
+        args.out, args.plot = folder / "ppo_vs_trl.json", folder / "ppo-vs-trl.png"
+        if "trl" in args.sides and not TRL_PYTHON.exists():
+            args.sides = [side for side in args.sides if side != "trl"]
+            print(f"TRL side skipped: {TRL_PYTHON} is missing (bash bench/setup_trl.sh)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.ours_child:
+        print(json.dumps(ours_child(json.loads(args.ours_child))))
+        return
     if args.replot:
         plot(json.loads(args.out.read_text())["median"], args.plot)
         return
-    if not TRL_PYTHON.exists():
+    sides = [side for side in SIDES if side in args.sides]
+    if "trl" in sides and not TRL_PYTHON.exists():
         raise SystemExit(f"{TRL_PYTHON} is missing: run `bash bench/setup_trl.sh` first")
     raw: dict[str, dict[str, list]] = {}
+    reached = None
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         for name in args.models:
-            assets = build_assets(work, name, n_prompts=512)
+            assets = build_assets(work, name, n_prompts=args.prompts)
             for batch in args.batches:
                 key = f"{name}/{batch}"
-                raw[key] = {side: [] for side in SIDES}
+                raw[key] = {side: [] for side in sides}
                 for repeat in range(args.repeats):  # alternate sides so drift hits all of them
-                    raw[key]["ours"].append(
-                        run_ours(assets, batch, args, work / f"ours-{key}-{repeat}")
-                    )
-                    raw[key]["ours_shared"].append(
-                        run_ours(
-                            assets, batch, args, work / f"shared-{key}-{repeat}", critic="shared"
-                        )
-                    )
-                    times, reached = run_trl(assets, batch, args, work / f"trl-{key}-{repeat}")
-                    raw[key]["trl"].append(times)
+                    for side in sides:
+                        folder = work / f"{side}-{key}-{repeat}"
+                        if side == "trl":
+                            times, reached = run_trl(assets, batch, args, folder)
+                        else:
+                            critic = "shared" if side == "ours_shared" else "separate"
+                            times = run_ours(assets, batch, args, folder, critic=critic)
+                        raw[key][side].append(times)
                     print(
                         f"{key} repeat {repeat}: "
                         + ", ".join(
                             f"{side} {raw[key][side][-1][-1]['iteration_s']:.3f} s"
-                            for side in SIDES
+                            for side in sides
                         ),
                         flush=True,
                     )
-    results = {}
+    results: dict[str, dict] = {}
     print(
         f"\n{'model/batch':>12} {'side':>12} {'rollout tok/s':>14} {'update tok/s':>13} "
-        f"{'total tok/s':>12} {'speed-up':>9}"
+        f"{'total tok/s':>12} {'s/iter':>7} {'speed-up':>9}"
     )
-    for key, sides in raw.items():
+    for key, runs_by_side in raw.items():
         tokens = int(key.split("/")[1]) * args.response_length
-        results[key] = {side: summarize(runs, tokens) for side, runs in sides.items()}
-        for ours in ("ours", "ours_shared"):
-            results[key][f"speedup_{ours}"] = {
-                phase: results[key]["trl"][f"{phase}_s"] / results[key][ours][f"{phase}_s"]
-                for phase in ("rollout", "update", "iteration")
-            }
-        for side in SIDES:
+        results[key] = {side: summarize(runs, tokens) for side, runs in runs_by_side.items()}
+        if "trl" in sides:
+            for ours in ("ours", "ours_shared"):
+                if ours in sides:
+                    results[key][f"speedup_{ours}"] = {
+                        phase: results[key]["trl"][f"{phase}_s"] / results[key][ours][f"{phase}_s"]
+                        for phase in ("rollout", "update", "iteration")
+                    }
+        for side in sides:
             row = results[key][side]
             gain = results[key].get(f"speedup_{side}")
             speedup = f"{gain['iteration']:.2f}x" if gain else ""
             print(
                 f"{key:>12} {side:>12} {row['rollout_tokens_per_s']:>14.0f} "
-                f"{row['update_tokens_per_s']:>13.0f} {row['iteration_tokens_per_s']:>12.0f} {speedup:>9}"
+                f"{row['update_tokens_per_s']:>13.0f} {row['iteration_tokens_per_s']:>12.0f} "
+                f"{row['iteration_s']:>7.3f} {speedup:>9}"
             )
     import torch
     import transformers
@@ -301,7 +362,8 @@ def main() -> None:
             indent=1,
         )
     )
-    print(f"TRL ran with: {reached}")
+    if reached is not None:
+        print(f"TRL ran with: {reached}")
     plot(results, args.plot)
     print(f"\nwrote {args.out} and {args.plot}")
 

@@ -25,6 +25,7 @@ On GPUs (``--device cuda --precision bf16``, NCCL, one GPU per rank) each rank a
 Writes ``bench/results/sharding.json`` (``sharding_cuda.json`` on GPUs).
 
     .venv/bin/python bench/sharding.py [--ranks 1 2] [--strategies ddp fsdp]
+    .venv/bin/python bench/sharding.py --smoke   # FSDP over 2 ranks of a 2-layer model of width 64
 """
 
 from __future__ import annotations
@@ -42,6 +43,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 14}
+SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
+"""``--smoke``: this shape, FSDP over 2 ranks only (the launch that uses the most of the bench:
+gathering, sharded checkpoints, both collectives)."""
 
 
 def varied_reward(prompts: list, responses: list[str]) -> torch.Tensor:
@@ -195,7 +199,7 @@ def update_collectives_seconds(model: Path, ranks: int, strategy: str, device: s
     return 2 * gather + scatter
 
 
-def build(work: Path) -> int:
+def build(work: Path, shape: dict[str, int]) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from ppo_core.modeling.review_grammar import default_prompts, generate_review_corpus
@@ -204,13 +208,13 @@ def build(work: Path) -> int:
     tokenizer = train_tokenizer(generate_review_corpus(500, seed=0), vocab_size=512)
     config = LlamaConfig(
         vocab_size=len(tokenizer),
-        num_attention_heads=SHAPE["hidden_size"] // 64,
-        num_key_value_heads=SHAPE["hidden_size"] // 64,
+        num_attention_heads=shape["hidden_size"] // 64,
+        num_key_value_heads=shape["hidden_size"] // 64,
         max_position_embeddings=128,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
-        **SHAPE,
+        **shape,
     )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
@@ -230,10 +234,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default: bench/results/sharding[_cuda].json")
     parser.add_argument("--rank-of", dest="work", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
+    import _smoke
+
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.work:
         rank_main(args)
         return
+    if args.smoke:
+        args.ranks, args.strategies = [2], ["fsdp"]
+        args.out = _smoke.output_folder("sharding") / "sharding.json"
     sys.path.insert(0, str(ROOT))
     env = {
         **os.environ,
@@ -245,7 +255,7 @@ def main() -> None:
     runs = []
     with tempfile.TemporaryDirectory(prefix="sharding-") as tmp:
         work = Path(tmp)
-        params = build(work)
+        params = build(work, SMOKE_SHAPE if args.smoke else SHAPE)
         torchrun = Path(sys.executable).with_name("torchrun")
         for ranks in args.ranks:
             for strategy in args.strategies:
