@@ -14,6 +14,7 @@ reward function ``bench.memory_scaling:varied_reward``, never needs it.
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -25,23 +26,28 @@ HELP = (
 
 def output_folder(name: str) -> Path:
     """A new temporary folder for the outputs of the smoke run of benchmark ``name``; it is
-    kept, and its path printed, so that the run's numbers can be read afterwards."""
+    kept, and its path printed, so that the run's numbers can be read afterwards.
+
+    Also turns off transformers' progress bars (a bar per model loaded or written, read when
+    transformers is first imported) for this process and its children: noise in a smoke log."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     folder = Path(tempfile.mkdtemp(prefix=f"bench-smoke-{name}-"))
     print(f"smoke run: outputs go to {folder}", flush=True)
     return folder
 
 
-def tiny_model(folder: Path, seed: int = 0) -> Path:
+def tiny_model(folder: Path, seed: int = 0, steps: int = 2) -> Path:
     """The tiny default's recipe at its smallest (one layer of width 32, a tokenizer of a few
-    hundred reviews, two training steps) saved to ``folder``: a real GPT-2 with its tokenizer
-    and generation config, built in well under a second once transformers is imported."""
+    hundred reviews, ``steps`` training steps) saved to ``folder``: a real GPT-2 with its
+    tokenizer and generation config, built in well under a second once transformers is imported.
+    Two builds with the same ``seed`` share their tokenizer whatever their ``steps``."""
     from ppo_core.modeling.tiny_default import build_tiny_default
 
     return build_tiny_default(
         folder,
         seed=seed,
         n_sentences=300,
-        steps=2,
+        steps=steps,
         batch_size=8,
         warmup_steps=1,
         n_layer=1,

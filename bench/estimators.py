@@ -12,6 +12,11 @@ Run it in a checkout where ``make run`` has built ``models/base`` and ``data/pre
 writes only under ``--workdir`` and to ``bench/results/estimators.json``.
 
     .venv/bin/python bench/estimators.py [--seeds 0 1 2] [--jobs 2] [--workdir /tmp/estimators]
+    .venv/bin/python bench/estimators.py --smoke   # no `make run` needed: see SMOKE
+
+``--smoke`` checks that every estimator's settings still make a valid config, then runs one
+estimator (``grpo``: critic-free, grouped samples) end to end, seed 0, on a one-layer model
+built on the spot, with the sizes of :data:`SMOKE`.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -45,6 +51,19 @@ SETTINGS: dict[str, list[str]] = {
 }
 """What each estimator changes in ``params.yaml``; everything else is the default run's."""
 
+SMOKE = [
+    "train.iterations=1",
+    "ppo.rollout_batch_size=8",
+    "ppo.mini_batch_size=8",
+    "ppo.micro_batch_size=8",
+    "ppo.epochs=1",
+    "generation.max_new_tokens=4",
+    "eval.num_prompts=4",
+    "eval.samples_per_prompt=1",
+    "eval.num_examples=2",
+]
+"""What ``--smoke`` sets besides the model and prompt files: the smallest run of each stage."""
+
 REPORTED = {
     "score": "candidate/score",
     "positive_rate": "candidate/positive_rate",
@@ -66,7 +85,8 @@ def run_measured(command: list[str], log: Path) -> tuple[float, float]:
     return time.perf_counter() - started, usage.ru_maxrss / 1024  # Linux: kilobytes
 
 
-def one_run(estimator: str, seed: int, workdir: Path) -> dict:
+def one_run(estimator: str, seed: int, workdir: Path, extra: tuple[str, ...] = ()) -> dict:
+    """Train and evaluate one estimator at one seed (``extra``: more overrides, last)."""
     folder = workdir / f"{estimator}-seed{seed}"
     done = folder / "row.json"
     if done.is_file():  # finished by an earlier, interrupted invocation of the same commit
@@ -83,6 +103,7 @@ def one_run(estimator: str, seed: int, workdir: Path) -> dict:
         "eval.baseline=models/base",
         "train.resume=false",
         *SETTINGS[estimator],
+        *extra,
     ]
     cli = [sys.executable, "-m", "flows.cli"]
     seconds, peak_mib = run_measured(
@@ -95,6 +116,15 @@ def one_run(estimator: str, seed: int, workdir: Path) -> dict:
     done.write_text(json.dumps(row))
     print(json.dumps(row), flush=True)
     return row
+
+
+def check_settings() -> None:
+    """Every estimator's settings, on ``params.yaml``, make a valid config (no model needed)."""
+    from ppo_core.config import load_config
+
+    for estimator, settings in SETTINGS.items():
+        load_config(ROOT / "params.yaml", settings)
+        print(f"{estimator}: its settings make a valid config")
 
 
 def summarise(rows: list[dict]) -> dict[str, dict[str, float]]:
@@ -116,13 +146,33 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/estimators"))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "estimators.json")
+    import _smoke
+
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
-    for needed in ("models/base", "data/prepared/train.parquet"):
-        if not (ROOT / needed).exists():
-            sys.exit(f"{needed} is missing: run `make run` in this checkout first")
-    runs = [(e, s) for e in args.estimators for s in args.seeds]
-    with ThreadPoolExecutor(args.jobs) as pool:
-        rows = list(pool.map(lambda run: one_run(*run, args.workdir), runs))
+    with tempfile.TemporaryDirectory(prefix="estimators-") as tmp:
+        extra: tuple[str, ...] = ()
+        if args.smoke:
+            check_settings()
+            args.estimators, args.seeds, args.jobs = ["grpo"], [0], 1
+            args.workdir = Path(tmp) / "runs"
+            args.out = _smoke.output_folder("estimators") / "estimators.json"
+            model = _smoke.tiny_model(Path(tmp) / "model")
+            train_file, eval_file = _smoke.prompt_files(Path(tmp) / "prompts")
+            extra = (
+                f"model.policy={model}",
+                f"eval.baseline={model}",
+                f"data.train_file={train_file}",
+                f"data.eval_file={eval_file}",
+                *SMOKE,
+            )
+        else:
+            for needed in ("models/base", "data/prepared/train.parquet"):
+                if not (ROOT / needed).exists():
+                    sys.exit(f"{needed} is missing: run `make run` in this checkout first")
+        runs = [(e, s) for e in args.estimators for s in args.seeds]
+        with ThreadPoolExecutor(args.jobs) as pool:
+            rows = list(pool.map(lambda run: one_run(*run, args.workdir, extra), runs))
     result = {"settings": SETTINGS, "runs": rows, "means": summarise(rows)}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

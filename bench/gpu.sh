@@ -4,25 +4,50 @@
 # DDP against FSDP per-rank memory on machines with 2 or more GPUs.
 # Needs a CUDA build of torch in .venv (make setup TORCH_SPEC=torch on a CUDA machine). Writes
 # bench/results/gpu_throughput*.json and bench/results/memory_scaling_gpu.json.
+#
+#   bash bench/gpu.sh [options of the first gpu_throughput.py run]
+#   bash bench/gpu.sh --smoke [--device cpu]
+#
+# --smoke runs every step below with the same options plus its script's --smoke (the smallest
+# sizes, outputs to a temporary folder), so that a renamed option fails here too; with
+# --device cpu it runs without a GPU (FSDP, which needs 2 GPUs, is left out then).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-.venv/bin/python}
-"$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
-"$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
-"$PY" bench/gpu_throughput.py --device cuda --precision bf16 --configs tiny gpt2-100m \
-    --batch 128 --micro 32 --prompt-length 64 --response-length 128 --steps 5 "$@"
+SMOKE=()
+DEVICE=cuda
+while [ $# -gt 0 ]; do
+    case $1 in
+        --smoke) SMOKE=(--smoke); shift ;;
+        --device) DEVICE=$2; shift 2 ;;
+        *) break ;;
+    esac
+done
+if [ "$DEVICE" = cuda ]; then
+    "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
+    "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
+elif [ ${#SMOKE[@]} -eq 0 ]; then
+    echo "--device $DEVICE: only with --smoke (this script measures GPUs)" >&2
+    exit 2
+fi
+"$PY" bench/gpu_throughput.py --device "$DEVICE" --precision bf16 --configs tiny gpt2-100m \
+    --batch 128 --micro 32 --prompt-length 64 --response-length 128 --steps 5 "${SMOKE[@]}" "$@"
 # the same in fp32, for the bf16 gain
-"$PY" bench/gpu_throughput.py --device cuda --precision fp32 --configs gpt2-100m --batch 128 \
-    --micro 32 --steps 3 --out bench/results/gpu_throughput_fp32.json
+"$PY" bench/gpu_throughput.py --device "$DEVICE" --precision fp32 --configs gpt2-100m \
+    --batch 128 --micro 32 --steps 3 --out bench/results/gpu_throughput_fp32.json "${SMOKE[@]}"
 # Memory and time of one PPO iteration on the GPU in bf16: full fine-tuning, LoRA and LoRA with
 # gradient checkpointing at ~350M, and a Qwen2-0.5B-shaped model with LoRA + checkpointing
 # (random weights; GPU peak = torch.cuda.max_memory_allocated)
-"$PY" bench/memory_scaling.py --device cuda --precision bf16 --sizes 350M \
-    --out bench/results/memory_scaling_gpu.json
+"$PY" bench/memory_scaling.py --device "$DEVICE" --precision bf16 --sizes 350M \
+    --out bench/results/memory_scaling_gpu.json "${SMOKE[@]}"
 # DDP against FSDP (bf16 mixed precision, NCCL), one rank per GPU: needs 2 or more GPUs
-GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+if [ "$DEVICE" = cuda ]; then
+    GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")
+else
+    GPUS=0
+fi
 if [ "$GPUS" -ge 2 ]; then
-    "$PY" bench/sharding.py --device cuda --precision bf16 --ranks 1 "$GPUS"
+    "$PY" bench/sharding.py --device cuda --precision bf16 --ranks 1 "$GPUS" "${SMOKE[@]}"
 else
     echo "bench/sharding.py skipped: FSDP needs 2 or more GPUs, this machine has $GPUS"
 fi

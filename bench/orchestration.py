@@ -22,7 +22,12 @@ imports, task bookkeeping, DVC's work before each stage, the experiment record),
 adds inside a stage's time, after its command (:func:`dvc_seconds_a_stage`); their sum
 estimates the overhead without the stages' noise.
 
-    .venv/bin/python bench/orchestration.py [--repeats 2]
+    .venv/bin/python bench/orchestration.py [--repeats 2] [--flows flow flow_on_a_server]
+    .venv/bin/python bench/orchestration.py --smoke
+
+``--smoke`` runs ``direct`` and ``flow`` once each on the pipeline made as small as it goes
+(:data:`SMOKE_PARAMS`, written into the clone's ``params.yaml``) and DVC's share of one stage
+once; it still takes a minute or more, most of it process and server start-up.
 """
 
 from __future__ import annotations
@@ -42,8 +47,27 @@ ROOT = Path(__file__).resolve().parents[1]
 STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
 
 
-def fresh_clone(where: Path) -> Path:
+SMOKE_PARAMS = {
+    "base": {"tiny_steps": 2},
+    "train": {"iterations": 1},
+    "ppo": {"rollout_batch_size": 8, "mini_batch_size": 8, "micro_batch_size": 8, "epochs": 1},
+    "generation": {"max_new_tokens": 4},
+    "eval": {"num_prompts": 4, "samples_per_prompt": 1, "num_examples": 2},
+}
+"""What ``--smoke`` changes in the clone's ``params.yaml``: the least work each stage can do."""
+
+
+def fresh_clone(where: Path, params: dict[str, dict] | None = None) -> Path:
+    """A clone of this repository's current commit in ``where``, with ``params`` (section ->
+    key -> value) set in its ``params.yaml``."""
     subprocess.run(["git", "clone", "-q", str(ROOT), str(where)], check=True)
+    if params:
+        import yaml
+
+        values = yaml.safe_load((where / "params.yaml").read_text())
+        for section, keys in params.items():
+            values[section].update(keys)
+        (where / "params.yaml").write_text(yaml.safe_dump(values, sort_keys=False))
     return where
 
 
@@ -199,20 +223,36 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "orchestration.json"
     )
+    parser.add_argument(
+        "--flows",
+        nargs="+",
+        choices=SIDES[1:],
+        default=list(SIDES[1:]),
+        help="the flow sides to run against direct",
+    )
+    import _smoke
+
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    params, dvc_repeats = None, 5
+    if args.smoke:
+        args.repeats, args.flows, params, dvc_repeats = 1, ["flow"], SMOKE_PARAMS, 1
+        args.out = _smoke.output_folder("orchestration") / "orchestration.json"
+    sides = ("direct", *args.flows)
+    flows = sides[1:]
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
     env.pop("PREFECT_API_URL", None)
-    runs: dict[str, list[float]] = {side: [] for side in SIDES}
-    stages: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES}
-    outside: dict[str, list[float]] = {side: [] for side in SIDES[1:]}
-    breakdown: dict[str, list[dict[str, float]]] = {side: [] for side in SIDES[1:]}
+    runs: dict[str, list[float]] = {side: [] for side in sides}
+    stages: dict[str, list[dict[str, float]]] = {side: [] for side in sides}
+    outside: dict[str, list[float]] = {side: [] for side in flows}
+    breakdown: dict[str, list[dict[str, float]]] = {side: [] for side in flows}
     with tempfile.TemporaryDirectory() as tmp:
-        server, api = running_server(Path(tmp), env)
+        server, api = running_server(Path(tmp), env) if "flow_on_a_server" in sides else (None, "")
         try:
             for repeat in range(args.repeats):
-                for side in SIDES:
-                    project = fresh_clone(Path(tmp) / f"{side}-{repeat}")
+                for side in sides:
+                    project = fresh_clone(Path(tmp) / f"{side}-{repeat}", params)
                     commands = (
                         [[str(bin_dir / "ppo"), stage, "-c", "params.yaml"] for stage in STAGES]
                         if side == "direct"
@@ -234,21 +274,29 @@ def main() -> None:
                         breakdown[side].append(phases(output, started, seconds))
                         parts = {k: round(v, 1) for k, v in breakdown[side][-1].items()}
                         print(f"  outside the stages {outside[side][-1]:.1f} s; {parts}")
-            dvc_stage = dvc_seconds_a_stage(Path(tmp) / "direct-0", env)
+            dvc_stage = dvc_seconds_a_stage(Path(tmp) / "direct-0", env, dvc_repeats)
         finally:
-            server.kill()
+            if server is not None:
+                server.kill()
     print(f"DVC a stage: {json.dumps({k: round(v, 2) for k, v in dvc_stage.items()})}")
-    median = {side: statistics.median(runs[side]) for side in SIDES}
-    overhead = {side: median[side] - median["direct"] for side in SIDES[1:]}
+    unread = [
+        side
+        for side in flows
+        if not all(breakdown[side]) or any(len(found) < len(STAGES) for found in stages[side])
+    ]
+    if args.smoke and unread:  # a full run keeps what it found; a smoke run must not pass on it
+        sys.exit(f"the phases or stage times of {unread} were not found in the flow's log")
+    median = {side: statistics.median(runs[side]) for side in sides}
+    overhead = {side: median[side] - median["direct"] for side in flows}
     # Noise-free estimate: the flow's time outside its stage tasks (DVC's work before each
     # stage's `Running stage` line is in it), plus what DVC adds inside each of them, after the
     # stage's command; the stages' own compute, which varies from run to run, is not in it.
     inside = max(dvc_stage["after_the_command"], 0.0)
-    estimate = {side: statistics.median(outside[side]) + len(STAGES) * inside for side in SIDES[1:]}
+    estimate = {side: statistics.median(outside[side]) + len(STAGES) * inside for side in flows}
     # The share of the same run's work (its total less the overhead), so that the stages'
     # noise between the sides does not enter it.
     share = {side: estimate[side] / (median[side] - estimate[side]) for side in estimate}
-    for side in SIDES[1:]:
+    for side in flows:
         print(
             f"{side}: {median[side]:.1f} s against {median['direct']:.1f} s direct (difference "
             f"{overhead[side]:+.1f} s); outside the stages {statistics.median(outside[side]):.1f}"

@@ -9,13 +9,15 @@ where the update's time goes, and what bf16 does to the exact micro-batch accumu
    key-value heads, ``--layers`` of its 24 layers, vocabulary 512) with a value head, in fp32
    and under bf16 autocast; seconds per update (mean of two after a warm-up) and, for bf16, the
    five operators with the most self time (``torch.profiler``).
-3. Exactness: one SGD iteration of the tiny default (as ``tests/test_trainer.py`` runs it) with
-   micro-batch 1 against micro-batch 8, in fp32 and in bf16: the largest relative difference of
-   the parameters reached (``max_relative_difference``).
+3. Exactness: one SGD iteration of the tiny default (the run of the trainer's micro-batch test:
+   rollout 16, mini-batch 8, 2 epochs, 6 new tokens, SGD at 0.5, no clipping) with micro-batch 1
+   against micro-batch 8, in fp32 and in bf16: the largest relative difference of the
+   parameters reached (:func:`max_relative_difference`).
 
 Writes ``bench/results/precision.json``.
 
     .venv/bin/python bench/precision.py [--layers 2]
+    .venv/bin/python bench/precision.py --smoke   # the shapes of SMOKE, to a temporary folder
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 import tempfile
 import time
 import warnings
@@ -32,8 +33,20 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars
+
+QWEN2_SLICE = dict(
+    hidden_size=896, intermediate_size=4864, num_attention_heads=14, num_key_value_heads=2
+)
+"""The update's model: a Qwen2-0.5B layer shape (``--layers`` of them)."""
+MATMUL_SHAPE = dict(tokens=160, inner=896, outer=4864, cube=1024)
+"""The products timed: one linear layer of the update, and a square matrix."""
+SMOKE = dict(
+    slice=dict(hidden_size=64, intermediate_size=128, num_attention_heads=2, num_key_value_heads=1),
+    matmul=dict(tokens=16, inner=64, outer=128, cube=128),
+)
+"""``--smoke``: one layer of width 64, small products; the exactness runs on a one-layer model
+built on the spot (``_smoke.tiny_model``)."""
 
 
 def gflops(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
@@ -45,16 +58,15 @@ def gflops(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
     return 2 * a.shape[0] * a.shape[1] * b.shape[1] / seconds / 1e9
 
 
-def matmuls() -> dict:
-    tokens, inner, outer = 160, 896, 4864
+def matmuls(tokens: int, inner: int, outer: int, cube: int) -> dict:
     rates = {}
     for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
         x = torch.randn(tokens, inner, dtype=dtype)
         w = torch.randn(outer, inner, dtype=dtype)
         grad = torch.randn(tokens, outer, dtype=dtype)
-        cube = torch.randn(1024, 1024, dtype=dtype)
+        square = torch.randn(cube, cube, dtype=dtype)
         rates[name] = {
-            "cube_1024": gflops(cube, cube),
+            f"cube_{cube}": gflops(square, square),
             "forward": gflops(x, w.t()),
             "input_gradient": gflops(grad, w),
             "weight_gradient": gflops(grad.t(), x),
@@ -62,7 +74,7 @@ def matmuls() -> dict:
     return rates
 
 
-def update_seconds(layers: int, precision: str, profile: bool) -> dict:
+def update_seconds(layers: int, precision: str, profile: bool, shape: dict[str, int]) -> dict:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from ppo_core.config import PPOConfig
@@ -74,15 +86,13 @@ def update_seconds(layers: int, precision: str, profile: bool) -> dict:
     torch.manual_seed(0)
     config = Qwen2Config(
         vocab_size=512,
-        hidden_size=896,
-        intermediate_size=4864,
         num_hidden_layers=layers,
-        num_attention_heads=14,
-        num_key_value_heads=2,
         tie_word_embeddings=True,
         max_position_embeddings=256,
+        **shape,
     )
-    model = ActorCritic(AutoModelForCausalLM.from_config(config), torch.nn.Linear(896, 1)).eval()
+    head = torch.nn.Linear(shape["hidden_size"], 1)
+    model = ActorCritic(AutoModelForCausalLM.from_config(config), head).eval()
     rows, prompt, response = 8, 24, 16
     generator = torch.Generator().manual_seed(0)
 
@@ -132,30 +142,90 @@ def update_seconds(layers: int, precision: str, profile: bool) -> dict:
     return result
 
 
-def micro_batch_differences() -> dict:
+def parameters(folder: Path) -> dict[str, torch.Tensor]:
+    """The policy's weights in a candidate folder, and its value head's where it has one."""
     from safetensors.torch import load_file
 
+    weights = load_file(str(folder / "model.safetensors"))
+    head = folder / "value_head.safetensors"
+    if head.is_file():
+        weights.update({f"value_head.{k}": v for k, v in load_file(str(head)).items()})
+    return weights
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest ``max |a - b| / max |b|`` over the tensors of two state dicts (same keys)."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a)
+
+
+def after_one_sgd_iteration(
+    work: Path, model: Path, files: tuple[Path, Path], micro: int, precision: str
+) -> dict[str, torch.Tensor]:
+    """The parameters after one PPO iteration with plain SGD and no clipping, so that the
+    parameters move by the gradient alone, at micro-batch size ``micro``."""
+    from ppo_core.config import load_config
+    from ppo_core.trainer import train
+
+    train(
+        load_config(
+            overrides=[
+                f"model.policy={model}",
+                f"data.train_file={files[0]}",
+                f"data.eval_file={files[1]}",
+                f"train.output_dir={work / 'candidate'}",
+                f"train.checkpoint_dir={work / 'checkpoints'}",
+                f"train.metrics_dir={work / 'metrics'}",
+                "train.iterations=1",
+                "train.checkpoint_every=1",
+                "ppo.rollout_batch_size=16",
+                "ppo.mini_batch_size=8",
+                f"ppo.micro_batch_size={micro}",
+                "ppo.epochs=2",
+                "ppo.max_grad_norm=null",
+                "generation.max_new_tokens=6",
+                "optim.name=sgd",
+                "optim.lr=0.5",
+                f"precision={precision}",
+            ]
+        )
+    )
+    return parameters(work / "candidate")
+
+
+def micro_batch_differences(smoke: bool) -> dict:
     from ppo_core.modeling.review_grammar import default_prompts
     from ppo_core.modeling.tiny_default import build_tiny_default
-    from tests.test_trainer import max_relative_difference, parameters_after_one_sgd_iteration
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
-        model = build_tiny_default(
-            folder / "base", seed=0, n_sentences=2000, steps=40, num_threads=1
-        )
+        if smoke:
+            import _smoke
+
+            model = _smoke.tiny_model(folder / "base")
+        else:
+            model = build_tiny_default(
+                folder / "base", seed=0, n_sentences=2000, steps=40, num_threads=1
+            )
         prompts = default_prompts(160, seed=0)
         files = []
         for name, chunk in (("train", prompts[:128]), ("eval", prompts[128:])):
             path = folder / f"{name}.jsonl"
             path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in chunk))
             files.append(path)
-        base = load_file(str(model / "model.safetensors"))
+        base = parameters(model)
         for precision in ("fp32", "bf16"):
-            reached = parameters_after_one_sgd_iteration(
-                folder / precision, model, (files[0], files[1]), f"precision={precision}"
-            )
+            reached = {
+                micro: after_one_sgd_iteration(
+                    folder / f"{precision}-micro{micro}",
+                    model,
+                    (files[0], files[1]),
+                    micro,
+                    precision,
+                )
+                for micro in (1, 8)
+            }
             out[precision] = {
                 "micro_1_vs_8": max_relative_difference(reached[1], reached[8]),
                 "moved_from_base": max_relative_difference(
@@ -169,18 +239,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "precision.json"))
+    import _smoke
+
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
+    shape, matmul = QWEN2_SLICE, MATMUL_SHAPE
+    if args.smoke:
+        args.layers, shape, matmul = 1, SMOKE["slice"], SMOKE["matmul"]
+        args.out = str(_smoke.output_folder("precision") / "precision.json")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     result = {
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "matmul_gflops": matmuls(),
+        "matmul_gflops": matmuls(**matmul),
         "update": {
             "layers": args.layers,
-            "fp32": update_seconds(args.layers, "fp32", profile=False),
-            "bf16": update_seconds(args.layers, "bf16", profile=True),
+            "shape": shape,
+            "fp32": update_seconds(args.layers, "fp32", profile=False, shape=shape),
+            "bf16": update_seconds(args.layers, "bf16", profile=True, shape=shape),
         },
-        "micro_batch_invariance": micro_batch_differences(),
+        "micro_batch_invariance": micro_batch_differences(args.smoke),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

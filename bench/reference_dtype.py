@@ -13,6 +13,10 @@ training actually sees; prompts are the held-out split. Writes
 
     .venv/bin/python bench/reference_dtype.py [--policy models/candidate] [--reference models/base]
         [--prompts data/prepared/eval.parquet] [--batches 8] [--batch-size 64]
+    .venv/bin/python bench/reference_dtype.py --smoke  # no `make run` needed
+
+``--smoke`` builds a one-layer model twice on the spot (2 and 6 training steps, one tokenizer:
+the policy is the longer trained one), one batch of 4 prompts, 4 new tokens.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -100,8 +105,18 @@ def main() -> None:
     parser.add_argument("--estimator", default="k1")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "reference_dtype.json"))
+    import _smoke
+
+    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
-    result = measure(args)
+    with tempfile.TemporaryDirectory(prefix="reference_dtype-") as tmp:
+        if args.smoke:
+            args.batches, args.batch_size, args.max_new_tokens = 1, 4, 4
+            args.out = str(_smoke.output_folder("reference_dtype") / "reference_dtype.json")
+            args.reference = str(_smoke.tiny_model(Path(tmp) / "reference", steps=2))
+            args.policy = str(_smoke.tiny_model(Path(tmp) / "policy", steps=6))
+            args.prompts = str(_smoke.prompt_files(Path(tmp) / "prompts")[1])
+        result = measure(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for key, value in result.items():
