@@ -2,6 +2,8 @@
 #   make run   - run the pipeline on the embedded default (tiny model, local everything)
 #   make test  - lint and run the whole test suite
 #   make test-fast - the tests not marked slow, for the inner loop
+#   make fuzz  - the property tests with new random examples, ten times as many
+#   make soak  - the long versions of the scenarios (20 SIGKILLs, ...) and the TRL benchmark side
 SHELL := /bin/bash
 PYTHON ?= python3.11
 VENV := .venv
@@ -14,7 +16,7 @@ STAMP := $(VENV)/.installed
 # in it, so that TORCH_SPEC chooses the build. `make lock` resolves it afresh.
 LOCK := requirements.lock
 
-.PHONY: run test test-fast lint format setup lock clean
+.PHONY: run test test-fast fuzz soak lint format setup lock clean
 
 setup: $(STAMP)
 
@@ -64,6 +66,22 @@ test: $(STAMP) lint
 # The inner loop: every test not marked slow (no lint), a few minutes.
 test-fast: $(STAMP)
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal -m "not slow"
+
+# Explore: hypothesis draws new random examples (PPO_FUZZ_SCALE times each test's count) and keeps
+# what fails in .hypothesis/ to replay next time; pin each find with @example. Run it when you
+# touch parsing or config. `make test` itself is derandomized and remembers nothing.
+FUZZ_SCALE ?= 10
+fuzz: $(STAMP)
+	PPO_HYPOTHESIS_PROFILE=fuzz PPO_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -q \
+		-n $(PYTEST_WORKERS) --dist worksteal -m "not slow" tests/math tests/reliability
+
+# The long scenarios that `make test` runs shortened (PPO_SOAK=1): the full 20-kill SIGKILL loop
+# and the TRL side of the benchmark smoke runs. It prints how long it took.
+soak: $(STAMP)
+	@start=$$(date +%s); \
+	PPO_SOAK=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=10 \
+		-m soak tests; status=$$?; \
+	echo "make soak took $$(( $$(date +%s) - start )) s"; exit $$status
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

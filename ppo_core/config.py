@@ -546,6 +546,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if "=" not in item:
             raise ConfigError(f"override {_shown_override(item)} is not of the form key=value")
         given: DictConfig | None = None
+        _check_mapping_keys(item)
         try:
             given = OmegaConf.from_dotlist([item])
             merged = OmegaConf.merge(merged, given)
@@ -566,6 +567,41 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     _check_shapes(config)
     validate_config(config)
     return config
+
+
+def _check_mapping_keys(item: str) -> None:
+    """Refuse an override whose value is a YAML mapping with a key that is not a name.
+
+    YAML reads a lone ``?`` as a mapping ``{None: None}`` and ``{1: 2}`` as one keyed by a
+    number; OmegaConf then reports an "incompatible key type" against a key of its own choosing.
+    This names the override and the key the user wrote instead. A value that is not valid YAML
+    is left to the merge, which says so.
+    """
+    import yaml
+
+    key, _, value = item.partition("=")
+    try:
+        parsed = yaml.safe_load(value)
+    except yaml.YAMLError:
+        return
+    pending = [parsed]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, dict):
+            bad = [k for k in node if not isinstance(k, str)]
+            if bad:
+                why = (
+                    "YAML reads a '?' there as a mapping with an empty key; put text in quotes"
+                    if bad[0] is None
+                    else f"a mapping's keys must be names, got {_short(bad[0])}"
+                )
+                raise ConfigError(
+                    f"override {_shown_override(item)}: the value given to {_short(key)} is not "
+                    f"a config value: {why}"
+                )
+            pending.extend(node.values())
+        elif isinstance(node, list):
+            pending.extend(node)
 
 
 def _check_shapes(node: Any, prefix: str = "") -> None:

@@ -3,12 +3,14 @@ params.yaml shrunk so that every stage takes seconds."""
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -78,9 +80,61 @@ def make_tiny_project(folder: Path, n_prompts: int = 120) -> Path:
     return folder
 
 
+def git_commit(project: Path, message: str) -> None:
+    git = ["git", "-c", "user.email=ci@example.invalid", "-c", "user.name=ci"]
+    subprocess.run([*git, "add", "-A"], cwd=project, check=True)
+    subprocess.run([*git, "commit", "-qm", message], cwd=project, check=True)
+
+
+def copy_project(source: Path, target: Path) -> Path:
+    """A copy of a project with its git history, DVC cache and workspace outputs (file times
+    kept); DVC's own temporary state (.dvc/tmp: locks, its index of file hashes by inode) stays
+    behind and is built anew in the copy."""
+    shutil.copytree(
+        source,
+        target,
+        symlinks=True,
+        ignore=lambda folder, _: ["tmp"] if Path(folder).name == ".dvc" else [],
+    )
+    return target
+
+
+@pytest.fixture(scope="session")
+def built_project(tmp_path_factory, worker_id) -> Path:
+    """A tiny project whose first three stages (prepare, base, validate) have run through
+    `dvc repro` and been committed with their dvc.lock; built once per test session and shared
+    by the pytest workers (copy it with :func:`copy_project`, never change it).
+
+    Scenarios that are about training, evaluation, promotion or orchestration start from it
+    instead of building the tiny model and validating the data again (about 45 s each here);
+    the three stages themselves are proven by this build, which fails every test using it when
+    one of them fails."""
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if worker_id != "master" else base  # one folder for all the workers
+    folder = shared / "built-project"
+    with (shared / "built-project.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # the first worker builds, the others wait for it
+        if not (folder / ".git").is_dir() or (folder / ".building").exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            (folder / ".building").touch()
+            make_tiny_project(folder)
+            done = dvc(folder, "repro", "validate")
+            assert done.returncode == 0, done.stdout + done.stderr
+            ran = {
+                line.split("'")[1] for line in done.stdout.splitlines() if "Running stage '" in line
+            }
+            assert ran == {"prepare", "base", "validate"}, done.stdout
+            (folder / ".building").unlink()
+            git_commit(folder, "prepare, base and validate through dvc repro")
+    return folder
+
+
 @pytest.fixture
-def tiny_project(tmp_path) -> Path:
-    return make_tiny_project(tmp_path / "project")
+def tiny_project(built_project, tmp_path) -> Path:
+    """A fresh copy of :func:`built_project`: prepared, validated data and the tiny base model,
+    committed, ready to train."""
+    return copy_project(built_project, tmp_path / "project")
 
 
 def dvc(project: Path, *args: str) -> subprocess.CompletedProcess:
@@ -124,3 +178,38 @@ def run_readme_block(project: Path, section: str, replace: dict[str, str]) -> st
     assert done.returncode == 0, output
     assert "Traceback" not in output
     return output
+
+
+def experiment_scores(shown: str) -> dict[str, float | None]:
+    """``{experiment name: candidate/score}`` from `dvc exp show --json` (None where the
+    experiment has no reports/eval/metrics.json: the `!` of the table)."""
+    scores = {}
+    for baseline in json.loads(shown):
+        for experiment in baseline.get("experiments") or []:
+            for rev in experiment["revs"]:
+                metrics = (rev["data"].get("metrics") or {}).get("reports/eval/metrics.json", {})
+                scores[rev["name"]] = metrics.get("data", {}).get("candidate/score")
+    return scores
+
+
+class Recorder:
+    """Log records as (seconds since creation, level, text)."""
+
+    def __init__(self):
+        self.start = time.monotonic()
+        self.records: list[tuple[float, int, str]] = []
+
+    def __call__(self, level: int, text: str) -> None:
+        self.records.append((time.monotonic() - self.start, level, text))
+
+    def at(self, level: int) -> list[str]:
+        return [text for _, lvl, text in self.records if lvl == level]
+
+
+# A stage that hangs, with a child of its own as `dvc repro` has: it prints the child's pid.
+HANGING = (
+    "import subprocess, sys, time\n"
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+    "print(child.pid, flush=True)\n"
+    "time.sleep(600)\n"
+)

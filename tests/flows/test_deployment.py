@@ -3,82 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
 
 from flows.run_params import set_params
-from tests.flows.conftest import BIN, environment, read_json
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_for(check, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if check():
-            return
-        time.sleep(1.0)
-    raise TimeoutError(f"timed out after {timeout}s waiting for {what}")
-
-
-def healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-            return response.status == 200
-    except OSError:
-        return False
-
-
-def stop(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        os.killpg(process.pid, signal.SIGTERM)
-        try:
-            process.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)
-
-
-def start_server(
-    tmp_path: Path, settings: dict[str, str] | None = None
-) -> tuple[dict[str, str], Path, subprocess.Popen]:
-    """A Prefect server on a free loopback port, up and healthy: the environment that points
-    at it (plus ``settings``), the folder of the logs, and its process (:func:`stop` it)."""
-    port = free_port()
-    api = f"http://127.0.0.1:{port}/api"
-    env = environment() | {
-        "PREFECT_API_URL": api,
-        "PREFECT_HOME": str(tmp_path / "prefect-home"),
-        "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
-        **(settings or {}),
-    }
-    logs = tmp_path / "logs"
-    logs.mkdir()
-    server = subprocess.Popen(
-        [str(BIN / "prefect"), "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-        env=env,
-        stdout=(logs / "server.log").open("w"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        wait_for(lambda: healthy(api), 120, "the Prefect server")
-    except BaseException:
-        stop(server)
-        raise
-    return env, logs, server
+from tests.flows.conftest import BIN, read_json
+from tests.flows.servers import start_server, stop, wait_for
 
 
 def deployment_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:

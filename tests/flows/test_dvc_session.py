@@ -20,7 +20,7 @@ from flows.dvc_session import (
     take,
 )
 from flows.relay import CommandTimedOut, StageRelay, stage_environment
-from tests.flows.test_flow_output import HANGING, Recorder
+from tests.flows.conftest import HANGING, Recorder
 
 
 def dvc_project(tmp_path, stages: str):

@@ -8,7 +8,6 @@ import json
 import logging
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +15,7 @@ import pytest
 from flows.pipeline import StageFailed, decision_message, run_stage, summary
 from flows.relay import Deadline, StageRelay, output_segments, stop_process_tree
 from flows.relay import stage_environment as _environment
+from tests.flows.conftest import HANGING, Recorder
 
 
 def relay_command(
@@ -51,20 +51,6 @@ def relay_command(
     returncode = process.wait()
     deadline.check()
     return returncode
-
-
-class Recorder:
-    """Log records as (seconds since creation, level, text)."""
-
-    def __init__(self):
-        self.start = time.monotonic()
-        self.records: list[tuple[float, int, str]] = []
-
-    def __call__(self, level: int, text: str) -> None:
-        self.records.append((time.monotonic() - self.start, level, text))
-
-    def at(self, level: int) -> list[str]:
-        return [text for _, lvl, text in self.records if lvl == level]
 
 
 def test_a_stage_s_lines_reach_the_log_while_it_runs(tmp_path, monkeypatch):
@@ -177,15 +163,6 @@ def test_a_failing_stage_fails_with_the_end_of_its_output(tmp_path, monkeypatch)
         match=r"stage train failed with exit code \d+:\nERROR: .*not inside of a DVC repo",
     ):
         run_stage.fn("train", str(tmp_path))  # not a DVC repository
-
-
-# A stage that hangs, with a child of its own as `dvc repro` has: it prints the child's pid.
-HANGING = (
-    "import subprocess, sys, time\n"
-    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-    "print(child.pid, flush=True)\n"
-    "time.sleep(600)\n"
-)
 
 
 def test_a_command_over_its_timeout_is_stopped_with_every_process_it_started(tmp_path):

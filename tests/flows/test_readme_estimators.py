@@ -2,28 +2,17 @@
 trains, and a critic-free candidate holds no value head."""
 
 import json
-import subprocess
 
 import pytest
 
-from tests.flows.conftest import BIN, environment, make_tiny_project, run_readme_block
+from tests.flows.conftest import run_readme_block
 
 SECTION = "### Advantage estimators: with or without a critic"
 
 
 @pytest.mark.slow
-def test_the_readme_estimators_block_runs_verbatim(tmp_path):
-    project = make_tiny_project(tmp_path / "project")
-    for stage in ("prepare", "base", "validate"):
-        done = subprocess.run(
-            [str(BIN / "ppo"), stage],
-            cwd=project,
-            env=environment(),
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert done.returncode == 0, done.stdout + done.stderr
+def test_the_readme_estimators_block_runs_verbatim(tiny_project):
+    project = tiny_project  # prepared, validated data and the tiny base model
     output = run_readme_block(project, SECTION, {})
     assert output.count("trained 2 iterations") == 4, output
     candidate = project / "models" / "candidate"

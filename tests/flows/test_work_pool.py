@@ -14,25 +14,7 @@ import pytest
 
 from ppo_core.files import file_sha256, tree_sha256
 from tests.flows.conftest import BIN, dvc, read_json
-from tests.flows.test_deployment import start_server, stop, wait_for
-
-
-def prefect(env: dict[str, str], cwd: Path, *args: str, timeout: float = 300):
-    return subprocess.run(
-        [str(BIN / "prefect"), *args],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=timeout,
-    )
-
-
-def flow_runs(env: dict[str, str], cwd: Path) -> list[dict]:
-    listing = prefect(env, cwd, "flow-run", "ls", "-o", "json", "--limit", "50")
-    assert listing.returncode == 0, listing.stdout + listing.stderr
-    return json.loads(listing.stdout) if listing.stdout.strip().startswith("[") else []
+from tests.flows.servers import flow_runs, prefect, start_server, stop, wait_for
 
 
 def on_new_data(runs: list[dict]) -> list[dict]:

@@ -14,8 +14,7 @@ import yaml
 
 from flows.run_params import set_params
 from tests.flows.conftest import BIN, ROOT
-from tests.flows.test_deployment import start_server, stop, wait_for
-from tests.flows.test_work_pool import flow_runs, prefect
+from tests.flows.servers import flow_runs, prefect, start_server, stop, wait_for
 
 # Heartbeats every 30 s (the least Prefect allows), and a run without one for 45 s is Crashed.
 HEARTBEAT_S = 30
@@ -52,7 +51,7 @@ def manual_runs(env, project) -> list[dict]:
 def test_a_run_whose_worker_died_is_started_again_and_resumes(tiny_project, tmp_path):
     project = tiny_project
     # Long enough to be killed between its first checkpoint and its end.
-    set_params(str(project), {"train.iterations": 60, "train.checkpoint_every": 1})
+    set_params(str(project), {"train.iterations": 12, "train.checkpoint_every": 1})
     env, logs, server = start_server(
         tmp_path,
         {

@@ -821,6 +821,10 @@ def check_config_error(items: list[str], message: str) -> str:
                 and item.split("=", 1)[0] == key
             )
             or message.startswith(f"override {item!r}: the value is not valid YAML (")
+            or message.startswith(
+                f"override {item!r}: the value given to {item.split('=', 1)[0]!r} is not a "
+                "config value: "
+            )
         ), message
         assert config_outcome((item,)) == message, "the override named is not the culprit"
         return message.split(" (")[0].split(":")[0].split("'")[0].strip()
@@ -874,6 +878,9 @@ config_overrides = st.lists(st.tuples(st.sampled_from(KEYS), values), min_size=1
 @settings(max_examples=examples(200))
 @given(overrides=config_overrides)
 @example(overrides=[("data", "{lam: 5}")])  # a section given a mapping with an unknown key
+# found by `make fuzz`: YAML reads a lone '?' as {None: None}, a mapping keyed by no name
+@example(overrides=[("ppo.epochs.deeper", "?")])
+@example(overrides=[("ppo.epochs", "?")])
 def test_fuzzed_configs_load_or_name_the_wrong_key(overrides):
     check_config(overrides)
 
@@ -926,6 +933,17 @@ def test_a_reference_of_the_wrong_type_is_a_config_error_naming_the_key(override
             ["ppo.epochs.deeper=1"],
             "bad value for config key 'ppo.epochs' (override 'ppo.epochs.deeper=1'): "
             "Value '{'deeper': 1}' of type 'DictConfig' could not be converted to Integer",
+        ),
+        (
+            ["ppo.epochs.deeper=?"],
+            "override 'ppo.epochs.deeper=?': the value given to 'ppo.epochs.deeper' is not a "
+            "config value: YAML reads a '?' there as a mapping with an empty key; put text in "
+            "quotes",
+        ),
+        (
+            ["data={1: 2}"],
+            "override 'data={1: 2}': the value given to 'data' is not a config value: a "
+            "mapping's keys must be names, got 1",
         ),
         (
             ["seed=${oops}"],

@@ -6,8 +6,8 @@ After every kill each checkpoint folder on disk must verify (checksums) and load
 removes. The final run must have resumed from the newest checkpoint written before the last kill
 (``resumed_from`` in its ``training_summary.json``, and ``resumed at N`` on the console): a run
 started over would reach the same parameters too, since training is deterministic, so equal
-parameters alone would not show that anything resumed. ``PPO_KILLS`` sets the number of kills
-(default 20); the test prints what happened.
+parameters alone would not show that anything resumed. ``PPO_KILLS`` sets the number of kills:
+5 in `make test`, 20 in `make soak` (``PPO_SOAK=1``); the test prints what happened.
 """
 
 from __future__ import annotations
@@ -27,10 +27,13 @@ from safetensors.torch import load_file
 
 from ppo_core.modeling.checkpoint import list_checkpoints, load_checkpoint_state
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 ROOT = Path(__file__).resolve().parents[2]
-ITERATIONS = 200
+KILLS = int(os.environ.get("PPO_KILLS", "20" if os.environ.get("PPO_SOAK") == "1" else "5"))
+# A kill during training comes at most 0.15 s after a new checkpoint, so each adds one to three
+# iterations; the run must outlast every kill, and the uninterrupted reference runs them all.
+ITERATIONS = 8 * KILLS + 10
 
 
 def command(model: Path, prompts: Path, out: Path) -> list[str]:
@@ -93,7 +96,7 @@ def test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run(
 
     killed = tmp_path / "killed"
     checkpoints = killed / "checkpoints"
-    wanted = int(os.environ.get("PPO_KILLS", "20"))
+    wanted = KILLS
     rng = random.Random(20261130)
     log = []
     while len(log) < wanted:
