@@ -33,25 +33,30 @@ def shard_a_model(
     """Load and shard the model in ``model_dir`` as a ``fsdp`` run does (rank 0 reads the
     weights, rank 1 builds the structure on the meta device and receives its shards) and
     record, per rank: the largest difference of its logits from the unsharded model's, the
-    dtype a block's weight has during the forward pass, and the dtype of its shard."""
+    dtype a block's weight has during the forward pass, and the dtype of its shard. Then sample
+    from it inside ``strategy.gathered`` as the rollout does, and run a forward and backward
+    pass as the update does: ``states`` holds :func:`sharded_state` before, during and after
+    sampling, and after that forward pass and its backward pass."""
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank)})
     import json
 
     import torch
     import torch.distributed as dist
 
+    from ppo_core.config import GenerationConfig
     from ppo_core.distributed import DataParallel
-    from ppo_core.modeling.policy import load_causal_lm, transformer_blocks
+    from ppo_core.modeling.policy import load_causal_lm, load_tokenizer, transformer_blocks
     from ppo_core.parallel import make_strategy
+    from ppo_core.rollout import sample_responses
+    from ppo_core.runtime import Runtime
 
     ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
     with torch.no_grad():  # every rank computes the reference logits alone, before sharding
         expected = load_causal_lm(model_dir, "policy")(input_ids=ids).logits
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
-        strategy = make_strategy(
-            "fsdp", DataParallel(rank, world_size), torch.device("cpu"), precision
-        )
+        parallel = DataParallel(rank, world_size)
+        strategy = make_strategy("fsdp", parallel, torch.device("cpu"), precision)
         model = strategy.load(lambda: load_causal_lm(model_dir, "policy"))
         block = transformer_blocks(model)[0]  # found by class, which sharding renames
         strategy.wrap_reference(model)
@@ -62,14 +67,39 @@ def shard_a_model(
         )
         with torch.no_grad():
             logits = model(input_ids=ids).logits.float()
-        with open(f"{out}.{rank}", "w") as handle:
-            json.dump(
-                {
-                    "logit_difference": float((logits - expected).abs().max()),
-                    "computed": seen,
-                    "shard": str(weight.to_local().dtype),
-                },
-                handle,
+        record = {
+            "logit_difference": float((logits - expected).abs().max()),
+            "computed": sorted(set(seen)),
+            "shard": str(weight.to_local().dtype),
+        }
+        states = {"before": sharded_state(model)}
+        torch.manual_seed(rank)
+        with strategy.gathered(model):
+            sample_responses(
+                model,
+                load_tokenizer(model_dir),
+                ["The movie was", "This film"],
+                GenerationConfig(max_new_tokens=4),
+                Runtime(parallel=parallel),
+                chunk_size=2,
             )
+            states["during"] = sharded_state(model)
+        states["after"] = sharded_state(model)
+        loss = model(input_ids=ids).logits.float().square().mean()
+        states["update_forward"] = sharded_state(model)  # resharded after its forward pass
+        loss.backward()
+        states["update_backward"] = sharded_state(model)
+        with open(f"{out}.{rank}", "w") as handle:
+            json.dump({**record, "states": states}, handle)
     finally:
         dist.destroy_process_group()
+
+
+def sharded_state(model) -> dict[str, int]:
+    """How many of ``model``'s parameters are shards (DTensors) and how many are whole tensors:
+    FSDP2 swaps a module's shards for whole tensors while it is gathered, and back when it
+    reshards."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = [isinstance(p, DTensor) for p in model.parameters()]
+    return {"shards": sum(kinds), "whole": len(kinds) - sum(kinds)}

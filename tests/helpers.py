@@ -106,3 +106,125 @@ def build_tiny_llama(folder, seed: int = 0):
     """Save a random-weight Llama-style causal LM (grouped-query attention, RoPE, SwiGLU) with a
     byte-level BPE tokenizer to ``folder``."""
     return build_tiny_causal_lm(folder, "llama", seed=seed)
+
+
+# -- small training runs ----------------------------------------------------------------------
+# The builders the training tests share; test modules import them from here, never from one
+# another (tests/test_layering.py checks it).
+
+
+def small_config(tmp, model, prompts, *extra: str):
+    """A 2-iteration run of ``model`` on ``prompts`` (train, eval) with every output under
+    ``tmp``: rollouts of 16, mini-batches of 8, 2 epochs, 6 new tokens, a checkpoint each
+    iteration; ``extra`` overrides come last."""
+    from ppo_core.config import load_config
+
+    return load_config(
+        overrides=[
+            f"model.policy={model}",
+            f"data.train_file={prompts[0]}",
+            f"data.eval_file={prompts[1]}",
+            f"train.output_dir={tmp / 'candidate'}",
+            f"train.checkpoint_dir={tmp / 'checkpoints'}",
+            f"train.metrics_dir={tmp / 'metrics'}",
+            "ppo.rollout_batch_size=16",
+            "ppo.mini_batch_size=8",
+            "ppo.micro_batch_size=8",
+            "ppo.epochs=2",
+            "generation.max_new_tokens=6",
+            "train.iterations=2",
+            "train.checkpoint_every=1",
+            *extra,
+        ]
+    )
+
+
+def parameters(folder) -> dict[str, torch.Tensor]:
+    """The policy's weights in a candidate folder, and its value head's where it has one."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    head = folder / "value_head.safetensors"
+    if head.is_file():
+        weights.update({f"value_head.{k}": v for k, v in load_file(str(head)).items()})
+    return weights
+
+
+def adapter_parameters(folder) -> dict[str, torch.Tensor]:
+    """A LoRA candidate's adapter weights and its value head's."""
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "adapter_model.safetensors"))
+    head = load_file(str(folder / "value_head.safetensors"))
+    return {**weights, **{f"value_head.{k}": v for k, v in head.items()}}
+
+
+def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """The largest ``max |a - b| / max |b|`` over the tensors of two state dicts (same keys)."""
+    assert a.keys() == b.keys()
+    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a)
+
+
+class Recorder:
+    """A metrics logger that keeps every ``(iteration, metrics)`` row."""
+
+    def __init__(self):
+        self.rows: list[tuple[int, dict[str, float]]] = []
+
+    def log(self, iteration, metrics):
+        self.rows.append((iteration, dict(metrics)))
+
+
+def parameters_after_one_sgd_iteration(tmp_path, model, prompts, *extra: str, read=None):
+    """The parameters after one iteration with plain SGD (no clipping), by micro-batch size
+    (1, and 8 = the mini-batch size), as ``read`` (default :func:`parameters`) reads them from
+    the candidate folder."""
+    from ppo_core.trainer import train
+
+    results = {}
+    for micro in (1, 8):
+        folder = tmp_path / f"micro{micro}"
+        config = small_config(
+            folder,
+            model,
+            prompts,
+            f"ppo.micro_batch_size={micro}",
+            "optim.name=sgd",
+            "optim.lr=0.5",
+            "train.iterations=1",
+            "ppo.max_grad_norm=null",
+            *extra,
+        )
+        train(config)
+        results[micro] = (read or parameters)(folder / "candidate")
+    return results
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that is free now (for a process group's rendezvous)."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+# -- rewards named by `model.reward=tests.helpers:<name>` ---------------------------------------
+
+
+def varied_reward(prompts: list[str], responses: list[str]) -> torch.Tensor:
+    """A score that varies over random text (the built-in sentiment gives random-weight models'
+    text 0 almost everywhere, and zero advantages would leave the weights where they were)."""
+    return torch.tensor([(sum(map(ord, r)) % 11) / 10.0 for r in responses])
+
+
+VARIED = "model.reward=tests.helpers:varied_reward"
+
+RECORDED: list[tuple[list[str], list[str]]] = []
+"""What :func:`recording_reward` was called with, one ``(prompts, responses)`` per call."""
+
+
+def recording_reward(prompts, responses):
+    """Scores 0 and records its arguments in :data:`RECORDED`."""
+    RECORDED.append((list(prompts), list(responses)))
+    return [0.0] * len(prompts)

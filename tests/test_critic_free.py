@@ -15,7 +15,7 @@ from ppo_core.config import ConfigError, load_config
 from ppo_core.distributed import DataParallel
 from ppo_core.modeling.data import load_prompts
 from ppo_core.trainer import RandomStream, draw_prompts, stream_seed, train
-from tests.test_trainer import (
+from tests.helpers import (
     Recorder,
     max_relative_difference,
     parameters,

@@ -11,9 +11,7 @@ import torch.multiprocessing as mp
 from ppo_core.config import load_config
 from ppo_core.trainer import train
 from tests import dist_train_worker
-from tests.math.test_distributed import free_port
-from tests.modeling.test_lora import adapter_parameters
-from tests.test_trainer import max_relative_difference, parameters
+from tests.helpers import adapter_parameters, free_port, max_relative_difference, parameters
 
 
 def overrides(folder, model, prompts, rollout: int, mini: int) -> list[str]:
@@ -40,11 +38,44 @@ def train_on_two_ranks(settings: list[str]) -> None:
     mp.spawn(dist_train_worker.run, nprocs=2, join=True, args=(2, free_port(), settings))
 
 
+# One process holding the whole batch (16 rows, mini-batches of 8) is the reference of most
+# tests below; each reference run is trained once per module, on first use.
+LORA = ["model.lora.enabled=true", "model.lora.rank=4", "model.reward=tests.helpers:varied_reward"]
+MOMENTUM = ["optim.momentum=0.9", "train.checkpoint_every=1"]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    from tests.helpers import build_tiny_causal_lm
+
+    return build_tiny_causal_lm(tmp_path_factory.mktemp("llama") / "llama", family="llama")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, tiny_model_dir, prompt_files):
+    """``one_process(model, *settings)``: the folder of one process's run of ``model`` with
+    ``settings`` (after the common :func:`overrides`), trained on first use."""
+    runs: dict[tuple[str, ...], object] = {}
+
+    def run(model, *settings: str):
+        key = (str(model), *settings)
+        if key not in runs:
+            folder = tmp_path_factory.mktemp("one-process")
+            train(
+                load_config(overrides=[*overrides(folder, model, prompt_files, 16, 8), *settings])
+            )
+            runs[key] = folder
+        return runs[key]
+
+    return run
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_two_ranks_reach_the_parameters_of_one_process(tmp_path, tiny_model_dir, prompt_files):
-    single = tmp_path / "single"
-    train(load_config(overrides=overrides(single, tiny_model_dir, prompt_files, 16, 8)))
+def test_two_ranks_reach_the_parameters_of_one_process(
+    tmp_path, tiny_model_dir, prompt_files, one_process
+):
+    single = one_process(tiny_model_dir)
     double = tmp_path / "double"
     train_on_two_ranks(overrides(double, tiny_model_dir, prompt_files, 8, 4))
     one, two = parameters(single / "candidate"), parameters(double / "candidate")
@@ -68,17 +99,14 @@ def test_two_ranks_reach_the_parameters_of_one_process(tmp_path, tiny_model_dir,
     [(["grpo", "ppo.samples_per_prompt=4"], "ddp"), (["reinforce_pp"], "fsdp")],
 )
 def test_critic_free_estimators_on_two_ranks_match_one_process(
-    tmp_path, tiny_model_dir, prompt_files, estimator, strategy
+    tmp_path, tiny_model_dir, prompt_files, one_process, estimator, strategy
 ):
     """GRPO's groups of 4 consecutive rows lie whole on a rank, so their statistics are local;
     REINFORCE++ normalises its returns over both ranks' tokens. Either way 2 ranks reach the
     weights of one process holding the whole batch, and no value head is saved."""
     name, *extra = estimator
     settings = [f"ppo.advantage_estimator={name}", "model.critic=none", *extra]
-    single = tmp_path / "single"
-    train(
-        load_config(overrides=[*overrides(single, tiny_model_dir, prompt_files, 16, 8), *settings])
-    )
+    single = one_process(tiny_model_dir, *settings)
     double = tmp_path / "double"
     train_on_two_ranks(
         [
@@ -98,14 +126,13 @@ def test_critic_free_estimators_on_two_ranks_match_one_process(
 @pytest.mark.slow
 @pytest.mark.parametrize("micro", [1, 4])
 def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
-    tmp_path, tiny_model_dir, prompt_files, micro
+    tmp_path, tiny_model_dir, prompt_files, one_process, micro
 ):
     """FSDP2 shards every block and the root over 2 gloo ranks; its reduce-scatter must average
     like DDP (checked, not assumed: some torch/gloo builds sum), with unequal token counts per
     rank (responses of their own lengths) and micro-batches of 1 and 4 rows; with micro-batches
     of 1 the reference is offloaded to CPU memory (``parallel.reference_offload``)."""
-    single = tmp_path / "single"
-    train(load_config(overrides=overrides(single, tiny_model_dir, prompt_files, 16, 8)))
+    single = one_process(tiny_model_dir)
     sharded = tmp_path / "fsdp"
     train_on_two_ranks(
         [
@@ -132,28 +159,22 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("merge", [False, True])
-def test_two_fsdp_ranks_train_a_lora_adapter_like_one_process(tmp_path, prompt_files, merge):
+def test_two_fsdp_ranks_train_a_lora_adapter_like_one_process(
+    tmp_path, prompt_files, llama, one_process, merge
+):
     """LoRA under FSDP: the frozen base and the adapter are sharded together, the reference is
     the policy with its adapter off, and the candidate is gathered into an adapter folder (or,
     with ``model.lora.merge``, merged weights) equal to one process's."""
     from safetensors.torch import load_file
 
     from ppo_core.modeling.policy import load_causal_lm
-    from tests.helpers import build_tiny_causal_lm
 
-    llama = build_tiny_causal_lm(tmp_path / "llama", family="llama")
-    lora = [
-        "model.lora.enabled=true",
-        "model.lora.rank=4",
-        "model.reward=tests.modeling.test_families:varied_reward",
-    ]
-    single = tmp_path / "single"
-    train(load_config(overrides=[*overrides(single, llama, prompt_files, 16, 8), *lora]))
+    single = one_process(llama, *LORA)
     sharded = tmp_path / "fsdp"
     train_on_two_ranks(
         [
             *overrides(sharded, llama, prompt_files, 8, 4),
-            *lora,
+            *LORA,
             f"model.lora.merge={merge}",
             "parallel.strategy=fsdp",
         ]
@@ -183,7 +204,7 @@ def test_two_fsdp_ranks_train_a_lora_adapter_like_one_process(tmp_path, prompt_f
     [("fsdp", False), ("one process", False), ("fsdp", True), ("one process", True)],
 )
 def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
-    tmp_path, tiny_model_dir, prompt_files, first_by, lora
+    tmp_path, tiny_model_dir, prompt_files, llama, one_process, first_by, lora
 ):
     """2 FSDP ranks train one iteration and write a sharded (DCP) checkpoint, each rank its own
     shards, and one plain process resumes from it; or the reverse, the FSDP ranks then sharding
@@ -193,17 +214,8 @@ def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
     # SGD with momentum: its state (a momentum buffer per parameter) is sharded and restored
     # like AdamW's moments, and it is linear in the gradients, so fp32 round-off stays
     # round-off (AdamW divides round-off gradients by their own size and makes them lr-sized)
-    momentum = ["optim.momentum=0.9", "train.checkpoint_every=1"]
-    model = tiny_model_dir
-    if lora:
-        from tests.helpers import build_tiny_causal_lm
-
-        model = build_tiny_causal_lm(tmp_path / "llama", family="llama")
-        momentum += [
-            "model.lora.enabled=true",
-            "model.lora.rank=4",
-            "model.reward=tests.modeling.test_families:varied_reward",
-        ]
+    momentum = [*MOMENTUM, *(LORA if lora else [])]
+    model = llama if lora else tiny_model_dir
 
     def run(folder, ranks: int, iterations: int) -> None:
         if ranks == 1:
@@ -225,8 +237,7 @@ def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
         ]
         train_on_two_ranks(settings)
 
-    whole = tmp_path / "whole"
-    run(whole, 1, 2)
+    whole = one_process(model, *momentum, "train.iterations=2")
     resumed = tmp_path / "resumed"
     run(resumed, 2 if first_by == "fsdp" else 1, 1)
     written = resumed / "ckpt" / "step-000001"
@@ -304,17 +315,39 @@ def shard_on_two_ranks(model_dir, precision: str, tmp_path) -> list[dict]:
     return [json.loads(out.with_name(f"{out.name}.{rank}").read_text()) for rank in (0, 1)]
 
 
+@pytest.fixture(scope="module")
+def llama_on_two_fsdp_ranks(llama, tmp_path_factory) -> list[dict]:
+    """The records of the tiny Llama sharded over 2 ranks in fp32 (:func:`shard_on_two_ranks`),
+    which two tests read."""
+    return shard_on_two_ranks(llama, "fp32", tmp_path_factory.mktemp("llama-shards"))
+
+
 @pytest.mark.distributed
-def test_a_model_sharded_from_rank_0_computes_its_own_logits_on_every_rank(tmp_path):
+def test_a_model_sharded_from_rank_0_computes_its_own_logits_on_every_rank(
+    llama_on_two_fsdp_ranks,
+):
     """Under ``fsdp`` only rank 0 reads the weights; rank 1 builds a Llama's structure on the
     meta device and receives its shards and the buffers outside the state dict (the rotary
     frequencies), so both compute the logits of the unsharded model."""
-    from tests.helpers import build_tiny_causal_lm
-
-    folder = build_tiny_causal_lm(tmp_path / "llama", family="llama")
-    for rank, found in enumerate(shard_on_two_ranks(folder, "fp32", tmp_path)):
+    for rank, found in enumerate(llama_on_two_fsdp_ranks):
         assert found["logit_difference"] < 1e-5, (rank, found)
         assert set(found["computed"]) == {"torch.float32"}
+
+
+@pytest.mark.distributed
+def test_fsdp_blocks_are_sharded_again_after_sampling(llama_on_two_fsdp_ranks):
+    """Sampling gathers the whole sharded policy once (``strategy.gathered``); after it every
+    parameter is a shard again on every rank, and is one again after each of the update's next
+    forward and backward passes (each block reshards after its forward pass once more). A policy left gathered would hold the whole model on every rank through
+    the update: memory only, which no number a run computes would show."""
+    for rank, found in enumerate(llama_on_two_fsdp_ranks):
+        states = found["states"]
+        count = states["before"]["shards"]
+        assert count > 0 and states["before"]["whole"] == 0, (rank, states)
+        assert states["during"] == {"shards": 0, "whole": count}, (rank, states)  # gathered
+        assert states["after"] == states["before"], (rank, states)
+        assert states["update_forward"] == states["before"], (rank, states)
+        assert states["update_backward"] == states["before"], (rank, states)
 
 
 @pytest.mark.distributed
@@ -330,7 +363,7 @@ def test_fsdp_in_bf16_computes_in_bf16_from_fp32_shards(tmp_path, tiny_model_dir
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_two_nodes_on_loopback_run_the_documented_torchrun_command(
-    tmp_path, tiny_model_dir, prompt_files
+    tmp_path, tiny_model_dir, prompt_files, one_process
 ):
     """`torchrun --nnodes 2 --rdzv-backend c10d --rdzv-endpoint HOST:PORT` as docs/design.md
     gives it, as two "nodes" of one rank each on 127.0.0.1, with FSDP: the run reaches the
@@ -339,8 +372,7 @@ def test_two_nodes_on_loopback_run_the_documented_torchrun_command(
     import sys
     from pathlib import Path
 
-    single = tmp_path / "single"
-    train(load_config(overrides=overrides(single, tiny_model_dir, prompt_files, 16, 8)))
+    single = one_process(tiny_model_dir)
     nodes = tmp_path / "nodes"
     settings = [
         *overrides(nodes, tiny_model_dir, prompt_files, 8, 4),

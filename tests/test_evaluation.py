@@ -26,7 +26,7 @@ from ppo_core.evaluation import (
 )
 from ppo_core.modeling.policy import load_tokenizer
 from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
-from tests.test_trainer import small_config as trainer_config
+from tests.helpers import small_config
 
 REWARD_MODULE = "evaluation_test_rewards"
 REWARDS = """
@@ -49,9 +49,9 @@ def hang(prompts, responses):
 """
 
 
-def small_config(tmp: Path, model: Path, prompts: tuple[Path, Path], *extra: str):
+def evaluation_config(tmp: Path, model: Path, prompts: tuple[Path, Path], *extra: str):
     """The trainer tests' small run, with evaluation and promotion outputs under ``tmp``."""
-    return trainer_config(
+    return small_config(
         tmp,
         model,
         prompts,
@@ -112,14 +112,14 @@ def test_training_records_its_reward_and_evaluation_uses_it_unless_eval_reward_s
     from ppo_core.trainer import train
 
     trained_with = f"{reward_module}:seven"
-    train(small_config(tmp_path, tiny_model_dir, prompt_files, f"model.reward={trained_with}"))
+    train(evaluation_config(tmp_path, tiny_model_dir, prompt_files, f"model.reward={trained_with}"))
     candidate = tmp_path / "candidate"
     summary = read(candidate, "training_summary.json")
     assert summary["reward"] == trained_with
     assert summary["reference"] == str(tiny_model_dir)
 
     # As after `ppo train model.reward=...` then a plain `ppo evaluate`: model.reward is the default.
-    config = small_config(tmp_path, tiny_model_dir, prompt_files)
+    config = evaluation_config(tmp_path, tiny_model_dir, prompt_files)
     assert config.model.reward == "builtin:sentiment"
     with pytest.warns(EvaluationWarning, match="the reward the candidate was trained with") as seen:
         reports = evaluate(config, candidate, tiny_model_dir)
@@ -134,7 +134,7 @@ def test_training_records_its_reward_and_evaluation_uses_it_unless_eval_reward_s
     assert f"reward {trained_with} (recorded with the candidate" in read(out, "report.md")
 
     chosen = f"{reward_module}:minus_three"
-    config = small_config(tmp_path, tiny_model_dir, prompt_files, f"eval.reward={chosen}")
+    config = evaluation_config(tmp_path, tiny_model_dir, prompt_files, f"eval.reward={chosen}")
     with pytest.warns(EvaluationWarning, match=f"the candidate was trained with '{trained_with}'"):
         reports = evaluate(config, candidate, tiny_model_dir)
     assert [reports[s].metrics["score"] for s in ("candidate", "baseline")] == [-3.0, -3.0]
@@ -148,7 +148,7 @@ def test_a_hanging_reward_stops_evaluation_within_the_timeout(
     from ppo_core.modeling.reward_loading import RewardTimeoutError
 
     spec = f"{reward_module}:hang"
-    config = small_config(
+    config = evaluation_config(
         tmp_path, tiny_model_dir, prompt_files, f"eval.reward={spec}", "model.reward_timeout=1"
     )
     try:
@@ -160,7 +160,7 @@ def test_a_hanging_reward_stops_evaluation_within_the_timeout(
 
 
 def test_the_reward_choice_without_a_record(tmp_path, tiny_model_dir, prompt_files):
-    config = small_config(tmp_path, tiny_model_dir, prompt_files)
+    config = evaluation_config(tmp_path, tiny_model_dir, prompt_files)
     plain = tmp_path / "plain"
     plain.mkdir()
     assert evaluation_reward(config, plain).spec == "builtin:sentiment"
@@ -208,7 +208,7 @@ def other_baseline_run(tmp_path_factory, tiny_model_dir, prompt_files, other_mod
     """An evaluation against a baseline with another tokenizer than the reference."""
     tmp = tmp_path_factory.mktemp("other_baseline")
     shutil.copytree(tiny_model_dir, tmp / "candidate")
-    config = small_config(
+    config = evaluation_config(
         tmp,
         tiny_model_dir,
         prompt_files,
@@ -258,7 +258,7 @@ def test_promote_decides_on_a_baseline_without_kl(other_baseline_run):
 def test_a_candidate_with_another_tokenizer_than_the_reference_is_refused(
     tmp_path, tiny_model_dir, prompt_files, other_model_dir
 ):
-    config = small_config(tmp_path, tiny_model_dir, prompt_files)
+    config = evaluation_config(tmp_path, tiny_model_dir, prompt_files)
     with pytest.raises(TokenizerMismatchError) as refused:
         evaluate(config, other_model_dir, tiny_model_dir)
     message = str(refused.value)

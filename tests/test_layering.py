@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -73,4 +74,68 @@ def test_relative_imports_are_resolved():
         "ppo_core.trainer",
         "ppo_core.modeling",
         "ppo_core.modeling.policy",
+    }
+
+
+# -- the tests' own layering --------------------------------------------------------------------
+
+TESTS = ROOT / "tests"
+# A reward or worker named by text, as `model.reward=tests.helpers:varied_reward` names one.
+NAMED_FUNCTION = re.compile(r"\b(tests(?:\.\w+)+):\w+")
+
+
+def is_test_module(name: str) -> bool:
+    return name.split(".")[-1].startswith("test_")
+
+
+def other_test_modules(source: str, module: str) -> set[str]:
+    """The ``test_*`` modules that ``source``, the text of module ``module`` (dotted), imports
+    or names as ``module:function`` in a string (which loads that module just as well), other
+    than itself."""
+    package = module.split(".")[:-1]
+    used = set(imports_in(source, package))
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom):  # from tests.flows import test_deployment
+            used.update(
+                f"{base}.{alias.name}"
+                for base in imports_in(ast.unparse(node), package)
+                for alias in node.names
+            )
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            used.update(m.group(1) for m in NAMED_FUNCTION.finditer(node.value))
+    return {name for name in used if is_test_module(name) and name != module}
+
+
+def test_no_test_module_uses_another():
+    """Shared builders live in helper modules (tests/helpers.py, tests/math/toy.py, the
+    conftest files); a test module that imports another one runs that module's import-time code
+    and ties the two files' fates together. Every Python file under tests/ is checked."""
+    found = {}
+    for path in sources(TESTS):
+        module = ".".join(path.relative_to(ROOT).with_suffix("").parts)
+        if used := other_test_modules(path.read_text(), module):
+            found[str(path.relative_to(ROOT))] = sorted(used)
+    assert found == {}, f"modules that use other test modules: {found}"
+
+
+def test_the_test_module_check_sees_every_form():
+    """Each way one module can reach another test module is seen; helpers and itself are not."""
+    # "{t}" for "tests": this file's own strings name no test module to the check above
+    source = (
+        "from tests.test_trainer import small_config\n"
+        "import tests.math.test_gae\n"
+        "from tests.flows import test_deployment, conftest\n"
+        "from . import test_chat\n"
+        "from tests.helpers import VARIED\n"
+        "from tests.math.toy import ToyPolicy\n"
+        "R = 'model.reward={t}.modeling.test_families:varied_reward'\n"
+        "S = 'model.reward={t}.modeling.test_probe:own_reward'\n"
+        "T = 'model.reward={t}.helpers:varied_reward'\n"
+    ).format(t="tests")
+    assert other_test_modules(source, "tests.modeling.test_probe") == {
+        "tests.test_trainer",
+        "tests.math.test_gae",
+        "tests.flows.test_deployment",
+        "tests.modeling.test_chat",
+        "tests.modeling.test_families",
     }

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -17,79 +16,15 @@ from ppo_core.modeling.data import PromptFileError
 from ppo_core.modeling.policy import ModelFolderError
 from ppo_core.modeling.reward_loading import RewardError, build_reward_fn
 from ppo_core.trainer import train
-from tests.helpers import build_tiny_llama
-
-
-def small_config(tmp: Path, model: Path, prompts: tuple[Path, Path], *extra: str):
-    return load_config(
-        overrides=[
-            f"model.policy={model}",
-            f"data.train_file={prompts[0]}",
-            f"data.eval_file={prompts[1]}",
-            f"train.output_dir={tmp / 'candidate'}",
-            f"train.checkpoint_dir={tmp / 'checkpoints'}",
-            f"train.metrics_dir={tmp / 'metrics'}",
-            "ppo.rollout_batch_size=16",
-            "ppo.mini_batch_size=8",
-            "ppo.micro_batch_size=8",
-            "ppo.epochs=2",
-            "generation.max_new_tokens=6",
-            "train.iterations=2",
-            "train.checkpoint_every=1",
-            *extra,
-        ]
-    )
-
-
-def parameters(folder: Path) -> dict[str, torch.Tensor]:
-    """The policy's weights in a candidate folder, and its value head's where it has one."""
-    weights = load_file(str(folder / "model.safetensors"))
-    head = folder / "value_head.safetensors"
-    if head.is_file():
-        weights.update({f"value_head.{k}": v for k, v in load_file(str(head)).items()})
-    return weights
-
-
-def max_relative_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(((a[k] - b[k]).abs().max() / b[k].abs().max().clamp(min=1e-12)).item() for k in a)
-
-
-class Recorder:
-    def __init__(self):
-        self.rows = []
-
-    def log(self, iteration, metrics):
-        self.rows.append((iteration, dict(metrics)))
-
-
-def parameters_after_one_sgd_iteration(
-    tmp_path: Path,
-    model: Path,
-    prompts: tuple[Path, Path],
-    *extra: str,
-    read: Callable[[Path], dict[str, torch.Tensor]] | None = None,
-) -> dict[int, dict[str, torch.Tensor]]:
-    """The parameters after one iteration with plain SGD (no clipping), by micro-batch size
-    (1, and 8 = the mini-batch size), as ``read`` (default :func:`parameters`) reads them from
-    the candidate folder."""
-    results = {}
-    for micro in (1, 8):
-        folder = tmp_path / f"micro{micro}"
-        config = small_config(
-            folder,
-            model,
-            prompts,
-            f"ppo.micro_batch_size={micro}",
-            "optim.name=sgd",
-            "optim.lr=0.5",
-            "train.iterations=1",
-            "ppo.max_grad_norm=null",
-            *extra,
-        )
-        train(config)
-        results[micro] = (read or parameters)(folder / "candidate")
-    return results
+from tests.helpers import (
+    RECORDED,
+    Recorder,
+    build_tiny_llama,
+    max_relative_difference,
+    parameters,
+    parameters_after_one_sgd_iteration,
+    small_config,
+)
 
 
 def test_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_dir, prompt_files):
@@ -139,6 +74,66 @@ def test_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prompt_fi
     )
     state = json.loads((part / "checkpoints" / "step-000003" / "trainer_state.json").read_text())
     assert state["iteration"] == 3 and "config" in state
+
+
+class Stop(Exception):
+    """Raised by :class:`StopAt` in place of a kill."""
+
+
+class StopAt(Recorder):
+    """A logger that stops the run when iteration ``iteration`` is logged: after its update and
+    before its checkpoint, as a kill at that moment would (the previous checkpoint is the
+    newest)."""
+
+    def __init__(self, iteration: int):
+        super().__init__()
+        self.iteration = iteration
+
+    def log(self, iteration, metrics):
+        super().log(iteration, metrics)
+        if iteration == self.iteration:
+            raise Stop(f"stopped at iteration {iteration}")
+
+
+def test_an_adaptive_kl_coefficient_survives_a_stop_and_resume(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    """The adaptive controller's coefficient is state a checkpoint must carry: a run stopped
+    during iteration 2 and resumed from checkpoint 1 uses, logs and saves the coefficients of a
+    run that never stopped, and reaches its weights exactly."""
+    adaptive = ("kl.adaptive=true", "kl.target=1.0", "kl.horizon=100")
+    whole = Recorder()
+    train(
+        small_config(tmp_path / "whole", tiny_model_dir, prompt_files, *adaptive), loggers=[whole]
+    )
+    stopped = tmp_path / "stopped"
+    with pytest.raises(Stop):
+        train(small_config(stopped, tiny_model_dir, prompt_files, *adaptive), loggers=[StopAt(2)])
+    assert [p.name for p in (stopped / "checkpoints").glob("step-*")] == ["step-000001"]
+    resumed = Recorder()
+    summary = train(
+        small_config(stopped, tiny_model_dir, prompt_files, *adaptive), loggers=[resumed]
+    )
+    assert summary.resumed_from == 1
+
+    def coefficients(recorder: Recorder) -> list[float]:
+        return [metrics["rollout/kl_coef"] for _, metrics in recorder.rows]
+
+    # 0.1, then 0.1 * (1 - 0.2 * 16 / 100) after the first iteration's KL of 0: it did adapt
+    assert coefficients(whole)[0] == 0.1 and coefficients(whole)[1] == pytest.approx(0.0968)
+    assert coefficients(resumed) == coefficients(whole)  # exactly, the resumed iteration too
+
+    def saved(folder: Path) -> float:
+        state = folder / "checkpoints" / "step-000002" / "trainer_state.json"
+        return json.loads(state.read_text())["kl_coef"]
+
+    assert saved(stopped) == saved(tmp_path / "whole") != coefficients(whole)[1]
+    assert (
+        max_relative_difference(
+            parameters(stopped / "candidate"), parameters(tmp_path / "whole" / "candidate")
+        )
+        == 0.0
+    )
 
 
 def test_a_tampered_metric_name_in_a_checkpoint_writes_no_file_outside(
@@ -343,7 +338,7 @@ def test_reward_model_folder(tmp_path, tiny_model_dir, prompt_files):
             tmp_path / "recorded",
             tiny_model_dir,
             prompt_files,
-            "model.reward=tests.test_trainer:recording_reward",
+            "model.reward=tests.helpers:recording_reward",
             "train.iterations=1",
         )
     )
@@ -351,14 +346,6 @@ def test_reward_model_folder(tmp_path, tiny_model_dir, prompt_files):
     expected = build_reward_fn(str(reward_dir))(prompts, responses).mean().item()
     assert score == pytest.approx(expected, rel=1e-5, abs=1e-6)
     assert len(set(responses)) > 1  # a real batch, not one repeated text
-
-
-RECORDED: list[tuple[list[str], list[str]]] = []
-
-
-def recording_reward(prompts, responses):
-    RECORDED.append((list(prompts), list(responses)))
-    return [0.0] * len(prompts)
 
 
 def raising_reward(prompts, responses):

@@ -15,7 +15,7 @@ from ppo_core import (
     micro_batch_slices,
 )
 from tests.helpers import examples
-from tests.math.toy import ToyBatch, ToyPolicy, ppo_micro_loss, random_batch
+from tests.math.toy import ToyBatch, ToyPolicy, ppo_micro_loss, random_batch, relative_error
 
 
 def full_gradient(batch: ToyBatch, mode: str, dtype: torch.dtype) -> list[torch.Tensor]:
@@ -45,12 +45,6 @@ def mean_of_means_gradient(batch: ToyBatch, mode: str, micro: int, dtype: torch.
         parts, _ = ppo_micro_loss(model, batch.rows(s), mode)
         (parts.total / parts.count / len(slices)).backward()
     return [p.grad.clone() for p in model.parameters()]
-
-
-def relative_error(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
-    diff = max((a - e).abs().max().item() for a, e in zip(actual, expected, strict=True))
-    scale = max(e.abs().max().item() for e in expected)
-    return diff / scale
 
 
 @settings(max_examples=examples(40), deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -2,22 +2,14 @@
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 import torch
 import torch.multiprocessing as mp
 
 from ppo_core import LOSS_AGG_MODES, whiten_advantages
+from tests.helpers import free_port
 from tests.math import dist_worker
-from tests.math.test_accumulation import relative_error
-from tests.math.toy import ToyPolicy, ppo_micro_loss
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+from tests.math.toy import ToyPolicy, ppo_micro_loss, relative_error
 
 
 @pytest.mark.distributed

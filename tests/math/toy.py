@@ -108,3 +108,11 @@ def ppo_micro_loss(
         mb.returns,
         mb.response_mask,
     )
+
+
+def relative_error(actual: list[Tensor], expected: list[Tensor]) -> float:
+    """The largest absolute difference of two lists of gradients over the largest expected
+    magnitude."""
+    diff = max((a - e).abs().max().item() for a, e in zip(actual, expected, strict=True))
+    scale = max(e.abs().max().item() for e in expected)
+    return diff / scale

@@ -25,10 +25,12 @@ from ppo_core.modeling.policy import (
     score_sequences,
 )
 from ppo_core.trainer import train
-from tests.helpers import FAMILIES, build_tiny_causal_lm
-from tests.test_trainer import (
+from tests.helpers import (
+    FAMILIES,
     RECORDED,
+    VARIED,
     Recorder,
+    build_tiny_causal_lm,
     max_relative_difference,
     parameters,
     parameters_after_one_sgd_iteration,
@@ -68,15 +70,6 @@ def family_models(tmp_path_factory, tiny_model_dir):
         return built[case]
 
     return folder
-
-
-def varied_reward(prompts: list[str], responses: list[str]) -> torch.Tensor:
-    """A score that varies over random text (the built-in sentiment gives random-weight models'
-    text 0 almost everywhere, and zero advantages would leave the weights where they were)."""
-    return torch.tensor([(sum(map(ord, r)) % 11) / 10.0 for r in responses])
-
-
-VARIED = "model.reward=tests.modeling.test_families:varied_reward"
 
 
 def load_quietly(folder):
@@ -252,7 +245,7 @@ def test_a_reward_model_with_its_own_tokenizer_scores_the_decoded_text(
             tmp_path / "recorded",
             tiny_model_dir,
             prompt_files,
-            "model.reward=tests.test_trainer:recording_reward",
+            "model.reward=tests.helpers:recording_reward",
             "train.iterations=1",
         )
     )

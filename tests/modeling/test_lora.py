@@ -30,14 +30,15 @@ from ppo_core.modeling.policy import (
 )
 from ppo_core.registry import load_registry, record_decision
 from ppo_core.trainer import train
-from tests.helpers import build_tiny_causal_lm
-from tests.test_trainer import (
+from tests.helpers import (
+    VARIED,
+    adapter_parameters,
+    build_tiny_causal_lm,
     max_relative_difference,
     parameters_after_one_sgd_iteration,
     small_config,
 )
 
-VARIED = "model.reward=tests.modeling.test_families:varied_reward"
 LORA = "model.lora.enabled=true"
 PROMPTS = ["The movie was", "Honestly, I thought the acting", "This film"]
 
@@ -45,12 +46,6 @@ PROMPTS = ["The movie was", "Honestly, I thought the acting", "This film"]
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     return build_tiny_causal_lm(tmp_path_factory.mktemp("lora") / "llama", "llama")
-
-
-def adapter_parameters(folder) -> dict[str, torch.Tensor]:
-    weights = load_file(str(folder / "adapter_model.safetensors"))
-    head = load_file(str(folder / "value_head.safetensors"))
-    return {**weights, **{f"value_head.{k}": v for k, v in head.items()}}
 
 
 def batch_for(folder):
@@ -128,6 +123,52 @@ def test_with_a_starting_adapter_the_reference_is_a_frozen_copy_of_it(
     trained = adapter_parameters(tmp_path / "own" / "candidate")
     started = load_file(str(sft / "adapter_model.safetensors"))
     assert max_relative_difference({k: trained[k] for k in started}, started) > 1e-4
+
+
+def test_a_lora_runs_logged_kl_is_measured_against_the_model_with_the_adapter_off(
+    tmp_path, llama, prompt_files, monkeypatch
+):
+    """The run's own reference (the policy's weights with the adapter switched off) against an
+    independent one, the base model loaded on its own: by iteration 2 the adapter has moved, and
+    the logged KL is the KL of the sampled responses from that base, not from the policy."""
+    from ppo_core import trainer
+    from ppo_core.math.kl import kl_penalty
+    from ppo_core.math.masked import masked_sum
+
+    rollouts = []
+    collect = trainer.collect_rollout
+
+    def kept(*args, **kwargs):
+        batch, metrics, responses = collect(*args, **kwargs)
+        rollouts.append(batch)
+        return batch, metrics, responses
+
+    monkeypatch.setattr(trainer, "collect_rollout", kept)
+    config = small_config(tmp_path, llama, prompt_files, LORA, VARIED)
+    history = train(config).history
+    batch = rollouts[1]
+    mask = batch.response_mask
+    fields = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, mask)
+    temperature = config.generation.temperature
+    with torch.no_grad():
+        base = score_sequences(
+            load_causal_lm(llama), *fields, temperature=temperature, with_values=False
+        ).logprobs
+        # and the sampling policy is the adapter after iteration 1, as checkpoint 1 holds it
+        policy = score_sequences(
+            load_causal_lm(tmp_path / "checkpoints" / "step-000001" / "model"),
+            *fields,
+            temperature=temperature,
+            with_values=False,
+        ).logprobs
+    # the merged adapter rounds otherwise than adapter and base apart: 1.9e-6 measured
+    torch.testing.assert_close(policy[mask], batch.old_logprobs[mask], rtol=0, atol=1e-5)
+    token_kl = kl_penalty(batch.old_logprobs, base, config.kl.estimator, mask)
+    expected = float(masked_sum(token_kl, mask, dim=1).mean())
+    assert abs(expected) > 1e-3  # the adapter moved the policy away from the base
+    # the same base passes over other chunks of rows: equal here (0 measured), 1e-6 for BLAS
+    # builds that round a chunk otherwise; the adapter left on logs 0 instead of -3.7e-3
+    assert history[1]["rollout/kl"] == pytest.approx(expected, rel=1e-6, abs=1e-9)
 
 
 # -- the exact update -------------------------------------------------------------------------------
@@ -281,11 +322,55 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, llama, lora):
         torch.testing.assert_close(checkpointed[name], plain[name], rtol=0, atol=1e-10)
 
 
-def test_gradient_checkpointing_in_a_run_changes_nothing(tmp_path, llama, prompt_files):
+def count_block_passes(monkeypatch) -> list[tuple[int, int]]:
+    """Count, in each PPO update of the runs that follow, the calls of every transformer block
+    and of the first module inside each block: ``(block calls, inner calls)`` per update. A
+    checkpointed block runs its inner modules again during the backward pass (not the block's
+    own ``__call__``), so inner = 2 x block with checkpointing and inner = block without."""
+    from ppo_core import trainer
+    from ppo_core.modeling.policy import transformer_blocks
+
+    counts: list[tuple[int, int]] = []
+    update = trainer.ppo_update
+
+    def counted(model, *args, **kwargs):
+        calls = {"block": 0, "inner": 0}
+
+        def hook(kind):
+            return lambda *_: calls.__setitem__(kind, calls[kind] + 1)
+
+        blocks = transformer_blocks(model)
+        handles = [b.register_forward_pre_hook(hook("block")) for b in blocks]
+        handles += [next(b.children()).register_forward_pre_hook(hook("inner")) for b in blocks]
+        try:
+            return update(model, *args, **kwargs)
+        finally:
+            for handle in handles:
+                handle.remove()
+            counts.append((calls["block"], calls["inner"]))
+
+    monkeypatch.setattr(trainer, "ppo_update", counted)
+    return counts
+
+
+def test_gradient_checkpointing_in_a_run_recomputes_every_block_and_changes_nothing(
+    tmp_path, llama, prompt_files, monkeypatch
+):
+    """``train.gradient_checkpointing=true`` really checkpoints the run's model (every block's
+    forward pass runs again in the backward pass), leaves it alone without the key, and gives
+    the same weights up to float round-off."""
+    passes = {}
     for name, extra in (("plain", ()), ("checkpointed", ("train.gradient_checkpointing=true",))):
+        counts = count_block_passes(monkeypatch)
         train(
             small_config(tmp_path / name, llama, prompt_files, "train.iterations=1", VARIED, *extra)
         )
+        assert len(counts) == 1  # one iteration, one update
+        passes[name] = counts[0]
+    blocks, inner = passes["plain"]
+    # 2 blocks x 2 epochs x 2 mini-batches of one micro-batch each
+    assert blocks == 2 * 2 * 2 and inner == blocks
+    assert passes["checkpointed"] == (blocks, 2 * blocks)
     a = load_file(str(tmp_path / "plain" / "candidate" / "model.safetensors"))
     b = load_file(str(tmp_path / "checkpointed" / "candidate" / "model.safetensors"))
     assert max_relative_difference(a, b) <= 1e-5

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import tempfile
 from pathlib import Path
@@ -18,6 +19,7 @@ from flows.stages import base
 from ppo_core import files
 from ppo_core.config import ConfigError, load_config
 from ppo_core.modeling.policy import load_causal_lm
+from ppo_core.output_paths import PROTECTED
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,6 +83,39 @@ def test_an_output_may_not_replace_the_repository_sources_or_anything_outside(
     with pytest.raises(ConfigError, match=message) as raised:
         load_config(overrides=[f"{key}={value}"])
     assert f"{key}=" in str(raised.value) and "\n" not in str(raised.value)
+
+
+# What PROTECTED held when the test below was written: an entry that leaves the list fails it
+# here, while an entry added to the list is tested the day it is added.
+PROTECTED_WHEN_WRITTEN = (
+    ".git",
+    ".dvc",
+    ".venv",
+    "ppo_core",
+    "flows",
+    "tests",
+    "bench",
+    "docs",
+    "data/raw",
+    "params.yaml",
+    "dvc.yaml",
+    "dvc.lock",
+    "pyproject.toml",
+)
+
+
+@pytest.mark.parametrize("entry", sorted(set(PROTECTED) | set(PROTECTED_WHEN_WRITTEN)))
+def test_every_protected_entry_is_refused(project, entry):
+    """Every entry of ``ppo_core.output_paths.PROTECTED``, by a relative and an absolute path:
+    the entry itself, a path inside it and (for a nested entry) the folder that holds it."""
+    cases = [(entry, "is"), (f"{entry}/out", "lies inside"), (f"{project}/{entry}", "is")]
+    if "/" in entry:
+        cases.append((entry.rsplit("/", 1)[0], "contains"))
+    for value, relation in cases:
+        with pytest.raises(ConfigError) as raised:
+            load_config(overrides=[f"train.checkpoint_dir={value}"])
+        expected = f"train.checkpoint_dir='{value}' {relation} {entry}, a protected part"
+        assert re.match(re.escape(expected), str(raised.value)), (value, str(raised.value))
 
 
 def test_paths_through_symlinked_folders_count_where_they_point(project):
