@@ -46,3 +46,7 @@ def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
         path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in chunk))
         paths.append(path)
     return paths[0], paths[1]
+
+
+# The longest tests first, so that the two workers run them side by side (tests/scheduling.py).
+from tests.scheduling import pytest_collection_modifyitems  # noqa: E402, F401

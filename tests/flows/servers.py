@@ -87,3 +87,9 @@ def flow_runs(env: dict[str, str], cwd: Path) -> list[dict]:
     listing = prefect(env, cwd, "flow-run", "ls", "-o", "json", "--limit", "50")
     assert listing.returncode == 0, listing.stdout + listing.stderr
     return json.loads(listing.stdout) if listing.stdout.strip().startswith("[") else []
+
+
+def state_message(env: dict[str, str], cwd: Path, run: dict) -> str:
+    inspect = prefect(env, cwd, "flow-run", "inspect", run["id"], "-o", "json")
+    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
+    return json.loads(inspect.stdout)["state"]["message"] or ""

@@ -12,7 +12,7 @@ import pytest
 
 from flows.run_params import set_params
 from tests.flows.conftest import BIN, read_json
-from tests.flows.servers import start_server, stop, wait_for
+from tests.flows.servers import flow_runs, start_server, state_message, stop, wait_for
 
 
 def deployment_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -138,6 +138,14 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         assert "not found on the deployment: 'repo_dir'" in " ".join(elsewhere.stdout.split())
         reward = deployment_run(env, "-p", 'params={"model.reward": "pty:spawn"}', "--watch")
         assert reward.returncode != 0 and "Failed" in reward.stdout, reward.stdout
+        # It failed for that reason, in the run's own final message.
+        [refused] = [
+            r
+            for r in flow_runs(env, tiny_project)
+            if (r.get("parameters") or {}).get("params", {}).get("model.reward")
+        ]
+        message = state_message(env, tiny_project, refused)
+        assert "params: 'model.reward' cannot be set by a flow run" in message, message
         assert (tiny_project / "models" / "registry.json").read_bytes() == registry
         assert (tiny_project / "params.yaml").read_bytes() == params_file
     finally:

@@ -14,7 +14,7 @@ import pytest
 
 from ppo_core.files import file_sha256, tree_sha256
 from tests.flows.conftest import BIN, dvc, read_json
-from tests.flows.servers import flow_runs, prefect, start_server, stop, wait_for
+from tests.flows.servers import flow_runs, prefect, start_server, state_message, stop, wait_for
 
 
 def on_new_data(runs: list[dict]) -> list[dict]:
@@ -29,12 +29,6 @@ FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 def settled(runs: list[dict], count: int) -> bool:
     return len(runs) >= count and all(r["state_type"] in FINAL for r in runs)
-
-
-def state_message(env: dict[str, str], cwd: Path, run: dict) -> str:
-    inspect = prefect(env, cwd, "flow-run", "inspect", run["id"], "-o", "json")
-    assert inspect.returncode == 0, inspect.stdout + inspect.stderr
-    return json.loads(inspect.stdout)["state"]["message"] or ""
 
 
 def write_prompts(path: Path, prompts: list[str]) -> Path:
