@@ -34,7 +34,9 @@ def test_grpo_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_d
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     assert results[8].keys() == base.keys()  # the policy only: no value head
     assert max_relative_difference(results[8], base) > 1e-4
-    assert max_relative_difference(results[1], results[8]) <= 1e-3
+    # float32 round-off, larger than GAE's (the group statistics divide by a small standard
+    # deviation): measured 6.4e-5 (2.9e-5 on an earlier build); the bound is about 8x that
+    assert max_relative_difference(results[1], results[8]) <= 5e-4
 
 
 def test_grpo_resume_matches_an_uninterrupted_run(tmp_path, tiny_model_dir, prompt_files):

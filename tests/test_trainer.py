@@ -35,9 +35,9 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_dir, p
     moved = {k: v for k, v in results[8].items() if k in base}
     assert max_relative_difference(moved, base) > 1e-4
     # ... and the same way for both micro-batch sizes. Float32 round-off (another summation
-    # order) measured 5.3e-6 here; the mean-of-means bug measured 1.5, so a bound of 1e-3 holds
-    # on any BLAS build while failing that bug by three orders of magnitude.
-    assert max_relative_difference(results[1], results[8]) <= 1e-3
+    # order): measured 8.6e-6 (5.3e-6 on an earlier build); the bound is about 12x that. The
+    # mean-of-means bug measured 1.5.
+    assert max_relative_difference(results[1], results[8]) <= 1e-4
 
 
 def test_same_seed_same_metrics(tmp_path, tiny_model_dir, prompt_files):

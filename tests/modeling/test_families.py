@@ -169,6 +169,19 @@ def test_a_tokenizer_without_a_pad_token_pads_with_eos_and_says_so(family_models
     assert tokenizer.padding_side == "left"
 
 
+# Float32 round-off between micro-batches of 1 and 8 rows (another summation order), by case:
+# each bound is about 20x the relative difference measured (in the comment); the mean-of-means
+# bug gives differences of order 1.
+EXACT_BOUND = {
+    "llama-pad_own": 3e-5,  # 1.4e-6
+    "qwen2-pad_own": 1e-4,  # 5.7e-6
+    "mistral-pad_own": 3e-5,  # 1.4e-6
+    "gpt_neox-pad_own": 2e-5,  # 8.3e-7
+    "qwen2-pad_eos-vocab_151936": 1e-4,  # 4.8e-6
+    "llama-pad_none": 3e-5,  # 1.4e-6
+}
+
+
 # GPT-2's own is tests/test_trainer.py::test_micro_batch_size_does_not_change_the_update.
 @pytest.mark.parametrize("case", CASES[1:], ids=case_id)
 def test_micro_batch_size_does_not_change_the_update(tmp_path, family_models, case, prompt_files):
@@ -182,7 +195,7 @@ def test_micro_batch_size_does_not_change_the_update(tmp_path, family_models, ca
     base = load_file(str(folder / "model.safetensors"))
     moved = {k: v for k, v in results[8].items() if k in base}
     assert max_relative_difference(moved, base) > 1e-4
-    assert max_relative_difference(results[1], results[8]) <= 1e-3
+    assert max_relative_difference(results[1], results[8]) <= EXACT_BOUND[case_id(case)]
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -180,7 +180,7 @@ def test_micro_batch_size_does_not_change_the_lora_update(tmp_path, llama, promp
     )
     lora_b = {k: v for k, v in results[8].items() if "lora_B" in k}
     assert max(float(v.abs().max()) for v in lora_b.values()) > 1e-4  # B left zero: it trained
-    assert max_relative_difference(results[1], results[8]) <= 1e-3
+    assert max_relative_difference(results[1], results[8]) <= 5e-5  # 2.4e-6 measured
 
 
 def test_a_resumed_lora_run_matches_an_uninterrupted_one(tmp_path, llama, prompt_files):
