@@ -1,0 +1,154 @@
+"""Every benchmark in ``bench/`` still runs on today's code: its ``--smoke`` mode, as a subprocess
+with the project's Python.
+
+The benchmarks are found by glob, so that one added tomorrow is tested the day it is added:
+every ``bench/*.py`` and ``bench/*.sh`` but helpers (names starting with ``_``, which a benchmark
+imports or runs and which are tested through it) and environment builders (``setup_*``). A
+benchmark without a ``--smoke`` mode fails here, saying so.
+
+A smoke run takes the smallest sizes and one repeat, and writes its outputs to a new temporary
+folder (``bench/_smoke.py``); here ``$TMPDIR`` is the test's own folder. Each run must exit 0,
+print no traceback, leave ``bench/results/`` and the plots in ``docs/`` as they were, and write a
+JSON result holding at least one finite, non-integer number: something it measured. No test
+asserts what the numbers are.
+
+Shell benchmarks (``bench/gpu.sh``) run their smoke with ``--device cpu`` where torch sees no
+CUDA device. ``bench/ppo_vs_trl.py`` is run twice: this project's sides, and TRL's side, which
+needs ``bench/.trl-venv`` (``bash bench/setup_trl.sh``): without it that case is skipped, except
+under ``PPO_SOAK=1`` (``make soak``), where its absence fails.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "bench"
+PYTHON = ROOT / ".venv" / "bin" / "python"
+TRL_VENV = BENCH / ".trl-venv"
+SOAK = os.environ.get("PPO_SOAK") == "1"
+TIMEOUT_S = 900
+
+SLOW = {
+    "data_parallel.py",
+    "estimators.py",
+    "gpu.sh",
+    "memory_scaling.py",
+    "orchestration.py",
+    "ppo_vs_trl.py",
+    "sharding.py",
+}
+"""The smoke runs that took over 20 s on the development machine (2 shared cores): mostly the
+start of several processes that each import torch and transformers."""
+
+EXTRA_ARGS = {"ppo_vs_trl.py": ["--sides", "ours", "ours_shared"]}
+"""Options added to a benchmark's ``--smoke``; TRL's side of ``ppo_vs_trl.py`` is its own case."""
+
+
+def benchmarks() -> list[Path]:
+    """Every benchmark script in ``bench/``, by name."""
+    found = [*BENCH.glob("*.py"), *BENCH.glob("*.sh")]
+    return sorted(p for p in found if not p.name.startswith(("_", "setup_")))
+
+
+def smoke_command(script: Path, *extra: str) -> list[str]:
+    if script.suffix == ".sh":
+        device = [] if torch.cuda.is_available() else ["--device", "cpu"]
+        return ["bash", str(script), "--smoke", *device, *extra]
+    python = str(PYTHON) if PYTHON.exists() else sys.executable
+    return [python, str(script), "--smoke", *extra]
+
+
+def untouched_outputs() -> dict[str, tuple[int, int]]:
+    """What the full runs write in the repository: ``bench/results/`` and the plots in
+    ``docs/``, by path, with each file's modification time and size."""
+    files = [*(BENCH / "results").rglob("*"), *(ROOT / "docs").glob("*.png")]
+    return {str(f): (f.stat().st_mtime_ns, f.stat().st_size) for f in files if f.is_file()}
+
+
+def numbers(value) -> list[float]:
+    """The non-integer numbers anywhere in a parsed JSON value."""
+    if isinstance(value, float):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, list):
+        return [n for item in value for n in numbers(item)]
+    return []
+
+
+def run_smoke(script: Path, tmp_path: Path, *extra: str) -> tuple[str, list[dict]]:
+    """Run ``script``'s smoke mode with ``$TMPDIR`` in ``tmp_path``; its output (stdout and
+    stderr) and the JSON results it wrote, after the checks every benchmark passes."""
+    name = script.name
+    if "--smoke" not in script.read_text():
+        pytest.fail(
+            f"bench/{name} has no --smoke mode: every benchmark needs one (the smallest sizes, "
+            "one repeat, outputs to a temporary folder: see bench/_smoke.py), or a name starting "
+            "with '_' if it is a helper that a benchmark runs"
+        )
+    before = untouched_outputs()
+    env = dict(os.environ, TMPDIR=str(tmp_path))
+    try:
+        done = subprocess.run(
+            smoke_command(script, *extra),
+            cwd=ROOT,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired as exc:
+        pytest.fail(f"bench/{name} --smoke ran over {TIMEOUT_S} s:\n{str(exc.output)[-3000:]}")
+    output = done.stdout + done.stderr
+    if "unrecognized arguments: --smoke" in output:
+        pytest.fail(f"bench/{name} does not accept --smoke: every benchmark needs a smoke mode")
+    assert done.returncode == 0, f"bench/{name} --smoke exited {done.returncode}:\n{output[-6000:]}"
+    assert "Traceback (most recent call last)" not in output, output[-6000:]
+    assert untouched_outputs() == before, f"bench/{name} --smoke wrote into bench/results or docs"
+    files = sorted(tmp_path.glob("bench-smoke-*/*.json"))
+    assert files, f"bench/{name} --smoke wrote no JSON result to a temporary folder:\n{output}"
+    results = [json.loads(f.read_text()) for f in files]
+    measured = [n for result in results for n in numbers(result) if math.isfinite(n)]
+    assert measured, f"no measured number in {[str(f) for f in files]}"
+    return output, results
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        pytest.param(path, id=path.name, marks=[pytest.mark.slow] if path.name in SLOW else [])
+        for path in benchmarks()
+    ],
+)
+def test_smoke_run(script: Path, tmp_path: Path):
+    """The benchmark's smoke run succeeds and measures something."""
+    _, results = run_smoke(script, tmp_path, *EXTRA_ARGS.get(script.name, []))
+    if script.name == "ppo_vs_trl.py":
+        for row in results[0]["median"].values():
+            for side in ("ours", "ours_shared"):
+                assert row[side]["iteration_s"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+def test_ppo_vs_trl_smoke_of_the_trl_side(tmp_path: Path):
+    """TRL 1.12's side of ``bench/ppo_vs_trl.py`` runs and is timed per iteration."""
+    if not (TRL_VENV / "bin" / "python").exists():
+        reason = f"{TRL_VENV} is missing (bash bench/setup_trl.sh builds it)"
+        if SOAK:
+            pytest.fail(f"PPO_SOAK=1 runs TRL's side of bench/ppo_vs_trl.py, but {reason}")
+        pytest.skip(f"TRL's side of bench/ppo_vs_trl.py not run: {reason}")
+    _, results = run_smoke(BENCH / "ppo_vs_trl.py", tmp_path, "--sides", "trl")
+    (result,) = results
+    for row in result["median"].values():
+        assert row["trl"]["iteration_s"] > 0
+    assert result["trl_reached"]["parameter_dtype"] == "torch.float32"
