@@ -105,14 +105,13 @@ def main() -> None:
     if args.child:
         child(json.loads(args.child))
         return
-    results: dict[str, list[dict[str, float]]] = {"1": [], str(args.procs): []}
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:  # 2 ranks of 4 rows, mini-batches of 1; the second iteration is timed
             args.procs, args.global_batch, args.iterations, args.repeats = 2, 8, 2, 1
             args.out = _smoke.output_folder("data_parallel") / "data_parallel.json"
             args.model = str(_smoke.tiny_model(Path(tmp) / "model"))
             args.prompts = str(_smoke.prompt_files(Path(tmp) / "prompts")[0])
-            results = {"1": [], "2": []}
+        results: dict[str, list[dict[str, float]]] = {"1": [], str(args.procs): []}
         for repeat in range(args.repeats):
             for procs in (1, args.procs):
                 results[str(procs)].append(run(procs, args, Path(tmp) / f"{procs}-{repeat}"))

@@ -44,10 +44,12 @@ SLOW = {
     "memory_scaling.py",
     "orchestration.py",
     "ppo_vs_trl.py",
+    "precision.py",
     "sharding.py",
 }
-"""The smoke runs that took over 20 s on the development machine (2 shared cores): mostly the
-start of several processes that each import torch and transformers."""
+"""The smoke runs that took 20 s or more on the development machine (2 cores shared with other
+work): mostly the start of several processes that each import torch and transformers, and for
+orchestration.py the whole pipeline twice (direct and through the flow)."""
 
 EXTRA_ARGS = {"ppo_vs_trl.py": ["--sides", "ours", "ours_shared"]}
 """Options added to a benchmark's ``--smoke``; TRL's side of ``ppo_vs_trl.py`` is its own case."""
