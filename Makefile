@@ -76,8 +76,10 @@ fuzz: $(STAMP)
 		-n $(PYTEST_WORKERS) --dist worksteal -m "not slow" tests/math tests/reliability
 
 # The long scenarios that `make test` runs shortened (PPO_SOAK=1): the full 20-kill SIGKILL loop
-# and the TRL side of the benchmark smoke runs. It prints how long it took.
+# and the TRL side of the benchmark smoke runs (bench/.trl-venv is built first when missing, from
+# PyPI). It prints how long it took.
 soak: $(STAMP)
+	test -x bench/.trl-venv/bin/python || bash bench/setup_trl.sh
 	@start=$$(date +%s); \
 	PPO_SOAK=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=10 \
 		-m soak tests; status=$$?; \

@@ -33,7 +33,7 @@ SECONDS = {
 
 
 def expected_seconds(item: pytest.Item) -> float:
-    listed = SECONDS.get(item.nodeid.split("[")[0])
+    listed = SECONDS.get(item.nodeid, SECONDS.get(item.nodeid.split("[")[0]))
     if listed is not None:
         return listed
     return UNLISTED_SLOW_S if item.get_closest_marker("slow") else 0.0

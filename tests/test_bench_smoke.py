@@ -47,8 +47,7 @@ SLOW = {
     "precision.py",
     "sharding.py",
 }
-"""The smoke runs that took 20 s or more on the development machine (2 cores shared with other
-work): mostly the start of several processes that each import torch and transformers, and for
+"""The smoke runs that took 20 s or more on two shared CPU cores: mostly the start of several processes that each import torch and transformers, and for
 orchestration.py the whole pipeline twice (direct and through the flow)."""
 
 EXTRA_ARGS = {"ppo_vs_trl.py": ["--sides", "ours", "ours_shared"]}
