@@ -61,7 +61,7 @@ format: $(STAMP)
 PYTEST_WORKERS ?= 2
 
 test: $(STAMP) lint
-	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load --durations=30
+	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load --maxschedchunk 1 --durations=30
 
 # The inner loop: every test not marked slow (no lint), a few minutes.
 test-fast: $(STAMP)

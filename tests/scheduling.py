@@ -1,9 +1,10 @@
 """Test order for two pytest workers: the longest scenarios first, so that they run side by side
 from the start and the many short tests fill the gaps at the end (longest-first scheduling).
 
-`make test` distributes tests with ``--dist load``: the first quarter of the list goes out
-round-robin, the rest to whichever worker is free, so the longest tests alternate between the
-workers and neither ends minutes after the other. ``SECONDS`` holds each long test's duration as
+`make test` distributes tests with ``--dist load --maxschedchunk 1``: after two tests each, a
+worker gets the next test of the list whenever it is free, so the longest tests spread over the
+workers and neither ends minutes after the other. (Without ``--maxschedchunk 1`` each worker
+first gets a quarter of its share in one piece, and one worker got every long test.) ``SECONDS`` holds each long test's duration as
 last measured on a fresh clone here (`make test` prints the slowest with ``--durations``); a test
 marked ``slow`` that is not listed counts as ``UNLISTED_SLOW_S``; the others keep the order in
 which pytest collects them.
@@ -40,5 +41,19 @@ def expected_seconds(item: pytest.Item) -> float:
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    # sorted() is stable: tests of equal cost (all the short ones) keep their collected order.
-    items[:] = sorted(items, key=lambda item: -expected_seconds(item))
+    # A module's tests stay together, so that its module-scoped fixtures (a Prefect server, the
+    # distributed tests' one-process references) are built once per worker; the modules go in
+    # the order of their longest test, and inside one the longest go first. sorted() is stable:
+    # the modules of short tests keep their collected order.
+    longest: dict[str, float] = {}
+    first: dict[str, int] = {}
+    for index, item in enumerate(items):
+        module = item.nodeid.split("::")[0]
+        longest[module] = max(longest.get(module, 0.0), expected_seconds(item))
+        first.setdefault(module, index)
+
+    def order(item: pytest.Item) -> tuple[float, int, float]:
+        module = item.nodeid.split("::")[0]
+        return (-longest[module], first[module], -expected_seconds(item))
+
+    items[:] = sorted(items, key=order)
