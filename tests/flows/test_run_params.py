@@ -8,6 +8,7 @@ import shutil
 import subprocess
 import sys
 
+import psutil
 import pytest
 
 from flows.run_params import (
@@ -217,3 +218,11 @@ def test_run_with_a_bad_setting_stops_in_one_line_before_a_server_starts(
         main(["run", "--repo", str(project), "-S", assignment])
     assert str(stopped.value.code).startswith(message)
     assert listing(project) == before
+    # The run's own Prefect server, started early so that it comes up during the check, is
+    # stopped with the run instead of running on until this process exits.
+    servers = [
+        child.cmdline()
+        for child in psutil.Process().children(recursive=True)
+        if "server" in child.cmdline() and child.status() != psutil.STATUS_ZOMBIE
+    ]
+    assert not servers, servers
