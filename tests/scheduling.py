@@ -4,32 +4,35 @@ from the start and the many short tests fill the gaps at the end (longest-first 
 `make test` distributes tests with ``--dist load --maxschedchunk 1``: after two tests each, a
 worker gets the next test of the list whenever it is free, so the longest tests spread over the
 workers and neither ends minutes after the other. (Without ``--maxschedchunk 1`` each worker
-first gets a quarter of its share in one piece, and one worker got every long test.) ``SECONDS`` holds each long test's duration as
-last measured on a fresh clone here (`make test` prints the slowest with ``--durations``); a test
-marked ``slow`` that is not listed counts as ``UNLISTED_SLOW_S``; the others keep the order in
-which pytest collects them.
+first gets a quarter of its share in one piece, and one worker got every long test.)
+
+``SECONDS`` holds each long test's duration as last measured on a fresh clone (`make test`
+prints the slowest with ``--durations``); a test marked ``slow`` that is not listed counts as
+``UNLISTED_SLOW_S``; the others keep the order in which pytest collects them.
 """
 
 from __future__ import annotations
 
 import pytest
 
-UNLISTED_SLOW_S = 60.0
+UNLISTED_SLOW_S = 20.0
 
-# node id (without parameters) -> seconds in `make test`, measured on two shared cores
+# node id -> seconds in a fresh clone's `make test` on two shared cores (2026-12-02)
 SECONDS = {
-    "tests/flows/test_work_pool.py::test_a_worker_runs_the_deployments_and_ingest_triggers_retraining": 300.0,
-    "tests/flows/test_worker_crash.py::test_a_run_whose_worker_died_is_started_again_and_resumes": 200.0,
-    "tests/reliability/test_kill_loop.py::test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run": 150.0,
-    "tests/flows/test_deployment.py::test_deployment_run_reaches_the_served_flow": 180.0,
-    "tests/flows/test_dvc_pipeline.py::test_repro_then_nothing_then_only_what_a_param_touches": 150.0,
-    "tests/flows/test_flow.py::test_retrain_flow_runs_every_stage_and_publishes_artifacts": 120.0,
-    "tests/flows/test_flow.py::test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validation": 110.0,
-    "tests/test_default_quality.py::test_default_run_makes_reviews_positive_within_budget": 150.0,
-    "tests/flows/test_readme_own_model.py::test_the_readme_own_model_block_runs_verbatim": 110.0,
-    "tests/flows/test_readme_chat_lora.py::test_the_readme_chat_and_lora_block_runs_verbatim": 110.0,
-    "tests/flows/test_readme_estimators.py::test_the_readme_estimators_block_runs_verbatim": 90.0,
-    "tests/reliability/test_retry_resumes.py::test_a_retried_train_stage_resumes_from_its_checkpoint": 60.0,
+    "tests/flows/test_work_pool.py::test_a_worker_runs_the_deployments_and_ingest_triggers_retraining": 464.0,
+    "tests/flows/test_dvc_pipeline.py::test_repro_then_nothing_then_only_what_a_param_touches": 214.0,
+    "tests/flows/test_worker_crash.py::test_a_run_whose_worker_died_is_started_again_and_resumes": 160.0,
+    "tests/flows/test_deployment.py::test_deployment_run_reaches_the_served_flow": 123.0,
+    "tests/reliability/test_kill_loop.py::test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run": 105.0,
+    "tests/test_default_quality.py::test_default_run_makes_reviews_positive_within_budget": 96.0,
+    "tests/test_bench_smoke.py::test_smoke_run[orchestration.py]": 91.0,
+    "tests/flows/test_flow.py::test_retrain_flow_runs_every_stage_and_publishes_artifacts": 75.0,
+    "tests/test_distributed_training.py::test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters": 55.0,
+    "tests/flows/test_flow.py::test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validation": 42.0,
+    "tests/flows/test_readme_chat_lora.py::test_the_readme_chat_and_lora_block_runs_verbatim": 38.0,
+    "tests/flows/test_readme_own_model.py::test_the_readme_own_model_block_runs_verbatim": 35.0,
+    "tests/flows/test_readme_estimators.py::test_the_readme_estimators_block_runs_verbatim": 33.0,
+    "tests/reliability/test_retry_resumes.py::test_a_retried_train_stage_resumes_from_its_checkpoint": 21.0,
 }
 
 
