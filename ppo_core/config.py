@@ -546,7 +546,7 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
         if "=" not in item:
             raise ConfigError(f"override {_shown_override(item)} is not of the form key=value")
         given: DictConfig | None = None
-        _check_mapping_keys(item)
+        _check_yaml_value(item)
         try:
             given = OmegaConf.from_dotlist([item])
             merged = OmegaConf.merge(merged, given)
@@ -569,13 +569,15 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     return config
 
 
-def _check_mapping_keys(item: str) -> None:
-    """Refuse an override whose value is a YAML mapping with a key that is not a name.
+def _check_yaml_value(item: str) -> None:
+    """Refuse an override whose value YAML reads as a mapping with a key that is not a name, or
+    as a list with an empty item.
 
-    YAML reads a lone ``?`` as a mapping ``{None: None}`` and ``{1: 2}`` as one keyed by a
-    number; OmegaConf then reports an "incompatible key type" against a key of its own choosing.
-    This names the override and the key the user wrote instead. A value that is not valid YAML
-    is left to the merge, which says so.
+    YAML reads a lone ``?`` as a mapping ``{None: None}``, ``{1: 2}`` as one keyed by a number
+    and a lone ``-`` as the list ``[None]``; OmegaConf then reports an "incompatible key type" or
+    an "invalid type assigned" against a key of its own choosing (``optim.betas[0]``). This
+    names the override and the key the user wrote instead. A value that is not valid YAML is
+    left to the merge, which says so.
     """
     import yaml
 
@@ -601,6 +603,12 @@ def _check_mapping_keys(item: str) -> None:
                 )
             pending.extend(node.values())
         elif isinstance(node, list):
+            if any(value is None for value in node):
+                raise ConfigError(
+                    f"override {_shown_override(item)}: the value given to {_short(key)} is not "
+                    "a config value: YAML reads it as a list with an empty item (a lone '-' is "
+                    "one); put text in quotes"
+                )
             pending.extend(node)
 
 

@@ -881,6 +881,7 @@ config_overrides = st.lists(st.tuples(st.sampled_from(KEYS), values), min_size=1
 # found by `make fuzz`: YAML reads a lone '?' as {None: None}, a mapping keyed by no name
 @example(overrides=[("ppo.epochs.deeper", "?")])
 @example(overrides=[("ppo.epochs", "?")])
+@example(overrides=[("optim.betas", "-")])  # also found by `make fuzz`: YAML reads it as [None]
 def test_fuzzed_configs_load_or_name_the_wrong_key(overrides):
     check_config(overrides)
 
@@ -944,6 +945,11 @@ def test_a_reference_of_the_wrong_type_is_a_config_error_naming_the_key(override
             ["data={1: 2}"],
             "override 'data={1: 2}': the value given to 'data' is not a config value: a "
             "mapping's keys must be names, got 1",
+        ),
+        (
+            ["optim.betas=-"],
+            "override 'optim.betas=-': the value given to 'optim.betas' is not a config value: "
+            "YAML reads it as a list with an empty item (a lone '-' is one); put text in quotes",
         ),
         (
             ["seed=${oops}"],
