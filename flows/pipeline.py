@@ -699,19 +699,16 @@ def main(argv: list[str] | None = None, server: LocalServer | None = None) -> No
     from flows.run_params import RunParamsError
     from ppo_core.config import ConfigError
 
-    try:
-        params = dict(_parse_set(a) for a in args.set)
-    except SystemExit:
-        if server is not None:  # started ahead by this module: not needed now
-            server.stop()
-        raise
     if server is None and not api_url_named():
         server = LocalServer()
     try:  # before the server is waited for: a typo is one line, not a flow's traceback
+        params = dict(_parse_set(a) for a in args.set)
         check_run_params(project_dir(), params)
-    except (RunParamsError, ConfigError) as exc:
+    except (RunParamsError, ConfigError, SystemExit) as exc:
         if server is not None:  # started to overlap its start-up with the check: not needed now
             server.stop()
+        if isinstance(exc, SystemExit):
+            raise
         raise SystemExit(f"error: {exc}") from None
     with contextlib.ExitStack() as stack:
         if server is not None:

@@ -586,8 +586,8 @@ def _check_yaml_value(item: str) -> None:
         parsed = yaml.safe_load(value)
     except yaml.YAMLError:
         return
-    pending = [parsed]
-    while pending:
+    pending, why = [parsed], ""
+    while pending and not why:
         node = pending.pop()
         if isinstance(node, dict):
             bad = [k for k in node if not isinstance(k, str)]
@@ -597,19 +597,19 @@ def _check_yaml_value(item: str) -> None:
                     if bad[0] is None
                     else f"a mapping's keys must be names, got {_short(bad[0])}"
                 )
-                raise ConfigError(
-                    f"override {_shown_override(item)}: the value given to {_short(key)} is not "
-                    f"a config value: {why}"
-                )
             pending.extend(node.values())
         elif isinstance(node, list):
             if any(value is None for value in node):
-                raise ConfigError(
-                    f"override {_shown_override(item)}: the value given to {_short(key)} is not "
-                    "a config value: YAML reads it as a list with an empty item (a lone '-' is "
-                    "one); put text in quotes"
+                why = (
+                    "YAML reads it as a list with an empty item (a lone '-' is one); put text "
+                    "in quotes"
                 )
             pending.extend(node)
+    if why:
+        raise ConfigError(
+            f"override {_shown_override(item)}: the value given to {_short(key)} is not a "
+            f"config value: {why}"
+        )
 
 
 def _check_shapes(node: Any, prefix: str = "") -> None:

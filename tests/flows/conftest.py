@@ -80,6 +80,13 @@ def make_tiny_project(folder: Path, n_prompts: int = 120) -> Path:
     return folder
 
 
+def ran(output: str) -> set[str]:
+    """The stages a `dvc repro` output says it ran."""
+    return {
+        line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")
+    }
+
+
 def git_commit(project: Path, message: str) -> None:
     git = ["git", "-c", "user.email=ci@example.invalid", "-c", "user.name=ci"]
     subprocess.run([*git, "add", "-A"], cwd=project, check=True)
@@ -121,10 +128,7 @@ def built_project(tmp_path_factory, worker_id) -> Path:
             make_tiny_project(folder)
             done = dvc(folder, "repro", "validate")
             assert done.returncode == 0, done.stdout + done.stderr
-            ran = {
-                line.split("'")[1] for line in done.stdout.splitlines() if "Running stage '" in line
-            }
-            assert ran == {"prepare", "base", "validate"}, done.stdout
+            assert ran(done.stdout) == {"prepare", "base", "validate"}, done.stdout
             (folder / ".building").unlink()
             git_commit(folder, "prepare, base and validate through dvc repro")
     return folder

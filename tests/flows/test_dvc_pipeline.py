@@ -8,13 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.flows.conftest import BIN, dvc, environment, experiment_scores, read_json
-
-
-def ran(output: str) -> set[str]:
-    return {
-        line.split("'")[1] for line in output.splitlines() if line.startswith("Running stage '")
-    }
+from tests.flows.conftest import BIN, dvc, environment, experiment_scores, ran, read_json
 
 
 @pytest.mark.slow
