@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 import sys
@@ -12,7 +11,7 @@ import pytest
 
 from flows.run_params import set_params
 from tests.flows.conftest import BIN, read_json
-from tests.flows.servers import flow_runs, start_server, state_message, stop, wait_for
+from tests.flows.servers import api, flow_runs, start_server, state_message, stop, wait_for
 
 
 def deployment_run(env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
@@ -53,14 +52,7 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         )
 
         def deployed() -> bool:
-            probe = subprocess.run(
-                [str(BIN / "prefect"), "deployment", "inspect", "retrain/manual"],
-                env=env,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            return probe.returncode == 0
+            return api(env, "deployments/name/retrain/manual") is not None
 
         wait_for(deployed, 120, "the served deployments")
         scheduled = subprocess.run(
@@ -73,18 +65,7 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         assert scheduled.returncode == 0 and "* * * * *" in scheduled.stdout
 
         def scheduled_run_in(*state_types: str) -> bool:
-            listing = subprocess.run(
-                [str(BIN / "prefect"), "flow-run", "ls", "-o", "json"]
-                + [arg for state in state_types for arg in ("--state-type", state)],
-                env=env,
-                capture_output=True,
-                text=True,
-                check=False,
-            )
-            if listing.returncode != 0 or not listing.stdout.strip().startswith("["):
-                return False
-            runs = json.loads(listing.stdout)
-            return any(r.get("parameters", {}).get("from_production") for r in runs)
+            return any(r["parameters"].get("from_production") for r in flow_runs(env, *state_types))
 
         wait_for(
             lambda: scheduled_run_in("RUNNING", "COMPLETED"), 300, "the schedule to start a run"
@@ -141,10 +122,10 @@ def test_deployment_run_reaches_the_served_flow(tiny_project, tmp_path):
         # It failed for that reason, in the run's own final message.
         [refused] = [
             r
-            for r in flow_runs(env, tiny_project)
+            for r in flow_runs(env, "FAILED")
             if (r.get("parameters") or {}).get("params", {}).get("model.reward")
         ]
-        message = state_message(env, tiny_project, refused)
+        message = state_message(env, refused)
         assert "params: 'model.reward' cannot be set by a flow run" in message, message
         assert (tiny_project / "models" / "registry.json").read_bytes() == registry
         assert (tiny_project / "params.yaml").read_bytes() == params_file

@@ -34,19 +34,21 @@ def test_repro_then_nothing_then_only_what_a_param_touches(tiny_project):
     third = dvc(tiny_project, "exp", "run", "-n", "clip-0.1", "-S", "ppo.clip_eps=0.1")
     assert third.returncode == 0, third.stdout + third.stderr
     assert ran(third.stdout) == {"train", "evaluate", "promote"}, third.stdout
-    # Back to the committed value: the workspace params.yaml is the committed text again, so
-    # `-S` rewrites nothing but the value (params.yaml is in the form DVC writes).
-    fourth = dvc(tiny_project, "exp", "run", "-n", "clip-0.2", "-S", "ppo.clip_eps=0.2")
-    assert fourth.returncode == 0, fourth.stdout + fourth.stderr
-    assert (tiny_project / "params.yaml").read_text() == committed
+    # The experiment's params.yaml stays in the workspace, and `-S` rewrote nothing but the
+    # value (params.yaml is in the form DVC writes).
+    assert "  clip_eps: 0.2\n" in committed
+    assert (tiny_project / "params.yaml").read_text() == committed.replace(
+        "  clip_eps: 0.2\n", "  clip_eps: 0.1\n"
+    )
 
-    # Each experiment recorded its metrics (git-tracked), so the table has numbers, not `!`.
+    # The experiment recorded its metrics (git-tracked), so the table has numbers, not `!`.
     shown = dvc(tiny_project, "exp", "show", "--json")
     assert shown.returncode == 0, shown.stderr
     scores = experiment_scores(shown.stdout)
-    assert set(scores) == {"clip-0.1", "clip-0.2"}, scores
+    assert set(scores) == {"clip-0.1"}, scores
     assert all(s is not None and math.isfinite(s) for s in scores.values()), scores
-    # `ppo compare`: a row per run, the one param that changed beside the headline
+    # `ppo compare`: a row per run (the commit, the workspace, the experiment), the one param
+    # that changed beside the headline
     compared = subprocess.run(
         [str(BIN / "ppo"), "compare"],
         cwd=tiny_project,
@@ -59,7 +61,8 @@ def test_repro_then_nothing_then_only_what_a_param_touches(tiny_project):
     table = compared.stdout
     assert "ppo.clip_eps" in table and "score" in table and "tokens/s" in table, table
     rows = {line.split()[1]: line for line in table.splitlines() if "clip-0." in line}
-    assert set(rows) == {"clip-0.1", "clip-0.2"}, table
+    assert set(rows) == {"clip-0.1"}, table
+    assert "workspace" in table, table
     assert all(len(line) <= 100 for line in table.splitlines()), table
 
     metrics = dvc(tiny_project, "metrics", "show", "--json")

@@ -36,18 +36,24 @@ def write_prompts(path: Path, prompts: list[str]) -> Path:
     return path
 
 
-def ingest(env: dict[str, str], cwd: Path, path: Path) -> None:
-    done = subprocess.run(
-        [str(BIN / "ppo"), "ingest", str(path)],
-        env=env,
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-        check=False,
-        timeout=120,
-    )
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "sent ppo.data.ingested" in done.stderr, done.stderr
+def ingest(env: dict[str, str], cwd: Path, *paths: Path) -> None:
+    """`ppo ingest PATH` for each of ``paths``, all at once (one command each, so one event
+    each), each checked to have added its file and sent its event."""
+    commands = [
+        subprocess.Popen(
+            [str(BIN / "ppo"), "ingest", str(path)],
+            env=env,
+            cwd=cwd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for path in paths
+    ]
+    for command in commands:
+        out, err = command.communicate(timeout=120)
+        assert command.returncode == 0, out + err
+        assert "sent ppo.data.ingested" in err, err
 
 
 @pytest.mark.slow
@@ -82,25 +88,64 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
         def worker_log() -> str:
             return (logs / "worker.log").read_text()[-4000:]
 
-        # 1. `prefect deployment run` goes through the work pool to the worker.
-        manual = prefect(
+        # 1. `prefect deployment run` goes through the work pool to the worker, and two files
+        # ingested while it trains lead to exactly one more training run: the run the first file
+        # triggers waits for the project's lock, then takes both; the second one's finds nothing.
+        # Six iterations leave the files time to arrive after the run's first checkpoint.
+        manual = subprocess.Popen(
+            [
+                str(BIN / "prefect"),
+                "deployment",
+                "run",
+                "retrain/manual",
+                "-p",
+                'params={"train.iterations": 6}',
+                "--watch",
+                "--watch-timeout",
+                "600",
+            ],
+            env=env,
+            cwd=project,
+            stdout=(logs / "manual.log").open("w"),
+            stderr=subprocess.STDOUT,
+        )
+        wait_for(
+            lambda: any((project / "checkpoints").glob("step-*")) or manual.poll() is not None,
+            600,
+            "the manual run's first checkpoint",
+        )
+        ingest(
             env,
             project,
-            "deployment",
-            "run",
-            "retrain/manual",
-            "--watch",
-            "--watch-timeout",
-            "600",
-            timeout=660,
+            write_prompts(tmp_path / "first.jsonl", ["a brand new review of"]),
+            write_prompts(tmp_path / "second.jsonl", ["the sequel was"]),
         )
-        assert manual.returncode == 0 and "Completed" in manual.stdout, (
-            manual.stdout + manual.stderr + worker_log()
-        )
-        assert read_json(project / "models" / "registry.json")["current"] == "v0001"
+        [manual_run] = [r for r in flow_runs(env) if "params" in r["parameters"]]
+        assert manual_run["state_type"] == "RUNNING", "the files arrived after the manual run"
+        manual.wait(timeout=660)
+        watched = (logs / "manual.log").read_text()
+        assert manual.returncode == 0 and "Completed" in watched, watched + worker_log()
         # The decision was backed up in the DVC remote, and the run recorded as an experiment.
         assert (project / "models" / "production.dvc").is_file()
         assert (project / "models" / "registry.json.dvc").is_file()
+        wait_for(
+            lambda: settled(on_new_data(flow_runs(env)), 2),
+            900,
+            "the runs the two files triggered to end",
+        )
+        time.sleep(5)  # no run beyond the ones the two events started
+        runs = on_new_data(flow_runs(env))
+        assert len(runs) == 2 and all(r["state_type"] == "COMPLETED" for r in runs), runs
+        messages = sorted(state_message(env, r) for r in runs)
+        assert messages[0].startswith("no new data"), messages
+        assert messages[1].startswith("promoted as v0002"), messages
+        assert read_json(project / "models" / "registry.json")["current"] == "v0002"
+        assert sorted(p.name for p in (project / "data" / "raw").iterdir()) == [
+            "first.jsonl",
+            "prompts.jsonl",
+            "second.jsonl",
+        ]
+        assert not list((project / "data" / "inbox").iterdir())
         # An unknown parameter is refused by the deployment, and nothing runs.
         unknown = prefect(env, project, "deployment", "run", "retrain/manual", "-p", "epochs=3")
         assert unknown.returncode != 0
@@ -116,11 +161,11 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
         long_prompts = [" ".join(["word"] * 60) + f" {i}" for i in range(40)]
         ingest(env, project, write_prompts(tmp_path / "too-long.jsonl", long_prompts))
         wait_for(
-            lambda: settled(on_new_data(flow_runs(env, project)), 1),
+            lambda: settled(on_new_data(flow_runs(env)), 3),
             600,
             "the run triggered by the rejected file",
         )
-        [rejected_run] = on_new_data(flow_runs(env, project))
+        rejected_run = on_new_data(flow_runs(env))[-1]
         assert rejected_run["state_type"] == "FAILED", worker_log()
         assert kept == {
             "prepared": tree_sha256(project / "data" / "prepared"),
@@ -134,37 +179,6 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
         assert artifact.returncode == 0, artifact.stdout + artifact.stderr
         assert "max_tokens" in artifact.stdout or "between" in artifact.stdout, artifact.stdout
 
-        # 3. Files ingested while a triggered run trains lead to exactly one more training run.
-        ingest(env, project, write_prompts(tmp_path / "first.jsonl", ["a brand new review of"]))
-        wait_for(
-            lambda: (project / "data" / "raw" / "first.jsonl").exists(),
-            300,
-            "the triggered run to take the first file",
-        )
-        ingest(env, project, write_prompts(tmp_path / "second.jsonl", ["the sequel was"]))
-        ingest(env, project, write_prompts(tmp_path / "third.jsonl", ["the soundtrack felt"]))
-        running = [r for r in on_new_data(flow_runs(env, project)) if r["state_type"] == "RUNNING"]
-        assert len(running) == 1, "the files arrived after the run they were meant to overlap"
-        wait_for(
-            lambda: settled(on_new_data(flow_runs(env, project)), 4),
-            900,
-            "the triggered runs to end",
-        )
-        time.sleep(5)  # no run beyond the ones the three events started
-        runs = on_new_data(flow_runs(env, project))[1:]
-        assert len(runs) == 3 and all(r["state_type"] == "COMPLETED" for r in runs), runs
-        messages = [state_message(env, project, r) for r in runs]
-        nothing = [m for m in messages if m.startswith("no new data")]
-        # The run the first file started trained; of the two the later files started, one took
-        # both files and trained, the other found them taken and ended at once.
-        assert len(nothing) == 1 and not messages[0].startswith("no new data"), messages
-        assert sorted(p.name for p in (project / "data" / "raw").iterdir()) == [
-            "first.jsonl",
-            "prompts.jsonl",
-            "second.jsonl",
-            "third.jsonl",
-        ]
-        assert not list((project / "data" / "inbox").iterdir())
         # A forged or malformed event starts a run that reads nothing from it: it finds no new
         # data and ends, changing nothing.
         kept = tree_sha256(project / "data")
@@ -181,18 +195,18 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
         )
         assert forged.returncode == 0, forged.stdout + forged.stderr
         wait_for(
-            lambda: settled(on_new_data(flow_runs(env, project)), 5),
+            lambda: settled(on_new_data(flow_runs(env)), 4),
             300,
             "the run the forged event started",
         )
-        last = on_new_data(flow_runs(env, project))[-1]
+        last = on_new_data(flow_runs(env))[-1]
         assert last["state_type"] == "COMPLETED"
-        assert state_message(env, project, last).startswith("no new data")
+        assert state_message(env, last).startswith("no new data")
         assert tree_sha256(project / "data") == kept
         # Each run that decided is a DVC experiment; params.yaml is as it was committed.
         listed = dvc(project, "exp", "list", "--name-only")
         assert listed.returncode == 0, listed.stderr
-        assert len([n for n in listed.stdout.split() if n.startswith("retrain-")]) == 3
+        assert len([n for n in listed.stdout.split() if n.startswith("retrain-")]) == 2
         status = subprocess.run(
             ["git", "status", "--porcelain"], cwd=project, capture_output=True, text=True
         ).stdout

@@ -44,7 +44,7 @@ def start_worker(env, cwd, log) -> subprocess.Popen:
 
 def manual_runs(env, project) -> list[dict]:
     """The runs of 'retrain/manual' (not the scheduled deployment's future runs)."""
-    return [r for r in flow_runs(env, project) if not r["parameters"].get("from_production")]
+    return [r for r in flow_runs(env) if not r["parameters"].get("from_production")]
 
 
 @pytest.mark.slow
