@@ -6,12 +6,17 @@ import json
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ppo_core.config import load_config
 from ppo_core.trainer import train
 from tests import dist_train_worker
-from tests.helpers import adapter_parameters, free_port, max_relative_difference, parameters
+from tests.helpers import (
+    adapter_parameters,
+    free_port,
+    max_relative_difference,
+    parameters,
+    spawn_ranks,
+)
 
 
 def overrides(folder, model, prompts, rollout: int, mini: int) -> list[str]:
@@ -35,7 +40,7 @@ def overrides(folder, model, prompts, rollout: int, mini: int) -> list[str]:
 
 def train_on_two_ranks(settings: list[str]) -> None:
     """``train`` with ``settings`` on 2 gloo processes (``tests/dist_train_worker.py``)."""
-    mp.spawn(dist_train_worker.run, nprocs=2, join=True, args=(2, free_port(), settings))
+    spawn_ranks(dist_train_worker.run, 2, 2, free_port(), settings)
 
 
 # One process holding the whole batch (16 rows, mini-batches of 8) is the reference of most
@@ -306,11 +311,8 @@ def test_fsdp_policies_and_a_model_without_blocks():
 def shard_on_two_ranks(model_dir, precision: str, tmp_path) -> list[dict]:
     """Each rank's record from ``tests/dist_train_worker.py:shard_a_model``."""
     out = tmp_path / "sharded.json"
-    mp.spawn(
-        dist_train_worker.shard_a_model,
-        nprocs=2,
-        join=True,
-        args=(2, free_port(), str(model_dir), precision, str(out)),
+    spawn_ranks(
+        dist_train_worker.shard_a_model, 2, 2, free_port(), str(model_dir), precision, str(out)
     )
     return [json.loads(out.with_name(f"{out.name}.{rank}").read_text()) for rank in (0, 1)]
 
@@ -433,8 +435,8 @@ def test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters(
 
     import psutil
 
-    def command(folder: Path) -> list[str]:
-        settings = [
+    def settings(folder: Path) -> list[str]:
+        return [
             *overrides(folder, tiny_model_dir, prompt_files, 8, 4),
             f"train.metrics_dir={folder / 'metrics'}",
             "train.allow_stale_data=true",
@@ -442,9 +444,11 @@ def test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters(
             "train.checkpoint_every=1",
             "parallel.strategy=fsdp",
         ]
+
+    def command(folder: Path) -> list[str]:
         torchrun = Path(sys.executable).with_name("torchrun")
         return [str(torchrun), "--nproc_per_node", "2", "--master-port", str(free_port()),
-                "-m", "flows.cli", "train", "--config", "none", *settings]  # fmt: skip
+                "-m", "flows.cli", "train", "--config", "none", *settings(folder)]  # fmt: skip
 
     root = Path(__file__).resolve().parents[1]
 
@@ -455,7 +459,8 @@ def test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters(
         assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
         return done.stdout + done.stderr
 
-    run(tmp_path / "whole")
+    # the run never stopped: the same settings on two ranks, started the quick way
+    train_on_two_ranks(settings(tmp_path / "whole"))
     killed = tmp_path / "killed"
     first = subprocess.Popen(
         command(killed),

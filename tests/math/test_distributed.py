@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from ppo_core import LOSS_AGG_MODES, whiten_advantages
-from tests.helpers import free_port
+from tests.helpers import free_port, spawn_ranks
 from tests.math import dist_worker
 from tests.math.toy import ToyPolicy, ppo_micro_loss, relative_error
 
@@ -16,12 +15,7 @@ from tests.math.toy import ToyPolicy, ppo_micro_loss, relative_error
 def test_two_ranks_match_one_process(tmp_path):
     world_size = 2
     out = str(tmp_path / "result")
-    mp.spawn(
-        dist_worker.run,
-        args=(world_size, f"tcp://127.0.0.1:{free_port()}", out),
-        nprocs=world_size,
-        join=True,
-    )
+    spawn_ranks(dist_worker.run, world_size, world_size, f"tcp://127.0.0.1:{free_port()}", out)
     ranks = [torch.load(f"{out}.{rank}", weights_only=True) for rank in range(world_size)]
     data = dist_worker.shared_batch()
     # advantages are whitened with the moments of all ranks' rows together
