@@ -21,74 +21,6 @@ def prefect_harness():
         yield
 
 
-@pytest.mark.slow
-def test_retrain_flow_runs_every_stage_and_publishes_artifacts(
-    tiny_project, prefect_harness, monkeypatch
-):
-    from prefect.client.orchestration import get_client
-
-    from flows.pipeline import PROJECT_ENV, retrain
-
-    monkeypatch.setenv("PATH", environment()["PATH"])
-    monkeypatch.setenv(PROJECT_ENV, str(tiny_project))
-    state = retrain(return_state=True)
-    # The decision is the run's final message (the UI, `prefect flow-run inspect`) ...
-    assert state.is_completed()
-    assert state.message == "promoted as v0001: models/production/v0001"
-    # ... and the outputs its result, as retrain() returns them.
-    outputs = state.result()
-    # The project's first three stages were run and committed when it was built.
-    assert outputs["stages"] == {
-        **{stage: "skipped" for stage in ("prepare", "base", "validate")},
-        **{stage: "ran" for stage in ("train", "evaluate", "promote")},
-    }
-    assert outputs["decision"] == "promoted"
-    assert (tiny_project / "reports" / "eval" / "report.md").is_file()
-    # The entry names the code that trained the version (the project's commit, no tracked file
-    # changed but those the pipeline rewrites) and the hash of what was promoted.
-    from ppo_core.files import tree_sha256
-
-    head = subprocess.run(
-        ["git", "rev-parse", "HEAD"], cwd=tiny_project, capture_output=True, text=True, check=True
-    ).stdout.strip()
-    (first,) = read_json(tiny_project / "models" / "registry.json")["entries"]
-    assert first["code_version"] == {"commit": head, "dirty": False}
-    assert first["content_sha256"] == tree_sha256(tiny_project / "models/production/v0001")
-
-    async def artifact_keys():
-        async with get_client() as client:
-            return {a.key for a in await client.read_artifacts()}
-
-    import asyncio
-
-    assert {"evaluation-report", "evaluation-metrics"} <= asyncio.run(artifact_keys())
-
-    # Scheduled retraining: new raw data, start from production, promote or reject.
-    raw = tiny_project / "data" / "raw" / "more.jsonl"
-    raw.write_text(
-        "".join(json.dumps({"prompt": f"The sequel number {i} was"}) + "\n" for i in range(30))
-    )
-    params_before = (tiny_project / "params.yaml").read_bytes()
-    again = retrain(from_production=True)
-    assert again["stages"]["prepare"] == "ran" and again["stages"]["train"] == "ran"
-    assert again["message"] == "promoted as v0002: models/production/v0002"
-    assert again["production"] == str(tiny_project / "models" / "production" / "v0002")
-    # It started from production, and params.yaml holds that only while the run lasts.
-    imported = read_json(tiny_project / "models" / "base" / "imported_from.json")
-    assert imported["source"] == "models/production/v0001", imported
-    assert (tiny_project / "params.yaml").read_bytes() == params_before
-    assert not (tiny_project / ".retrain-params.json").exists()
-    registry = read_json(tiny_project / "models" / "registry.json")
-    assert len(registry["entries"]) == 2
-    # Each run is a DVC experiment with the metrics it reached (the record caches only the last
-    # stage again: `dvc repro` cached the others as they ran).
-    shown = dvc(tiny_project, "exp", "show", "--json")
-    assert shown.returncode == 0, shown.stderr
-    scores = experiment_scores(shown.stdout)
-    assert len(scores) == 2 and all(name.startswith("retrain-") for name in scores), scores
-    assert all(score is not None for score in scores.values()), scores
-
-
 def run_like_make_run(project: Path, prefect_home: Path) -> str:
     """`python -m flows.pipeline run` in ``project`` on its own temporary Prefect server, as
     `make run` does for a new user (no Prefect settings); stdout and stderr as one text."""
@@ -110,14 +42,18 @@ def run_like_make_run(project: Path, prefect_home: Path) -> str:
 
 
 @pytest.mark.slow
-def test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validation(
+def test_a_first_run_then_retraining_from_production_then_bad_data_stopping_at_validation(
     tiny_project, prefect_harness, monkeypatch, tmp_path
 ):
-    from flows.pipeline import PROJECT_ENV, StageFailed, retrain
+    from prefect.client.orchestration import get_client
 
+    from flows.pipeline import PROJECT_ENV, StageFailed, retrain
+    from ppo_core.files import tree_sha256
+
+    # 1. A first run as `make run` starts it reads cleanly: nothing that reads as a failure (the
+    # temporary server's telemetry), no progress bars, and DVC's advice to `git add dvc.lock`
+    # once for the run, not once per stage.
     output = run_like_make_run(tiny_project, tmp_path / "prefect-home")
-    # Nothing that reads as a failure (the temporary server's telemetry), no progress bars,
-    # and DVC's advice to `git add dvc.lock` once for the run, not once per stage.
     assert "Traceback" not in output and "| ERROR" not in output, output
     assert "Loading weights" not in output and "autostage" not in output, output
     assert output.count("git add") == 1, output
@@ -127,20 +63,70 @@ def test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validatio
     decision = "promoted as v0001: models/production/v0001"
     assert f"Finished in state Completed('{decision}')" in output  # the run's final state
     assert f"decision:   {decision}" in output
+    # The project's first three stages were run and committed when it was built.
+    for stage in ("prepare", "base", "validate"):
+        assert f"Stage '{stage}' didn't change, skipping" in output, output
+    assert (tiny_project / "reports" / "eval" / "report.md").is_file()
+    # The entry names the code that trained the version (the project's commit, no tracked file
+    # changed but those the pipeline rewrites) and the hash of what was promoted.
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=tiny_project, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    (first,) = read_json(tiny_project / "models" / "registry.json")["entries"]
+    assert first["code_version"] == {"commit": head, "dirty": False}
+    assert first["content_sha256"] == tree_sha256(promoted)
 
+    # 2. Scheduled retraining: new raw data, start from production, promote or reject.
     monkeypatch.setenv("PATH", environment()["PATH"])
+    monkeypatch.setenv(PROJECT_ENV, str(tiny_project))
+    raw = tiny_project / "data" / "raw" / "more.jsonl"
+    raw.write_text(
+        "".join(json.dumps({"prompt": f"The sequel number {i} was"}) + "\n" for i in range(30))
+    )
+    params_before = (tiny_project / "params.yaml").read_bytes()
+    state = retrain(from_production=True, return_state=True)
+    # The decision is the run's final message (the UI, `prefect flow-run inspect`) ...
+    assert state.is_completed()
+    assert state.message == "promoted as v0002: models/production/v0002"
+    # ... and the outputs its result, as retrain() returns them.
+    again = state.result()
+    assert again["stages"]["prepare"] == "ran" and again["stages"]["train"] == "ran"
+    assert again["decision"] == "promoted"
+    assert again["production"] == str(tiny_project / "models" / "production" / "v0002")
+    # It started from production, and params.yaml holds that only while the run lasts.
+    imported = read_json(tiny_project / "models" / "base" / "imported_from.json")
+    assert imported["source"] == "models/production/v0001", imported
+    assert (tiny_project / "params.yaml").read_bytes() == params_before
+    assert not (tiny_project / ".retrain-params.json").exists()
+    registry = read_json(tiny_project / "models" / "registry.json")
+    assert len(registry["entries"]) == 2
+
+    async def artifact_keys():
+        async with get_client() as client:
+            return {a.key for a in await client.read_artifacts()}
+
+    import asyncio
+
+    assert {"evaluation-report", "evaluation-metrics"} <= asyncio.run(artifact_keys())
+    # Each run is a DVC experiment with the metrics it reached (the record caches only the last
+    # stage again: `dvc repro` cached the others as they ran).
+    shown = dvc(tiny_project, "exp", "show", "--json")
+    assert shown.returncode == 0, shown.stderr
+    scores = experiment_scores(shown.stdout)
+    assert len(scores) == 2 and all(name.startswith("retrain-") for name in scores), scores
+    assert all(score is not None for score in scores.values()), scores
+
+    # 3. Bad data stops the flow at validation and changes nothing that was published.
     prepared = tiny_project / "data" / "prepared"
     before = {p.name: p.read_bytes() for p in prepared.iterdir()}
     production = (
-        tiny_project / "models" / "production" / "v0001" / "model.safetensors"
+        tiny_project / "models" / "production" / "v0002" / "model.safetensors"
     ).read_bytes()
-    registry = (tiny_project / "models" / "registry.json").read_text()
-
+    registry_text = (tiny_project / "models" / "registry.json").read_text()
     long_prompt = " ".join(["great"] * 60)
     (tiny_project / "data" / "raw" / "bad.jsonl").write_text(
         json.dumps({"prompt": long_prompt}) + "\n"
     )
-    monkeypatch.setenv(PROJECT_ENV, str(tiny_project))
     with pytest.raises(StageFailed, match="validate"):
         retrain()
     report = tiny_project / "reports" / "validation"
@@ -149,9 +135,9 @@ def test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validatio
     assert (report / "data_docs" / "index.html").is_file()
     assert {p.name: p.read_bytes() for p in prepared.iterdir()} == before
     assert (
-        tiny_project / "models" / "production" / "v0001" / "model.safetensors"
+        tiny_project / "models" / "production" / "v0002" / "model.safetensors"
     ).read_bytes() == production
-    assert (tiny_project / "models" / "registry.json").read_text() == registry
+    assert (tiny_project / "models" / "registry.json").read_text() == registry_text
 
 
 @pytest.mark.slow  # starts a Prefect test server (about 27 s)
