@@ -236,7 +236,7 @@ def check_replaceable(target: str | Path) -> None:
                 return
         what = f"is a folder the pipeline did not write (it has no {OUTPUT_MARKER} file)"
     raise ForeignFolderError(
-        f"{_printable(str(target))} {what}; refusing to replace it with an output: move it "
+        f"{printable(str(target))} {what}; refusing to replace it with an output: move it "
         "away or choose another path for this output"
     )
 
@@ -250,7 +250,7 @@ def _mark_output(folder: Path) -> None:
     marker.write_text(_MARKER_TEXT)
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """``text`` with control characters escaped, so that a message stays on one line."""
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
@@ -308,7 +308,7 @@ def _scan(root: Path, max_bytes: int | None) -> tuple[list[str], list[tuple[str,
     ``max_bytes`` (``None``: :data:`MAX_COPY_BYTES`). Links are never followed."""
     cap = MAX_COPY_BYTES if max_bytes is None else max_bytes
     if not root.is_dir():
-        raise FileNotFoundError(f"{_printable(str(root))} is not a folder")
+        raise FileNotFoundError(f"{printable(str(root))} is not a folder")
     folders: list[str] = []
     found: list[tuple[str, int]] = []
     pending = [""]  # a stack, not recursion: a deeply nested tree cannot exhaust Python's stack
@@ -327,7 +327,7 @@ def _scan(root: Path, max_bytes: int | None) -> tuple[list[str], list[tuple[str,
             else:
                 kind = _SPECIAL_KINDS.get(stat.S_IFMT(mode), "not a regular file")
                 raise UnsafeCopyError(
-                    f"refusing to copy {_printable(str(root))}: {_printable(relative)} is {kind}; "
+                    f"refusing to copy {printable(str(root))}: {printable(relative)} is {kind}; "
                     "only regular files and folders are copied (a link can point at a private "
                     "file or a device): put the file itself there (e.g. copy with `cp -rL`) or "
                     "remove the entry"
@@ -335,7 +335,7 @@ def _scan(root: Path, max_bytes: int | None) -> tuple[list[str], list[tuple[str,
     total = sum(size for _, size in found)
     if total > cap:
         raise UnsafeCopyError(
-            f"refusing to copy {_printable(str(root))}: its files hold {total} bytes, more than "
+            f"refusing to copy {printable(str(root))}: its files hold {total} bytes, more than "
             f"the {cap} bytes allowed (ppo_core.files.MAX_COPY_BYTES); nothing was copied"
         )
     return sorted(folders), sorted(found)
@@ -374,7 +374,7 @@ def copy_regular_tree(
 def _copy_file(root: Path, relative: str, size: int, dest: Path) -> None:
     def changed(how: str) -> UnsafeCopyError:
         return UnsafeCopyError(
-            f"refusing to copy {_printable(str(root))}: {_printable(relative)} changed while it "
+            f"refusing to copy {printable(str(root))}: {printable(relative)} changed while it "
             f"was copied ({how}); copy the folder again when nothing writes to it"
         )
 

@@ -3,8 +3,11 @@
 A checkpoint is a folder ``step-000040/`` holding the model, the optimizer and scheduler states,
 ``trainer_state.json`` (iteration, KL coefficient, lineage) and ``checksums.json`` (SHA-256 of
 every file). It is written into a hidden temporary folder and renamed into place, so a crash
-never leaves a half checkpoint, and loaded with ``torch.load(weights_only=True)``: nothing is
-unpickled. It comes in two formats:
+never leaves a half checkpoint. Reading one runs no code from it: tensors and optimizer states
+through ``torch.load(weights_only=True)``, the DCP metadata of a sharded one through an
+unpickler that builds DCP's own metadata classes and nothing else (:func:`read_dcp_metadata`).
+``checksums.json`` detects damage (a truncated or changed file), not tampering: whoever can write
+a checkpoint can rewrite its checksums. It comes in two formats:
 
 - whole (:func:`save_checkpoint`, written by one process): ``model/`` is a ``save_pretrained``
   folder (safetensors, tokenizer, value head) and ``optimizer.pt`` the optimizer's
@@ -22,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import pickle
 import re
 import shutil
 import warnings
@@ -32,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ppo_core.files import atomic_folder, discard, file_sha256, first_line, is_partial
+from ppo_core.files import atomic_folder, discard, file_sha256, first_line, is_partial, printable
 
 __all__ = [
     "METRIC_NAME",
@@ -123,8 +127,13 @@ def verify_checksums(folder: str | Path) -> None:
         raise CheckpointError(f"checkpoint {folder} has no {CHECKSUM_FILE}; it is incomplete")
     for name, expected in json.loads(listing.read_text()).items():
         path = folder / name
-        if not path.is_file():
-            raise CheckpointError(f"checkpoint {folder} is missing {name}")
+        if Path(name).is_absolute() or ".." in Path(name).parts:
+            raise CheckpointError(
+                f"checkpoint {folder}: {CHECKSUM_FILE} names a file outside it "
+                f"({printable(name)!r}); it was not written by this project"
+            )
+        if path.is_symlink() or not path.is_file():
+            raise CheckpointError(f"checkpoint {folder} is missing {printable(name)}")
         if file_sha256(path) != expected:
             raise CheckpointError(f"checkpoint {folder}: {name} is damaged (checksum mismatch)")
 
@@ -239,6 +248,119 @@ def _commit(checkpoint_dir: Path, iteration: int, write: Callable[[Path], None],
     return path
 
 
+# What DCP's ``.metadata`` pickle may build: its metadata dataclasses, tensor sizes, dtypes and
+# layouts, and the checkpoint's path. Every other global (a function to call, a class with a
+# __reduce__ of its own) is refused before it runs.
+_DCP_METADATA_GLOBALS = {
+    *(
+        ("torch.distributed.checkpoint.metadata", name)
+        for name in (
+            "Metadata",
+            "StorageMeta",
+            "MetadataIndex",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "TensorProperties",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name, from torch's own table
+    ("pathlib", "PosixPath"),
+    ("collections", "OrderedDict"),
+}
+_SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _DCP_METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype | torch.layout):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(
+            f"it names {printable(module)}.{printable(name)}, which is not part of DCP's "
+            "metadata (refused, not run)"
+        )
+
+
+def read_dcp_metadata(path: str | Path) -> Any:
+    """The ``torch.distributed.checkpoint`` ``Metadata`` pickled in ``path`` (``.metadata``),
+    unpickled without running code from it: only DCP's metadata classes, tensor sizes, dtypes
+    and layouts are built (where DCP's own reader calls ``pickle.load``). Every shard it points
+    to must be a ``__R_N.distcp`` file beside it, stored without transforms.
+
+    Raises:
+        CheckpointError: anything else, naming the file.
+    """
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    path = Path(path)
+    try:
+        with path.open("rb") as handle:
+            metadata = _DcpMetadataUnpickler(handle).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: refused to load ({first_line(exc)})") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"{path}: refused to load (it holds no DCP metadata)")
+    for index, info in (metadata.storage_data or {}).items():
+        name = getattr(info, "relative_path", None)
+        if not isinstance(name, str) or not _SHARD_FILE.fullmatch(name):
+            raise CheckpointError(
+                f"{path}: refused to load ({getattr(index, 'fqn', index)!r} lies in "
+                f"{printable(str(name))!r}, not in a shard file beside it)"
+            )
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(
+                f"{path}: refused to load ({getattr(index, 'fqn', index)!r} is stored "
+                "transformed; this project writes shards as they are)"
+            )
+    return metadata
+
+
+def _dcp_reader(shards: Path) -> Any:
+    """A DCP ``FileSystemReader`` of ``shards`` that reads the metadata with
+    :func:`read_dcp_metadata`, and a load planner that refuses to unpickle anything but a
+    tensor (DCP's own loads a non-tensor entry with ``torch.load(weights_only=False)``)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    class MetadataCheckedReader(FileSystemReader):
+        def read_data(self, plan: Any, planner: Any) -> Any:
+            try:
+                return super().read_data(plan, planner)
+            except pickle.UnpicklingError:
+                files = sorted(
+                    {self.storage_data[i.storage_index].relative_path for i in plan.items}
+                )
+                raise CheckpointError(
+                    f"{shards / files[0] if len(files) == 1 else shards}: refused to load (it "
+                    "holds pickled objects other than tensors; nothing in it was run)"
+                ) from None
+
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            rank = kwargs.get("rank")
+            metadata = read_dcp_metadata(
+                shards / (".metadata" if rank is None else f"__{rank}.metadata")
+            )
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    class TensorsOnlyPlanner(DefaultLoadPlanner):
+        def load_bytes(self, read_item: Any, value: Any) -> None:
+            raise CheckpointError(
+                f"checkpoint shards {shards}: {read_item.dest_index.fqn!r} is not a tensor "
+                "(refused, not unpickled)"
+            )
+
+    return MetadataCheckedReader(str(shards)), TensorsOnlyPlanner()
+
+
 def load_sharded_checkpoint(
     folder: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer
 ) -> None:
@@ -250,12 +372,12 @@ def load_sharded_checkpoint(
     the first tensor that differs, before anything is read into the model."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     folder = Path(folder)
     shards = folder / SHARDS_DIR
-    saved = FileSystemReader(str(shards)).read_metadata().state_dict_metadata
+    saved = read_dcp_metadata(shards / ".metadata").state_dict_metadata
     model_state = model.state_dict()
     for name, value in model_state.items():
         entry = saved.get(f"model.{name}")
@@ -288,12 +410,17 @@ def load_sharded_checkpoint(
             if size == tuple(param.shape)
             else torch.zeros(size, dtype=entry.properties.dtype)
         )
-    with _quiet_in_one_process():
-        dcp.load(
-            {"model": model_state, "optimizer": {"state": optimizer_state}},
-            checkpoint_id=shards,
-            no_dist=not dist.is_initialized(),
-        )
+    reader, planner = _dcp_reader(shards)
+    try:
+        with _quiet_in_one_process():
+            dcp.load(
+                {"model": model_state, "optimizer": {"state": optimizer_state}},
+                storage_reader=reader,
+                planner=planner,
+                no_dist=not dist.is_initialized(),
+            )
+    except CheckpointException as exc:  # DCP's, a BaseException: each rank's error, wrapped
+        raise _first_failure(exc, folder) from None
     model.load_state_dict(model_state)
     optimizer.load_state_dict(
         {
@@ -301,6 +428,20 @@ def load_sharded_checkpoint(
             "param_groups": _load_tensors(folder / OPTIMIZER_GROUPS_FILE),
         }
     )
+
+
+def _first_failure(exc: Any, folder: Path) -> CheckpointError:
+    """The error of a failed ``dcp.load`` as one :class:`CheckpointError`: a rank's own one when
+    it raised one, else the first line of the first rank's."""
+    for failure in getattr(exc, "failures", {}).values():
+        error = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(error, CheckpointError):
+            return error
+        if isinstance(error, BaseException):
+            return CheckpointError(
+                f"checkpoint {folder}: its shards failed to load ({first_line(error)})"
+            )
+    return CheckpointError(f"checkpoint {folder}: its shards failed to load")
 
 
 def list_checkpoints(checkpoint_dir: str | Path) -> list[Path]:

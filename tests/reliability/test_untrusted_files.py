@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import pickle
+import re
 import shutil
 import sys
 
@@ -21,7 +23,10 @@ from ppo_core.modeling.checkpoint import (
     list_checkpoints,
     load_checkpoint_state,
     load_latest_good,
+    load_sharded_checkpoint,
+    read_dcp_metadata,
     save_checkpoint,
+    save_sharded_checkpoint,
 )
 from ppo_core.modeling.policy import ModelFolderError, load_actor_critic, load_causal_lm
 from ppo_core.registry import RegistryError, current_production
@@ -100,6 +105,81 @@ def test_a_pickled_object_in_a_checkpoint_is_refused_even_with_valid_checksums(t
     # the file is live: a full unpickling load does run its code
     torch.load(newest / "optimizer.pt", weights_only=False)
     assert marker.is_dir()
+
+
+def _sharded_checkpoint(folder):
+    """A sharded (DCP) checkpoint with a scheduler, written in one process: its folder, and a
+    fresh model and optimizer of the same shapes to resume into."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)
+    model(torch.randn(4, 2)).sum().backward()
+    optimizer.step()
+    path = save_sharded_checkpoint(
+        folder, 1, model, optimizer, lambda f: f.mkdir(), scheduler, {"kl_coef": 0.1}
+    )
+    fresh = torch.nn.Sequential(torch.nn.Linear(2, 3), torch.nn.Linear(3, 1))
+    return path, fresh, torch.optim.AdamW(fresh.parameters(), lr=0.1)
+
+
+def _plant_in_a_shard(path, marker) -> str:
+    """Every tensor of the checkpoint's metadata pointed at one shard file rewritten to hold a
+    pickled payload (the metadata itself kept to DCP's own classes)."""
+    shard = sorted((path / "shards").glob("*.distcp"))[0]
+    planted = _torch_saved(Payload(marker))
+    shard.write_bytes(planted)
+    metadata = read_dcp_metadata(path / "shards" / ".metadata")
+    for info in metadata.storage_data.values():
+        info.relative_path, info.offset, info.length = shard.name, 0, len(planted)
+    with (path / "shards" / ".metadata").open("wb") as handle:
+        pickle.dump(metadata, handle)
+    return f"shards/{shard.name}"
+
+
+def _torch_saved(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+@pytest.mark.parametrize("planted", [".metadata", "shard", "optimizer_groups.pt", "scheduler.pt"])
+def test_no_file_of_a_sharded_checkpoint_runs_code_even_with_valid_checksums(tmp_path, planted):
+    """Each file that resuming from a sharded checkpoint opens, replaced by a pickle whose
+    loading would create a folder, checksums rewritten to match: resuming refuses it, naming
+    the file, and nothing runs."""
+    path, model, optimizer = _sharded_checkpoint(tmp_path / "checkpoints")
+    marker = tmp_path / "code-ran"
+    if planted == ".metadata":
+        (path / "shards" / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+        named = "shards/.metadata"
+    elif planted == "shard":
+        named = _plant_in_a_shard(path, marker)
+    else:
+        (path / planted).write_bytes(_torch_saved({"state": Payload(marker)}))
+        named = planted
+    _write_checksums(path)  # whoever can write the file can fix the checksums too
+    with pytest.raises(CheckpointError, match=re.escape(named) + ".*refused"):
+        loaded = load_checkpoint_state(path)  # as the trainer resumes: state, then the shards
+        load_sharded_checkpoint(loaded["sharded"], model, optimizer)
+    assert not marker.exists()
+    # the file is live: a full unpickling load does run its code
+    if planted == ".metadata":
+        pickle.loads((path / "shards" / ".metadata").read_bytes())
+    else:
+        torch.load(path / named, weights_only=False)
+    assert marker.is_dir()
+
+
+def test_checksums_naming_files_outside_the_checkpoint_are_refused(tmp_path):
+    path, _, _ = _sharded_checkpoint(tmp_path / "checkpoints")
+    outside = tmp_path / "secret.txt"
+    outside.write_text("not the checkpoint's")
+    sums = json.loads((path / "checksums.json").read_text())
+    for name in ("../../secret.txt", str(outside)):
+        (path / "checksums.json").write_text(json.dumps({**sums, name: "0" * 64}))
+        with pytest.raises(CheckpointError, match="names a file outside it"):
+            load_checkpoint_state(path)
 
 
 @pytest.mark.parametrize(
