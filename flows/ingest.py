@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-import shutil
+import stat
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,15 +27,24 @@ from pathlib import Path
 from typing import Any
 
 from ppo_core.config import Config
-from ppo_core.files import file_sha256, fsync_folder
+from ppo_core.files import (
+    UnsafeCopyError,
+    copy_regular_file,
+    create_sibling,
+    exclusive_run,
+    file_sha256,
+    fsync_folder,
+    printable,
+)
 from ppo_core.modeling.data import PromptFileError
 
 INGESTED_EVENT = "ppo.data.ingested"
 # The resource of every ingest event: the trigger in prefect.yaml matches it.
 RAW_DATA_RESOURCE = "ppo.raw-data"
 SUFFIXES = (".jsonl", ".parquet")
-# Marks a file being copied in (hidden, so no run takes it).
-_PART = ".ingest-part"
+# The inbox's lock: held by `ppo ingest` while it checks and adds files, and by a run while it
+# takes them (hidden, so no run takes it).
+LOCK_NAME = ".ingest.lock"
 
 
 @dataclass
@@ -57,33 +66,74 @@ def _same_bytes(first: Path, second: Path) -> bool:
 def ingest_files(config: Config, files: Sequence[str | Path]) -> Ingested:
     """Check ``files`` and copy them into ``ingest.inbox_dir``; all or none.
 
-    Each file is copied beside its place in the inbox first, and the copy (not the original,
-    which may still be changing) is read as ``prepare`` reads raw files; only when every copy
-    reads do they take their names, each in one rename.
+    Runs under the inbox's lock (:data:`LOCK_NAME`; a second ``ppo ingest``, or a run taking the
+    inbox, waits for it), so that two commands cannot both add a file of one name. Each file is
+    copied into a new hidden file of a random name in the inbox (created exclusively, so a link
+    planted there cannot redirect the copy), and the copy (not the original, which may still be
+    changing) is read as ``prepare`` reads raw files; only when every copy reads do they take
+    their names, each as a new link that never replaces a file.
 
     Raises:
-        PromptFileError: a file that does not exist, has a suffix ``prepare`` does not read,
-            holds no prompt or does not parse (naming the file and line), two files of one name,
-            or a name already taken in the inbox or ``data.raw_dir`` by other bytes (ingest adds
-            files, it never replaces one).
+        PromptFileError: a file that does not exist, is a link or not a regular file, is larger
+            than ``data.max_bytes_per_file`` (refused before a byte is copied), has a name with
+            control characters or a suffix ``prepare`` does not read, holds no prompt or does
+            not parse (naming the file and line), two files of one name, or a name already
+            taken in the inbox or ``data.raw_dir`` by other bytes (ingest adds files, it never
+            replaces one).
     """
-    data = config.data
     inbox = Path(config.ingest.inbox_dir)
-    raw_dir = Path(data.raw_dir)
+    inbox.mkdir(parents=True, exist_ok=True)
+    with exclusive_run(inbox / LOCK_NAME, "ppo ingest into this inbox", on_wait=_quiet):
+        return _ingest_locked(config, files, inbox)
+
+
+def _quiet(holder: str) -> None:
+    """Waiting for the inbox's lock takes seconds at most: nothing to tell."""
+
+
+def _checked_source(config: Config, given: str | Path) -> Path:
+    """``given`` if it may be ingested: a regular file (not a link) within the size limit, its
+    name printable, visible and with a suffix ``prepare`` reads."""
+    path = Path(given)
+    shown = printable(str(path))
+    if not path.name.isprintable():
+        raise PromptFileError(
+            f"{shown}: the file name holds control characters (a line break, a terminal escape); "
+            "rename the file"
+        )
+    if path.suffix not in SUFFIXES:
+        raise PromptFileError(
+            f"{shown}: prepare reads only {' and '.join(SUFFIXES)} files, not {path.suffix!r}"
+        )
+    if path.name.startswith("."):
+        raise PromptFileError(f"{shown}: a hidden file name; prepare would not read it")
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        raise PromptFileError(f"{shown}: no such file") from None
+    if stat.S_ISLNK(info.st_mode):
+        raise PromptFileError(f"{shown}: a symbolic link; ingest the file it points to")
+    if not stat.S_ISREG(info.st_mode):
+        raise PromptFileError(f"{shown}: not a regular file")
+    limit = config.data.max_bytes_per_file
+    if info.st_size > limit:
+        raise PromptFileError(
+            f"{shown}: {info.st_size} bytes, more than data.max_bytes_per_file={limit}; "
+            "split the file or raise the limit"
+        )
+    return path
+
+
+def _ingest_locked(config: Config, files: Sequence[str | Path], inbox: Path) -> Ingested:
+    raw_dir = Path(config.data.raw_dir)
     result = Ingested()
     sources: list[Path] = []
     for given in files:
-        path = Path(given)
-        if not path.is_file():
-            raise PromptFileError(f"{path}: no such file")
-        if path.suffix not in SUFFIXES:
-            raise PromptFileError(
-                f"{path}: prepare reads only {' and '.join(SUFFIXES)} files, not {path.suffix!r}"
-            )
-        if path.name.startswith("."):
-            raise PromptFileError(f"{path}: a hidden file name; prepare would not read it")
+        path = _checked_source(config, given)
         if any(other.name == path.name for other in sources):
-            raise PromptFileError(f"two files named {path.name} ({given} and another)")
+            raise PromptFileError(
+                f"two files named {path.name} ({printable(str(given))} and another)"
+            )
         taken = [place for place in (inbox / path.name, raw_dir / path.name) if place.exists()]
         if taken and all(_same_bytes(path, place) for place in taken):
             result.already_there.append(taken[0])
@@ -97,21 +147,30 @@ def ingest_files(config: Config, files: Sequence[str | Path]) -> Ingested:
         sources.append(path)
     if not sources:
         return result
-    inbox.mkdir(parents=True, exist_ok=True)
     parts: list[tuple[Path, Path]] = []
     try:
         for path in sources:
             # Hidden (no run takes it), with the original's suffix (the reader goes by it).
-            part = inbox / f".{path.stem}.{os.getpid()}{_PART}{path.suffix}"
-            shutil.copyfile(path, part)
-            with part.open("rb") as handle:
-                os.fsync(handle.fileno())
+            fd, part = create_sibling(inbox / path.name, suffix=path.suffix)
             parts.append((part, inbox / path.name))
+            try:
+                copy_regular_file(path, fd, config.data.max_bytes_per_file)
+                os.fsync(fd)
+            except UnsafeCopyError as exc:
+                raise PromptFileError(str(exc)) from None
+            finally:
+                os.close(fd)
             result.prompts[path.name] = _count_prompts(config, part, path)
         for part, final in parts:
-            os.replace(part, final)
+            os.link(part, final)  # FileExistsError rather than replacing a file put there
             result.added.append(final)
         fsync_folder(inbox)
+    except BaseException:
+        for final in result.added:  # all or none
+            with contextlib.suppress(FileNotFoundError):
+                final.unlink()
+        result.added.clear()
+        raise
     finally:
         for part, _ in parts:
             with contextlib.suppress(FileNotFoundError):
@@ -134,11 +193,17 @@ def _count_prompts(config: Config, copy: Path, original: Path) -> int:
 
 
 def inbox_files(config: Config) -> list[Path]:
-    """The files waiting in ``ingest.inbox_dir``, by name."""
+    """The files waiting in ``ingest.inbox_dir``, by name: regular files only. A link or
+    anything else put there by hand is never taken (it could make ``prepare`` read a file from
+    anywhere); it stays where it is."""
     inbox = Path(config.ingest.inbox_dir)
     if not inbox.is_dir():
         return []
-    return sorted(p for p in inbox.iterdir() if p.suffix in SUFFIXES and not p.name.startswith("."))
+    return sorted(
+        p
+        for p in inbox.iterdir()
+        if p.suffix in SUFFIXES and not p.name.startswith(".") and stat.S_ISREG(p.lstat().st_mode)
+    )
 
 
 def take_inbox(config: Config) -> list[str]:
@@ -149,6 +214,14 @@ def take_inbox(config: Config) -> list[str]:
         PromptFileError: a waiting file's name is taken in the raw folder by other bytes (a file
             put there by hand since it was ingested); nothing is moved.
     """
+    inbox = Path(config.ingest.inbox_dir)
+    if not inbox.is_dir():
+        return []
+    with exclusive_run(inbox / LOCK_NAME, "ppo ingest into this inbox", on_wait=_quiet):
+        return _take_locked(config)
+
+
+def _take_locked(config: Config) -> list[str]:
     raw_dir = Path(config.data.raw_dir)
     waiting = inbox_files(config)
     for path in waiting:

@@ -138,7 +138,7 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     sibling removed. An existing file keeps its permission bits; a new one gets the umask's."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = _create_sibling(path)
+    fd, tmp = create_sibling(path)
     try:
         with os.fdopen(fd, "wb") as handle:
             with contextlib.suppress(FileNotFoundError):
@@ -155,13 +155,14 @@ def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     return path
 
 
-def _create_sibling(path: Path) -> tuple[int, Path]:
-    """Create and open a new hidden sibling ``.{name}.tmp-XXXXXXXXXXXX`` of ``path``; never an
-    existing file or link (``O_EXCL``), so concurrent writers cannot share one. Mode 0o666 lets
-    the kernel apply the umask, as for any new file."""
+def create_sibling(path: Path, suffix: str = "") -> tuple[int, Path]:
+    """Create and open (for writing) a new hidden sibling ``.{name}.tmp-XXXXXXXXXXXX{suffix}`` of
+    ``path``, its name random; never an existing file or link (``O_EXCL``), so neither a
+    concurrent writer nor a link planted in the folder can take its place. Mode 0o666 lets the
+    kernel apply the umask, as for any new file. Returns the descriptor and the path."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
     for _ in range(100):
-        candidate = path.with_name(f".{path.name}{TMP_TAG}{secrets.token_hex(6)}")
+        candidate = path.with_name(f".{path.name}{TMP_TAG}{secrets.token_hex(6)}{suffix}")
         try:
             return os.open(candidate, flags, 0o666), candidate
         except FileExistsError:
@@ -399,6 +400,39 @@ def _copy_file(root: Path, relative: str, size: int, dest: Path) -> None:
             os.close(dest_fd)
         if os.pread(source_fd, 1, size):
             raise changed(f"it grew past the {size} bytes it had")
+    finally:
+        os.close(source_fd)
+
+
+def copy_regular_file(source: str | Path, dest_fd: int, max_bytes: int) -> int:
+    """Copy the regular file ``source`` into the open file ``dest_fd``; return its size.
+
+    ``source`` is opened without following a link, and refused with :class:`UnsafeCopyError`
+    before a byte is copied when it is a link, not a regular file, or larger than ``max_bytes``;
+    a file that grows while it is copied is refused too."""
+    source = Path(source)
+    name = printable(str(source))
+    flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        source_fd = os.open(source, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            raise UnsafeCopyError(
+                f"{name} is a symbolic link; give the file it points to"
+            ) from None
+        raise
+    try:
+        info = os.fstat(source_fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise UnsafeCopyError(f"{name} is not a regular file")
+        if info.st_size > max_bytes:
+            raise UnsafeCopyError(f"{name} holds {info.st_size} bytes, more than {max_bytes}")
+        _copy_bytes(source_fd, dest_fd, info.st_size)
+        if os.pread(source_fd, 1, info.st_size):
+            raise UnsafeCopyError(
+                f"{name} grew while it was copied; copy it when nothing writes to it"
+            )
+        return info.st_size
     finally:
         os.close(source_fd)
 

@@ -4,6 +4,8 @@ or not at all, never replace another file, and reach the raw folder only when a 
 from __future__ import annotations
 
 import json
+import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -12,6 +14,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.ingest import (
     INGESTED_EVENT,
+    LOCK_NAME,
     RAW_DATA_RESOURCE,
     inbox_files,
     ingest_files,
@@ -21,6 +24,7 @@ from flows.ingest import (
 )
 from flows.stages import raw_changes
 from ppo_core.config import Config
+from ppo_core.files import exclusive_run
 from ppo_core.modeling.data import PromptFileError
 
 
@@ -40,8 +44,11 @@ def prompts_file(path: Path, *prompts: str) -> Path:
 
 
 def listing(folder: Path) -> list[str]:
-    """Every file under ``folder``, hidden ones too, relative to it."""
-    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    """Every file under ``folder``, hidden ones too (a part file left behind), relative to it;
+    the inbox's lock file aside."""
+    return sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.name != LOCK_NAME
+    )
 
 
 def test_ingest_adds_checked_files_to_the_inbox_and_leaves_the_raw_folder_alone(
@@ -94,12 +101,102 @@ def test_ingest_never_replaces_a_file_of_the_same_name(project, tmp_path_factory
     assert (project / "data" / "raw" / "prompts.jsonl").read_text() == (
         '{"prompt": "the film was"}\n'
     )
-    assert not (project / "data" / "inbox").exists()
+    assert listing(project / "data" / "inbox") == []
     same = outside / "copy"
     same.mkdir()
     same_bytes = same / "prompts.jsonl"
     same_bytes.write_bytes((project / "data" / "raw" / "prompts.jsonl").read_bytes())
     assert ingest_files(Config(), [same_bytes]).added == []
+
+
+def test_a_link_planted_where_the_copy_is_written_is_never_written_through(
+    project, tmp_path_factory
+):
+    """The copy is written to a new file of a random name: links planted at every name a copy
+    could have had before (``.NAME.<pid>.ingest-part.jsonl``) and at the final name's place
+    leave their targets untouched."""
+    outside = tmp_path_factory.mktemp("incoming")
+    target = tmp_path_factory.mktemp("elsewhere") / "authorized_keys"
+    target.write_text("ssh-ed25519 AAAA the owner's key\n")
+    inbox = project / "data" / "inbox"
+    inbox.mkdir(parents=True)
+    (inbox / f".monday.{os.getpid()}.ingest-part.jsonl").symlink_to(target)
+    result = ingest_files(Config(), [prompts_file(outside / "monday.jsonl", "a quiet story")])
+    assert [p.name for p in result.added] == ["monday.jsonl"]
+    assert target.read_text() == "ssh-ed25519 AAAA the owner's key\n"
+    assert not (inbox / "monday.jsonl").is_symlink()
+    # a link at the final name is a file of that name: refused, never replaced or followed
+    (inbox / "tuesday.jsonl").symlink_to(target)
+    with pytest.raises(PromptFileError, match="already exists with other content"):
+        ingest_files(Config(), [prompts_file(outside / "tuesday.jsonl", "music and")])
+    assert target.read_text() == "ssh-ed25519 AAAA the owner's key\n"
+
+
+def test_two_ingests_of_one_name_at_once_add_one_file_and_refuse_the_other(
+    project, tmp_path_factory
+):
+    """Both wait for the inbox's lock (held here, as by a third command); the first to get it
+    adds its file, the second finds the name taken by other bytes and is refused."""
+    first = prompts_file(tmp_path_factory.mktemp("one") / "news.jsonl", "first version")
+    second = prompts_file(tmp_path_factory.mktemp("two") / "news.jsonl", "second version")
+    outcomes: list[str] = []
+
+    def ingest(path: Path) -> None:
+        try:
+            ingest_files(Config(), [path])
+            outcomes.append(f"added {path.read_text()}")
+        except PromptFileError as exc:
+            outcomes.append(str(exc))
+
+    inbox = project / "data" / "inbox"
+    inbox.mkdir(parents=True)
+    with exclusive_run(inbox / LOCK_NAME, "test"):
+        threads = [threading.Thread(target=ingest, args=(path,)) for path in (first, second)]
+        for thread in threads:
+            thread.start()
+        threads[0].join(0.5)
+        assert outcomes == []  # both wait for the lock
+    for thread in threads:
+        thread.join(30)
+    assert len(outcomes) == 2 and sum(o.startswith("added") for o in outcomes) == 1, outcomes
+    assert any("already exists with other content" in o for o in outcomes), outcomes
+    kept = (inbox / "news.jsonl").read_text()
+    assert f"added {kept}" in outcomes
+
+
+def test_only_regular_printable_files_within_the_size_limit_are_copied(project, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("incoming")
+    config = Config()
+    config.data.max_bytes_per_file = 1000
+    big = prompts_file(outside / "big.jsonl", *["a long prompt of many words"] * 100)
+    with pytest.raises(PromptFileError, match=r"big.jsonl: \d+ bytes, more than data.max_bytes"):
+        ingest_files(config, [big])
+    link = outside / "link.jsonl"
+    link.symlink_to(prompts_file(outside / "real.jsonl", "fine"))
+    with pytest.raises(PromptFileError, match="link.jsonl: a symbolic link"):
+        ingest_files(config, [link])
+    os.mkfifo(outside / "fifo.jsonl")
+    with pytest.raises(PromptFileError, match="fifo.jsonl: not a regular file"):
+        ingest_files(config, [outside / "fifo.jsonl"])
+    for name in ("new\nline.jsonl", "escape\x1b[31m.jsonl"):
+        odd = prompts_file(outside / name, "fine")
+        with pytest.raises(PromptFileError, match="control characters") as refused:
+            ingest_files(config, [odd])
+        assert "\n" not in str(refused.value) and "\x1b" not in str(refused.value)
+    assert listing(project / "data" / "inbox") == []  # nothing copied, no part file
+
+
+def test_a_link_put_in_the_inbox_is_never_taken(project, tmp_path_factory):
+    config = Config()
+    secret = tmp_path_factory.mktemp("home") / "id_ed25519"
+    secret.write_text('{"prompt": "-----BEGIN OPENSSH PRIVATE KEY-----"}\n')
+    inbox = project / "data" / "inbox"
+    inbox.mkdir(parents=True)
+    (inbox / "planted.jsonl").symlink_to(secret)
+    assert inbox_files(config) == []
+    assert take_inbox(config) == []
+    assert listing(project / "data" / "raw") == ["prompts.jsonl"]
+    assert (inbox / "planted.jsonl").is_symlink()  # left where it is
 
 
 def test_a_run_takes_the_inbox_into_the_raw_folder_and_sees_the_new_data(project, tmp_path_factory):
