@@ -9,6 +9,7 @@ paths are checked against :func:`metric_file` by the tests).
 from __future__ import annotations
 
 import json
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ppo_core.files import atomic_write_text
+from ppo_core.files import atomic_write_text, remove_links
 
 if TYPE_CHECKING:
     from dvclive import Live
@@ -70,6 +71,14 @@ class DVCLiveLogger:
         if self.live is None:
             from dvclive import Live
 
+            # DVCLive cleans up and writes inside the folder, matplotlib writes curves.png there:
+            # a link planted inside would take those deletions and writes where it points.
+            for link in remove_links(self.folder):
+                warnings.warn(
+                    f"removed the symbolic link {self.folder / link} from the output folder "
+                    f"{self.folder}: outputs are written there as files",
+                    stacklevel=2,
+                )
             self.live = Live(
                 dir=str(self.folder), resume=False, save_dvc_exp=False, dvcyaml=None, report=None
             )

@@ -20,13 +20,12 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ppo_core.files import atomic_write_text
+from ppo_core.files import atomic_write_text, clear_output_folder
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -117,8 +116,9 @@ def validate_prompt_splits(
     report_dir = Path(report_dir).resolve()
     report_dir.mkdir(parents=True, exist_ok=True)
     docs_dir = report_dir / "data_docs"
-    # A rebuilt site would otherwise keep the pages of earlier runs beside this one's.
-    shutil.rmtree(docs_dir, ignore_errors=True)
+    # A rebuilt site would otherwise keep the pages of earlier runs beside this one's; a link at
+    # its place (or inside it) is removed, never followed, so the site is written here.
+    clear_output_folder(docs_dir)
 
     gx = _import_gx()
     from great_expectations.core.run_identifier import RunIdentifier

@@ -461,6 +461,38 @@ def _copy_bytes(source_fd: int, dest_fd: int, size: int) -> None:
         offset += sent
 
 
+def remove_links(folder: str | Path) -> list[str]:
+    """Remove every symbolic link under the output folder ``folder`` (never following one);
+    return their paths relative to it, sorted.
+
+    Call it before handing an output folder to a library that writes or cleans up in it
+    (DVCLive, Great Expectations, matplotlib): the folder's own path is checked where the config
+    is loaded, but a link planted inside it would make the library write or delete where it
+    points."""
+    root = Path(folder)
+    removed: list[str] = []
+    if root.is_symlink() or not root.is_dir():
+        return removed
+    for current, folders, files in os.walk(root):  # os.walk does not enter linked folders
+        for name in [*folders, *files]:
+            path = Path(current) / name
+            if path.is_symlink():
+                path.unlink()
+                removed.append(str(path.relative_to(root)))
+    return sorted(removed)
+
+
+def clear_output_folder(folder: str | Path) -> None:
+    """Remove the output folder ``folder`` with everything in it, so that a library builds it
+    anew: a symbolic link at its place is removed itself, never followed, and so is any link
+    inside it (``shutil.rmtree`` unlinks those)."""
+    path = Path(folder)
+    if path.is_symlink() or path.is_file():
+        path.unlink()
+    elif path.is_dir():
+        shutil.rmtree(path)
+
+
 def folder_fingerprint(folder: str | Path) -> str:
     """SHA-256 (hex) that tells model folders apart without reading their weights: the bytes of
     ``config.json`` (empty when missing), then each regular file's relative path and size, in

@@ -11,6 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import pandas as pd
 import pytest
 from typer.testing import CliRunner
 
@@ -288,3 +289,60 @@ def test_an_import_from_inside_the_project_records_its_relative_path(project, ti
     record = json.loads((base(config) / "imported_from.json").read_text())
     assert record["source"] == "imports/m" and record["inside_project"] is True
     assert str(project) not in json.dumps(record)
+
+
+def _outside_with_a_file(tmp_path: Path) -> tuple[Path, dict[str, bytes]]:
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep.txt").write_text("the owner's file")
+    return outside, {"keep.txt": b"the owner's file"}
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_a_link_inside_the_metrics_folder_takes_no_write_or_deletion_outside(tmp_path):
+    """DVCLive cleans up its plots folder when it starts and writes a file per metric there: a
+    link planted at ``reports/train/plots`` (and at ``curves.png``) is removed with a warning
+    first, and the folder it pointed to is untouched."""
+    from flows.loggers import DVCLiveLogger
+
+    outside, before = _outside_with_a_file(tmp_path)
+    metrics = tmp_path / "reports" / "train"
+    metrics.mkdir(parents=True)
+    (metrics / "plots").symlink_to(outside, target_is_directory=True)
+    (metrics / "curves.png").symlink_to(outside / "keep.txt")
+    logger = DVCLiveLogger(metrics)
+    with pytest.warns(UserWarning, match="removed the symbolic link .*plots"):
+        logger.log(1, {"rollout/score": 0.5, "rollout/kl": 0.1})
+    logger.close()
+    assert _contents(outside) == before
+    assert (metrics / "plots").is_dir() and not (metrics / "plots").is_symlink()
+    assert not (metrics / "curves.png").is_symlink()
+    assert any((metrics / "plots").rglob("*.tsv"))
+
+
+def test_a_link_at_the_data_docs_folder_takes_no_page_outside(tmp_path):
+    from flows.validation import validate_prompt_splits
+
+    outside, before = _outside_with_a_file(tmp_path)
+    reports = tmp_path / "reports" / "validation"
+    reports.mkdir(parents=True)
+    (reports / "data_docs").symlink_to(outside, target_is_directory=True)
+    train = pd.DataFrame({"prompt": [f"The movie number {i} was" for i in range(40)]})
+    eval_ = pd.DataFrame({"prompt": [f"A film called {i} is" for i in range(10)]})
+    result = validate_prompt_splits(
+        train,
+        eval_,
+        count_tokens=lambda texts: [len(t.split()) for t in texts],
+        min_tokens=1,
+        max_tokens=8,
+        min_train_rows=16,
+        min_eval_rows=4,
+        report_dir=reports,
+    )
+    assert result.success
+    assert _contents(outside) == before
+    assert not (reports / "data_docs").is_symlink()
+    assert (reports / "data_docs" / "index.html").is_file()
