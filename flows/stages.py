@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from ppo_core.config import Config
-from ppo_core.files import atomic_folder, atomic_write_text, file_sha256
+from ppo_core.files import atomic_folder, atomic_write_text, check_replaceable_file, file_sha256
 from ppo_core.modeling.data import Prompt, PromptFileError, chat_json, load_prompts
 
 
@@ -367,6 +367,15 @@ def _evaluation_baseline(config: Config) -> str:
     return str(production) if production is not None else config.model.policy
 
 
+def _is_report(content: bytes) -> bool:
+    """Whether ``content`` is a promotion report as :func:`promote` writes it."""
+    try:
+        report = json.loads(content)
+    except ValueError:
+        return False
+    return isinstance(report, dict) and report.get("decision") in ("promoted", "rejected")
+
+
 def promote(config: Config) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
     candidate as a new production version. Writes the decision to ``promote.report`` either way."""
@@ -374,6 +383,9 @@ def promote(config: Config) -> dict:
     from ppo_core.provenance import code_version
     from ppo_core.registry import gate, record_decision
 
+    rules = config.promote
+    # Checked before anything is decided or published: the decision must be writable.
+    check_replaceable_file(rules.report, "promote.report", "a promotion report", _is_report)
     metrics_file = Path(config.eval.output_dir) / "metrics.json"
     if not metrics_file.is_file():
         raise FileNotFoundError(f"{metrics_file} is missing; run `ppo evaluate` first")
@@ -387,7 +399,6 @@ def promote(config: Config) -> dict:
     candidate = side("candidate")
     if candidate is None:
         raise ValueError(f"{metrics_file} has no candidate metrics")
-    rules = config.promote
     decision = gate(
         candidate,
         side("baseline"),

@@ -86,6 +86,10 @@ class ForeignFolderError(FileExistsError):
     """An output path holds something the pipeline did not write, which it will not replace."""
 
 
+class ForeignFileError(FileExistsError):
+    """An output file's path holds a file the pipeline did not write, which it will not replace."""
+
+
 class UnsafeCopyError(FileExistsError):
     """A folder to copy holds a link or a special file, or more bytes than allowed."""
 
@@ -240,6 +244,29 @@ def check_replaceable(target: str | Path) -> None:
         f"{printable(str(target))} {what}; refusing to replace it with an output: move it "
         "away or choose another path for this output"
     )
+
+
+def check_replaceable_file(
+    path: str | Path, key: str, what: str, written_here: Callable[[bytes], bool]
+) -> None:
+    """Raise :class:`ForeignFileError` unless the output file ``path`` (config key ``key``) is
+    absent or is a regular file that ``written_here`` recognises as ``what`` the pipeline wrote
+    there before: a project file named as an output by mistake (``promote.report=Makefile``), a
+    link, or anything else is never replaced. Outputs of 16 MiB or more are never recognised."""
+    path = Path(path)
+    try:
+        info = path.lstat()
+    except FileNotFoundError:
+        return
+    recognised = False
+    if stat.S_ISREG(info.st_mode) and info.st_size < 1 << 24:
+        recognised = written_here(path.read_bytes())
+    if not recognised:
+        kind = "a symbolic link" if stat.S_ISLNK(info.st_mode) else f"not {what}"
+        raise ForeignFileError(
+            f"{key}={printable(str(path))!r} exists and is {kind} this pipeline wrote; refusing "
+            f"to replace it: move it away or choose another {key}"
+        )
 
 
 def _mark_output(folder: Path) -> None:

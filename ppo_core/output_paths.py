@@ -41,11 +41,12 @@ ALLOWED_ROOTS_ENV = "PPO_ALLOWED_OUTPUT_ROOTS"
 
 # Parts of the project no output may be, sit in or contain (paths relative to the project).
 # Losing .git loses history that no command can rebuild; the rest is the code, the environment,
-# the raw data DVC versions, and the files that define the pipeline.
+# the raw data DVC versions, and the files that define, build, deploy and describe the pipeline.
 PROTECTED = (
     ".git",
     ".dvc",
     ".venv",
+    ".ci",
     "ppo_core",
     "flows",
     "tests",
@@ -56,6 +57,15 @@ PROTECTED = (
     "dvc.yaml",
     "dvc.lock",
     "pyproject.toml",
+    "requirements.lock",
+    "Makefile",
+    "prefect.yaml",
+    "automations.yaml",
+    ".gitignore",
+    ".dvcignore",
+    "README.md",
+    "CHANGELOG.md",
+    "LICENSE",
 )
 
 

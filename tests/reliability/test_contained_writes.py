@@ -346,3 +346,32 @@ def test_a_link_at_the_data_docs_folder_takes_no_page_outside(tmp_path):
     assert _contents(outside) == before
     assert not (reports / "data_docs").is_symlink()
     assert (reports / "data_docs" / "index.html").is_file()
+
+
+def test_an_output_file_the_pipeline_did_not_write_is_never_replaced(project):
+    """The project's own files are protected by name; any other existing file may be replaced
+    only when it is what the pipeline wrote there (a promotion report), checked before the
+    promotion decides anything."""
+    result = CliRunner().invoke(app, ["promote", "promote.report=prefect.yaml"])
+    assert result.exit_code == 2 and "is prefect.yaml, a protected part" in result.output
+    notes = project / "notes.json"
+    notes.write_text('{"mine": 1}\n')
+    outside = project.parent / "scratch" / "kept.json"
+    outside.write_text('{"decision": "promoted"}\n')
+    (project / "linked.json").symlink_to(outside)
+    for name, kind in [
+        ("notes.json", "not a promotion report"),
+        ("linked.json", "a symbolic link"),
+    ]:
+        result = CliRunner().invoke(app, ["promote", f"promote.report={name}"])
+        assert result.exit_code == 2, result.output
+        expected = f"error: promote.report='{name}' exists and is {kind} this pipeline wrote"
+        assert result.output.startswith(expected), result.output
+    assert notes.read_text() == '{"mine": 1}\n'
+    assert outside.read_text() == '{"decision": "promoted"}\n'
+    # a report of an earlier promotion is the pipeline's: the check lets it be replaced (the
+    # stage then stops at the missing evaluation here)
+    (project / "reports").mkdir()
+    (project / "reports" / "promotion.json").write_text('{"decision": "rejected"}\n')
+    result = CliRunner().invoke(app, ["promote"])
+    assert "metrics.json is missing" in result.output, result.output
