@@ -407,8 +407,8 @@ class EvalConfig:
     registry has one, else ``model.policy``."""
     reward: str | None = None
     """The reward that scores candidate and baseline (same forms as ``model.reward``); ``None``
-    uses the one the candidate was trained with (recorded in its ``training_summary.json``), or
-    ``model.reward`` when the candidate records none."""
+    uses ``model.reward``, which must then be the one the candidate was trained with (recorded in
+    its ``training_summary.json``): evaluation never runs a reward a model folder names."""
 
 
 @dataclass

@@ -5,8 +5,9 @@ the same seed and sampling settings, score them, and measure what guards against
 bought with degenerate text: KL to the reference (nats per sequence, the k1 sum over response
 tokens, an unbiased estimate of the sequence KL), response length, EOS rate and distinct-n.
 
-Both models are scored with one reward: ``eval.reward`` when set, else the reward the candidate
-was trained with (recorded in its ``training_summary.json``), else ``model.reward``.
+Both models are scored with one reward: ``eval.reward`` when set, else ``model.reward``, which
+must then be the reward the candidate was trained with (recorded in its
+``training_summary.json``): a model folder never chooses the code that scores it.
 
 Each model is sampled and decoded with its own tokenizer; the reward scores text, so scores
 compare across tokenizers. KL does not: token ids only mean the same text under tokenizers with
@@ -94,7 +95,7 @@ class RewardChoice:
 
     spec: str
     source: str
-    """``eval.reward``, ``recorded with the candidate in <file>`` or ``model.reward``."""
+    """``eval.reward`` or ``model.reward``."""
 
 
 SUMMARY_FILE = "training_summary.json"
@@ -138,9 +139,13 @@ def recorded_reward(candidate: str | Path) -> tuple[str, Path] | None:
 
 
 def evaluation_reward(config: Config, candidate: str | Path) -> RewardChoice:
-    """``eval.reward`` when set, else the reward recorded with the candidate, else
-    ``model.reward``; warns when the choice is not the reward the candidate was trained with or
-    not ``model.reward``."""
+    """``eval.reward`` when set (with a warning when the candidate was trained with another),
+    else ``model.reward``.
+
+    A reward is code to run, and a model folder never chooses it: when the candidate's
+    ``training_summary.json`` (or ``ppo_config.yaml``) names another reward than ``model.reward``
+    and ``eval.reward`` is not set, evaluation stops with a :class:`RewardError` naming both
+    and the key to set, instead of importing what the folder names."""
     recorded = recorded_reward(candidate)
     if config.eval.reward is not None:
         if recorded is not None and recorded[0] != config.eval.reward:
@@ -149,16 +154,15 @@ def evaluation_reward(config: Config, candidate: str | Path) -> RewardChoice:
                 f"with {recorded[0]!r} (recorded in {recorded[1]})"
             )
         return RewardChoice(config.eval.reward, "eval.reward")
-    if recorded is None:
-        return RewardChoice(config.model.reward, "model.reward")
-    spec, file = recorded
-    if spec != config.model.reward:
-        _warn(
-            f"scoring with {spec!r}, the reward the candidate was trained with (recorded in "
-            f"{file}), not model.reward={config.model.reward!r}; set eval.reward to score with "
-            "another"
+    if recorded is not None and recorded[0] != config.model.reward:
+        spec, file = recorded
+        raise RewardError(
+            f"the candidate was trained with the reward {spec!r} (recorded in {file}), not "
+            f"model.reward={config.model.reward!r}; a model folder does not choose the code that "
+            f"scores it: set eval.reward={spec!r} to score with the reward it was trained with, "
+            f"or eval.reward={config.model.reward!r} to score with the configured one"
         )
-    return RewardChoice(spec, f"recorded with the candidate in {file}")
+    return RewardChoice(config.model.reward, "model.reward")
 
 
 def _warn(message: str) -> None:
@@ -294,12 +298,7 @@ def evaluate(
         if reward.source == "model.reward":
             raise
         # The message names model.reward; say where this spec really came from.
-        origin = (
-            "set by eval.reward"
-            if reward.source == "eval.reward"
-            else f"{reward.source}; set eval.reward to score with another"
-        )
-        raise RewardError(f"{exc} (the reward {origin})") from None
+        raise RewardError(f"{exc} (the reward set by eval.reward)") from None
     reference = load_reference(config.model, runtime.device)
     reports = {
         name: evaluate_model(

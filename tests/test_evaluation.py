@@ -25,6 +25,7 @@ from ppo_core.evaluation import (
     evaluation_reward,
 )
 from ppo_core.modeling.policy import load_tokenizer
+from ppo_core.modeling.reward_loading import RewardError
 from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
 from tests.helpers import small_config
 
@@ -106,9 +107,13 @@ def read(folder: Path, name: str):
 # --- the reward ----------------------------------------------------------------------------------
 
 
-def test_training_records_its_reward_and_evaluation_uses_it_unless_eval_reward_says_otherwise(
+def test_a_candidate_trained_with_another_reward_is_scored_only_with_one_the_user_sets(
     tmp_path, tiny_model_dir, prompt_files, reward_module
 ):
+    """Training records its reward with the candidate; evaluation never imports a reward because
+    the model folder names it: another one than ``model.reward`` stops it, naming both and the
+    key to set, and ``eval.reward`` (or the same ``model.reward``) scores with it."""
+    from ppo_core.modeling.reward_loading import RewardError
     from ppo_core.trainer import train
 
     trained_with = f"{reward_module}:seven"
@@ -121,17 +126,26 @@ def test_training_records_its_reward_and_evaluation_uses_it_unless_eval_reward_s
     # As after `ppo train model.reward=...` then a plain `ppo evaluate`: model.reward is the default.
     config = evaluation_config(tmp_path, tiny_model_dir, prompt_files)
     assert config.model.reward == "builtin:sentiment"
-    with pytest.warns(EvaluationWarning, match="the reward the candidate was trained with") as seen:
-        reports = evaluate(config, candidate, tiny_model_dir)
-    assert "builtin:sentiment" in str(seen[0].message)
+    with pytest.raises(RewardError) as refused:
+        evaluate(config, candidate, tiny_model_dir)
+    assert str(refused.value).startswith(
+        f"the candidate was trained with the reward '{trained_with}' (recorded in "
+        f"{candidate / 'training_summary.json'}), not model.reward='builtin:sentiment'"
+    )
+    assert f"set eval.reward='{trained_with}'" in str(refused.value)
+    out = tmp_path / "eval"
+    assert not out.exists()
+
+    # The same reward as model.reward: used, no warning.
+    config = evaluation_config(
+        tmp_path, tiny_model_dir, prompt_files, f"model.reward={trained_with}"
+    )
+    reports = evaluate(config, candidate, tiny_model_dir)
     for side in ("candidate", "baseline"):  # both scored with the one reward
         assert reports[side].metrics["score"] == 7.0
         assert "kl_to_reference" in reports[side].metrics  # same tokenizer as the reference
-    out = tmp_path / "eval"
-    models = read(out, "models.json")
-    assert models["reward"] == trained_with
-    assert models["reward_source"].startswith("recorded with the candidate")
-    assert f"reward {trained_with} (recorded with the candidate" in read(out, "report.md")
+    assert read(out, "models.json")["reward"] == trained_with
+    assert f"reward {trained_with} (model.reward)" in read(out, "report.md")
 
     chosen = f"{reward_module}:minus_three"
     config = evaluation_config(tmp_path, tiny_model_dir, prompt_files, f"eval.reward={chosen}")
@@ -140,6 +154,29 @@ def test_training_records_its_reward_and_evaluation_uses_it_unless_eval_reward_s
     assert [reports[s].metrics["score"] for s in ("candidate", "baseline")] == [-3.0, -3.0]
     assert read(out, "models.json")["reward"] == chosen
     assert f"reward {chosen} (eval.reward)" in read(out, "report.md")
+
+
+def test_a_reward_named_in_a_model_folder_is_never_imported(tmp_path, tiny_model_dir, prompt_files):
+    """A candidate folder whose summary names a module inside the folder itself: evaluation stops
+    before importing it."""
+    from ppo_core.modeling.reward_loading import RewardError
+
+    candidate = tmp_path / "candidate"
+    shutil.copytree(tiny_model_dir, candidate)
+    marker = tmp_path / "code-ran"
+    (candidate / "planted_reward.py").write_text(
+        f"import os\nos.mkdir({str(marker)!r})\ndef score(p, r):\n    return [0.0] * len(r)\n"
+    )
+    (candidate / "training_summary.json").write_text(json.dumps({"reward": "planted_reward:score"}))
+    config = evaluation_config(tmp_path, tiny_model_dir, prompt_files)
+    sys.path.insert(0, str(candidate))
+    try:
+        with pytest.raises(RewardError, match="a model folder does not choose the code"):
+            evaluate(config, candidate, tiny_model_dir)
+    finally:
+        sys.path.remove(str(candidate))
+        sys.modules.pop("planted_reward", None)
+    assert not marker.exists()
 
 
 def test_a_hanging_reward_stops_evaluation_within_the_timeout(
@@ -167,8 +204,8 @@ def test_the_reward_choice_without_a_record(tmp_path, tiny_model_dir, prompt_fil
     assert evaluation_reward(config, plain).source == "model.reward"
     # A candidate saved before training_summary.json named its reward: its ppo_config.yaml does.
     (plain / "ppo_config.yaml").write_text("model:\n  reward: my_rewards:score\n")
-    with pytest.warns(EvaluationWarning, match="'my_rewards:score'"):
-        assert evaluation_reward(config, plain).spec == "my_rewards:score"
+    with pytest.raises(RewardError, match="'my_rewards:score' .*ppo_config.yaml"):
+        evaluation_reward(config, plain)
 
 
 # --- tokenizers ----------------------------------------------------------------------------------
