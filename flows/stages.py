@@ -8,12 +8,19 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
+import os
 import time
 from pathlib import Path
 
 from ppo_core.config import Config
-from ppo_core.files import atomic_folder, atomic_write_text, check_replaceable_file, file_sha256
+from ppo_core.files import (
+    MAX_COPY_BYTES,
+    atomic_folder,
+    atomic_write_text,
+    check_replaceable_file,
+    copy_regular_file,
+    file_sha256,
+)
 from ppo_core.modeling.data import Prompt, PromptFileError, chat_json, load_prompts
 
 
@@ -316,6 +323,11 @@ def validate(config: Config) -> Path:
     interim = Path(config.data.interim_dir)
     files = {name: interim / f"{name}.parquet" for name in ("train", "eval")}
     for path in (*files.values(), interim / "manifest.json"):
+        if path.is_symlink() or (path.exists() and not path.is_file()):
+            # a link would make validate read, and publish, a file from anywhere
+            raise PromptFileError(
+                f"{path} is not a regular file (`ppo prepare` writes one); run `ppo prepare` again"
+            )
         if not path.is_file():
             raise PromptFileError(f"{path} is missing; run `ppo prepare` first")
     frames = {name: pd.read_parquet(path) for name, path in files.items()}
@@ -353,7 +365,12 @@ def validate(config: Config) -> Path:
 
     def publish(tmp: Path) -> None:
         for name in ("train.parquet", "eval.parquet", "manifest.json"):
-            shutil.copy2(interim / name, tmp / name)
+            # regular files only, never through a link put there since the check above
+            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+            try:
+                copy_regular_file(interim / name, fd, MAX_COPY_BYTES)
+            finally:
+                os.close(fd)
 
     return atomic_folder(config.data.prepared_dir, publish)
 

@@ -68,3 +68,30 @@ def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir
     assert {(f["expectation"], f["split"]) for f in summary["failures"]} == expected
     assert (report / "data_docs" / "index.html").read_bytes() != passing_docs
     assert {p.name: p.read_bytes() for p in published.iterdir()} == before
+
+
+def test_a_link_in_the_candidate_version_is_never_read_or_published(tmp_path, tiny_model_dir):
+    """``data/interim/manifest.json`` linked to a private file: validate refuses it by name and
+    publishes nothing, so the file it points to never reaches ``data/prepared``."""
+    from ppo_core.modeling.data import PromptFileError
+
+    config = load_config(
+        overrides=[
+            f"model.policy={tiny_model_dir}",
+            f"data.interim_dir={tmp_path / 'interim'}",
+            f"data.prepared_dir={tmp_path / 'prepared'}",
+            f"validation.report_dir={tmp_path / 'report'}",
+            "validation.min_train_rows=8",
+            "validation.min_eval_rows=2",
+        ]
+    )
+    train = [f"The movie number {i} was" for i in range(20)]
+    write_version(tmp_path / "interim", train, [f"The film number {i} is" for i in range(5)])
+    secret = tmp_path / "id_ed25519"
+    secret.write_text("-----BEGIN OPENSSH PRIVATE KEY-----\n")
+    manifest = tmp_path / "interim" / "manifest.json"
+    manifest.unlink()
+    manifest.symlink_to(secret)
+    with pytest.raises(PromptFileError, match=r"manifest.json is not a regular file"):
+        validate(config)
+    assert not (tmp_path / "prepared").exists()
