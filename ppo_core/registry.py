@@ -124,8 +124,9 @@ def current_production(registry_path: str | Path, production_dir: str | Path) ->
 
     The folder's content is checked against the SHA-256 recorded when it was promoted: a
     version changed on disk since is refused (:class:`RegistryError`) rather than used as the
-    baseline or replaced by the next promotion. Entries written before the hash was recorded
-    are not checked."""
+    baseline or replaced by the next promotion. An entry without a recorded hash (absent,
+    null, or not a SHA-256) is refused the same way: the check cannot be switched off by
+    editing the registry."""
     registry = load_registry(registry_path)
     current = registry.get("current")
     if not current:
@@ -140,7 +141,13 @@ def current_production(registry_path: str | Path, production_dir: str | Path) ->
         (e.get("content_sha256") for e in registry["entries"] if e.get("version") == current),
         None,
     )
-    if recorded is not None and tree_sha256(folder) != recorded:
+    if not isinstance(recorded, str) or not re.fullmatch(r"[0-9a-f]{64}", recorded):
+        raise RegistryError(
+            f"production version {current} has no content hash in the registry "
+            f"(content_sha256 is {recorded!r}), so {folder} cannot be checked; restore the "
+            "registry (e.g. `dvc pull`) or promote a version again"
+        )
+    if tree_sha256(folder) != recorded:
         raise RegistryError(
             f"production version {current} in {folder} no longer matches the content hash the "
             f"registry recorded when it was promoted ({str(recorded)[:12]}...); a file in it "

@@ -234,3 +234,27 @@ def test_the_code_version_is_the_commit_and_whether_tracked_files_differ(tmp_pat
     assert code_version(tmp_path) == {"commit": head, "dirty": False}
     (tmp_path / "code.py").write_text("two\n")
     assert code_version(tmp_path) == {"commit": head, "dirty": True}
+
+
+@pytest.mark.parametrize("recorded", ["null", "absent", "not a hash"])
+def test_a_registry_entry_cannot_switch_the_content_check_off(tmp_path, recorded):
+    """An entry whose ``content_sha256`` was edited away is refused like a changed version, not
+    taken as one written before hashes were recorded."""
+    registry, production = tmp_path / "registry.json", tmp_path / "production"
+    record_decision(
+        registry_path=registry,
+        production_dir=production,
+        candidate_dir=candidate(tmp_path, "c1", "weights-1"),
+        decision=gate(GOOD, None, **RULES),
+        lineage={"data_hash": "abc"},
+    )
+    (production / "v0001" / "model.safetensors").write_text("weights-X")
+    edited = json.loads(registry.read_text())
+    entry = edited["entries"][0]
+    if recorded == "absent":
+        del entry["content_sha256"]
+    else:
+        entry["content_sha256"] = None if recorded == "null" else "abc"
+    registry.write_text(json.dumps(edited))
+    with pytest.raises(RegistryError, match="production version v0001 has no content hash"):
+        current_production(registry, production)

@@ -18,6 +18,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ __all__ = [
 ADAPTER_CONFIG_FILE = "adapter_config.json"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
 ADAPTER_BASE_FILE = "adapter_base.json"
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 POLICY_ADAPTER = "default"
 """The trained adapter's name in the ``peft`` model (``peft``'s own default)."""
 REFERENCE_ADAPTER = "reference"
@@ -169,12 +171,30 @@ def adapter_base_folder(folder: str | Path) -> Path:
         )
     try:
         record = json.loads(record_file.read_text())
-        base, fingerprint = Path(record["base"]), record["base_sha256"]
+        base, fingerprint = Path(record["base"]), _fingerprint_of(record, record_file)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise AdapterError(f"{record_file} is damaged ({first_line(exc)})") from None
+    if is_adapter_folder(base):
+        # a base that is an adapter would name a base of its own, and so on
+        raise AdapterError(
+            f"{record_file} names {str(base)!r} as the base, which is itself an adapter "
+            "folder; an adapter's base is a whole model"
+        )
     check_model_folder(base, f"the base model of adapter {str(folder)!r}")
     check_base_matches(folder, base, fingerprint)
     return base
+
+
+def _fingerprint_of(record: object, record_file: Path) -> str:
+    """The ``base_sha256`` of an ``adapter_base.json`` record: a SHA-256 in hex, never absent or
+    null (which would let the adapter load onto any base)."""
+    fingerprint = record.get("base_sha256") if isinstance(record, dict) else None
+    if not isinstance(fingerprint, str) or not SHA256_HEX.fullmatch(fingerprint):
+        raise AdapterError(
+            f"{record_file} is damaged (base_sha256 is {fingerprint!r}, not a SHA-256); the "
+            "base the adapter was trained on cannot be checked"
+        )
+    return fingerprint
 
 
 def check_base_matches(adapter: str | Path, base: str | Path, recorded: str | None) -> None:
@@ -196,9 +216,10 @@ def _recorded_fingerprint(adapter: str | Path) -> str | None:
     if not record_file.is_file():
         return None
     try:
-        return json.loads(record_file.read_text()).get("base_sha256")
-    except (json.JSONDecodeError, AttributeError):
+        record = json.loads(record_file.read_text())
+    except json.JSONDecodeError:
         raise AdapterError(f"{record_file} is damaged") from None
+    return _fingerprint_of(record, record_file)
 
 
 def _check_adapter_folder(folder: str | Path, role: str) -> Path:

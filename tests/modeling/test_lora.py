@@ -259,6 +259,23 @@ def test_an_adapter_on_another_base_is_refused_by_name(tmp_path, llama, prompt_f
         load_causal_lm(adapter)
 
 
+def test_an_adapter_record_cannot_switch_its_base_check_off(tmp_path, llama):
+    """``adapter_base.json`` edited to hold no fingerprint (null, empty, not a SHA-256) is
+    refused rather than loading the adapter onto any base; one naming an adapter (itself) as
+    its base is refused rather than followed for ever."""
+    adapter = random_adapter(llama, tmp_path / "sft")
+    other = build_tiny_causal_lm(tmp_path / "other", "llama", seed=5)  # same shapes
+    record_file = adapter / "adapter_base.json"
+    fingerprint = json.loads(record_file.read_text())["base_sha256"]
+    for edited in (None, "", "abc"):
+        record_file.write_text(json.dumps({"base": str(other), "base_sha256": edited}))
+        with pytest.raises(AdapterError, match=r"base_sha256 is .*, not a SHA-256"):
+            load_causal_lm(adapter)
+    record_file.write_text(json.dumps({"base": str(adapter), "base_sha256": fingerprint}))
+    with pytest.raises(AdapterError, match="which is itself an adapter folder"):
+        load_causal_lm(adapter)
+
+
 def test_bad_lora_settings_are_named(tmp_path, llama, prompt_files):
     with pytest.raises(ConfigError, match="model.lora.rank must be >= 1, got 0"):
         load_config(overrides=[LORA, "model.lora.rank=0"])
