@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from flows.ingest import LOCK_NAME
+from flows.run_params import BACKUP_NAME
 from ppo_core.files import file_sha256, tree_sha256
 from tests.flows.conftest import BIN, dvc, read_json
 from tests.flows.servers import flow_runs, prefect, start_server, state_message, stop, wait_for
@@ -22,6 +24,16 @@ def on_new_data(runs: list[dict]) -> list[dict]:
         (r for r in runs if r.get("parameters", {}).get("new_data_only")),
         key=lambda r: r["created"],
     )
+
+
+def data_files(project: Path) -> dict[str, str]:
+    """Every file under ``data/`` and its SHA-256, the inbox's lock aside (each command that
+    takes it writes its own pid there)."""
+    return {
+        str(p.relative_to(project)): file_sha256(p)
+        for p in sorted((project / "data").rglob("*"))
+        if p.is_file() and p.name != LOCK_NAME
+    }
 
 
 FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
@@ -91,7 +103,7 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
         # 1. `prefect deployment run` goes through the work pool to the worker, and two files
         # ingested while it trains lead to exactly one more training run: the run the first file
         # triggers waits for the project's lock, then takes both; the second one's finds nothing.
-        # Six iterations leave the files time to arrive after the run's first checkpoint.
+        # Six iterations leave the files time to arrive while the run trains.
         manual = subprocess.Popen(
             [
                 str(BIN / "prefect"),
@@ -109,10 +121,12 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
             stdout=(logs / "manual.log").open("w"),
             stderr=subprocess.STDOUT,
         )
+        # The run's own params.yaml values are held from just after it took the inbox to its end:
+        # files ingested now wait for the next run.
         wait_for(
-            lambda: any((project / "checkpoints").glob("step-*")) or manual.poll() is not None,
+            lambda: (project / BACKUP_NAME).exists() or manual.poll() is not None,
             600,
-            "the manual run's first checkpoint",
+            "the manual run to take the inbox and start its stages",
         )
         ingest(
             env,
@@ -145,7 +159,7 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
             "prompts.jsonl",
             "second.jsonl",
         ]
-        assert not list((project / "data" / "inbox").iterdir())
+        assert [p.name for p in (project / "data" / "inbox").iterdir()] == [LOCK_NAME]
         # An unknown parameter is refused by the deployment, and nothing runs.
         unknown = prefect(env, project, "deployment", "run", "retrain/manual", "-p", "epochs=3")
         assert unknown.returncode != 0
@@ -181,7 +195,7 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
 
         # A forged or malformed event starts a run that reads nothing from it: it finds no new
         # data and ends, changing nothing.
-        kept = tree_sha256(project / "data")
+        kept = data_files(project)
         forged = prefect(
             env,
             project,
@@ -202,7 +216,7 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
         last = on_new_data(flow_runs(env))[-1]
         assert last["state_type"] == "COMPLETED"
         assert state_message(env, last).startswith("no new data")
-        assert tree_sha256(project / "data") == kept
+        assert data_files(project) == kept
         # Each run that decided is a DVC experiment; params.yaml is as it was committed.
         listed = dvc(project, "exp", "list", "--name-only")
         assert listed.returncode == 0, listed.stderr
