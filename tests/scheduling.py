@@ -1,4 +1,4 @@
-"""Test order for two pytest workers: the longest scenarios first, so that they run side by side
+"""Test order for the pytest workers: the longest scenarios first, so that they run side by side
 from the start and the many short tests fill the gaps at the end (longest-first scheduling).
 
 `make test` distributes tests with ``--dist load --maxschedchunk 1``: after two tests each, a
@@ -17,22 +17,21 @@ import pytest
 
 UNLISTED_SLOW_S = 20.0
 
-# node id -> seconds in a fresh clone's `make test` on two shared cores (2026-12-02)
+# node id -> seconds of a whole `make test` in the working tree on two shared cores (2026-12-02)
 SECONDS = {
-    "tests/flows/test_work_pool.py::test_a_worker_runs_the_deployments_and_ingest_triggers_retraining": 464.0,
-    "tests/flows/test_dvc_pipeline.py::test_repro_then_nothing_then_only_what_a_param_touches": 214.0,
-    "tests/flows/test_worker_crash.py::test_a_run_whose_worker_died_is_started_again_and_resumes": 160.0,
-    "tests/flows/test_deployment.py::test_deployment_run_reaches_the_served_flow": 123.0,
-    "tests/reliability/test_kill_loop.py::test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run": 105.0,
-    "tests/test_default_quality.py::test_default_run_makes_reviews_positive_within_budget": 96.0,
-    "tests/test_bench_smoke.py::test_smoke_run[orchestration.py]": 91.0,
-    "tests/flows/test_flow.py::test_retrain_flow_runs_every_stage_and_publishes_artifacts": 75.0,
-    "tests/test_distributed_training.py::test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters": 55.0,
-    "tests/flows/test_flow.py::test_a_first_run_reads_cleanly_and_bad_data_then_stops_the_flow_at_validation": 42.0,
-    "tests/flows/test_readme_chat_lora.py::test_the_readme_chat_and_lora_block_runs_verbatim": 38.0,
-    "tests/flows/test_readme_own_model.py::test_the_readme_own_model_block_runs_verbatim": 35.0,
-    "tests/flows/test_readme_estimators.py::test_the_readme_estimators_block_runs_verbatim": 33.0,
-    "tests/reliability/test_retry_resumes.py::test_a_retried_train_stage_resumes_from_its_checkpoint": 21.0,
+    "tests/flows/test_work_pool.py::test_a_worker_runs_the_deployments_and_ingest_triggers_retraining": 210.0,
+    "tests/flows/test_worker_crash.py::test_a_run_whose_worker_died_is_started_again_and_resumes": 147.0,
+    "tests/flows/test_flow.py::test_a_first_run_then_retraining_from_production_then_bad_data_stopping_at_validation": 131.0,
+    "tests/flows/test_deployment.py::test_deployment_run_reaches_the_served_flow": 101.0,
+    "tests/test_bench_smoke.py::test_smoke_run[orchestration.py]": 98.0,
+    "tests/test_default_quality.py::test_default_run_makes_reviews_positive_within_budget": 93.0,
+    "tests/reliability/test_kill_loop.py::test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run": 69.0,
+    "tests/flows/test_dvc_pipeline.py::test_repro_then_nothing_then_only_what_a_param_touches": 60.0,
+    "tests/test_distributed_training.py::test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters": 51.0,
+    "tests/flows/test_readme_own_model.py::test_the_readme_own_model_block_runs_verbatim": 40.0,
+    "tests/flows/test_readme_chat_lora.py::test_the_readme_chat_and_lora_block_runs_verbatim": 34.0,
+    "tests/flows/test_readme_estimators.py::test_the_readme_estimators_block_runs_verbatim": 34.0,
+    "tests/reliability/test_retry_resumes.py::test_a_retried_train_stage_resumes_from_its_checkpoint": 22.0,
 }
 
 
