@@ -84,7 +84,21 @@ class StageTimedOut(StageFailed):
 
 def project_dir() -> Path:
     """The project folder runs of the flow work in: ``$PPO_PROJECT_DIR``, else the working
-    folder; resolved."""
+    folder; resolved.
+
+    Raises:
+        RunParamsError: this run's own job variables set ``PPO_PROJECT_DIR``: a run request to a
+            work pool may override the deployment's environment, but not move its project."""
+    from prefect.runtime import flow_run
+
+    from flows.run_params import RunParamsError
+
+    requested = (flow_run.get_job_variables() or {}).get("env") or {}
+    if isinstance(requested, dict) and PROJECT_ENV in requested:
+        raise RunParamsError(
+            f"job_variables: {PROJECT_ENV} cannot be set by a flow run; the project folder is "
+            "fixed where the deployment is defined (prefect.yaml) or served"
+        )
     return Path(os.environ.get(PROJECT_ENV) or ".").resolve()
 
 

@@ -879,10 +879,17 @@ _BATCH_ROWS = 1_000_000
 _ITERATIONS = 100_000_000
 _TOKENS = 1_000_000
 _ROWS = 1_000_000_000
-# Upper bounds of every size, count and length (every integer key but the seeds): far above any
-# real run, so that only a slip (a few zeros too many) meets them, and it fails here, naming the
-# key, instead of allocating for hours or running out of memory in the middle of a run.
+# Seeds: torch takes 64-bit ones; a larger integer (a flow run's `params`, a YAML file) would
+# overflow in the middle of a run.
+_SEED = 2**63 - 1
+# Upper bounds of every integer key: sizes, counts and lengths far above any real run, so that
+# only a slip (a few zeros too many) meets them, and it fails here, naming the key, instead of
+# allocating for hours or running out of memory in the middle of a run; seeds within 64 bits.
 UPPER_BOUNDS: dict[str, int] = {
+    "seed": _SEED,
+    "base.tiny_seed": _SEED,
+    "data.split_seed": _SEED,
+    "eval.seed": _SEED,
     "threads": 4096,
     "base.tiny_steps": 10_000_000,
     "model.lora.rank": 65_536,

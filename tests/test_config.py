@@ -429,10 +429,7 @@ def test_a_float_for_an_integer_key_is_refused():
         load_config(overrides=["ppo.rollout_batch_size=1e9"])
 
 
-SEEDS = {"seed", "base.tiny_seed", "data.split_seed", "eval.seed"}
-
-
-def test_every_integer_key_but_the_seeds_has_an_upper_bound_above_its_default():
+def test_every_integer_key_has_an_upper_bound_above_its_default():
     from ppo_core.config import UPPER_BOUNDS
 
     defaults = flatten(Config())
@@ -441,5 +438,5 @@ def test_every_integer_key_but_the_seeds_has_an_upper_bound_above_its_default():
         for key, value in defaults.items()
         if isinstance(value, int) and not isinstance(value, bool)
     } | {"ppo.generation_batch_size", "ppo.scoring_batch_size"}
-    assert set(UPPER_BOUNDS) == integers - SEEDS
+    assert set(UPPER_BOUNDS) == integers
     assert all(defaults[key] is None or defaults[key] <= UPPER_BOUNDS[key] for key in UPPER_BOUNDS)

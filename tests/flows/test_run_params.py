@@ -68,6 +68,7 @@ def test_a_key_outside_the_allow_list_is_refused_and_nothing_is_written(project,
         ({"ppo.micro_batch_size": 32}, "ppo.micro_batch_size=32 is larger than ppo.mini_batch"),
         ({"ppo.rollout_batch_size": 10**12}, "ppo.rollout_batch_size must be at most"),
         ({"ppo.epochs": 2.5}, "ppo.epochs"),
+        ({"seed": 10**40}, f"seed must be at most {2**63 - 1}, got {10**40}"),
     ],
 )
 def test_a_bad_value_is_refused_naming_the_key_and_nothing_is_written(project, params, message):

@@ -6,6 +6,7 @@ that fails validation changes nothing and is set aside)."""
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -164,6 +165,31 @@ def test_a_worker_runs_the_deployments_and_ingest_triggers_retraining(tiny_proje
         unknown = prefect(env, project, "deployment", "run", "retrain/manual", "-p", "epochs=3")
         assert unknown.returncode != 0
         assert "not found on the deployment: 'epochs'" in " ".join(unknown.stdout.split())
+        # A run request may override the deployment's environment (job variables), but not move
+        # its project: the run fails at once, naming the key, and nothing is written there.
+        elsewhere = tmp_path / "elsewhere"
+        shutil.copytree(project, elsewhere, symlinks=True)
+        before = (data_files(elsewhere), file_sha256(elsewhere / "models" / "registry.json"))
+        moved = prefect(
+            env,
+            project,
+            "deployment",
+            "run",
+            "retrain/manual",
+            "--job-variable",
+            f'env={{"PPO_PROJECT_DIR": "{elsewhere}"}}',
+            "--watch",
+            "--watch-timeout",
+            "300",
+            timeout=360,
+        )
+        assert moved.returncode != 0 and "Failed" in moved.stdout, moved.stdout + worker_log()
+        [refused] = [r for r in flow_runs(env, "FAILED") if "params" not in r["parameters"]]
+        assert "PPO_PROJECT_DIR cannot be set by a flow run" in state_message(env, refused)
+        assert (
+            data_files(elsewhere),
+            file_sha256(elsewhere / "models" / "registry.json"),
+        ) == before
 
         # 2. A file that fails validation (prompts longer than validation.max_tokens) changes
         # nothing, is set aside, and the failed expectation is in the run's artifact.
