@@ -208,3 +208,24 @@ def test_import_is_cheap():
         "assert 'great_expectations' not in sys.modules and 'pandas' not in sys.modules"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_prompt_text_reaches_the_data_docs_escaped_and_the_summary_as_it_is(tmp_path):
+    """A tampered candidate version whose failing prompts are HTML (a duplicated ``<script>``, an
+    eval prompt with an ``<img onerror>`` that is also a train prompt): the Data Docs show them
+    as text, never as markup, and every outcome and example is what it is without escaping."""
+    script = "<script>alert('docs')</script> was"
+    image = '<img src=x onerror="alert(1)"> is'
+    train = [*TRAIN[:-2], script, script, image]
+    result = validate(tmp_path, train=train, eval_=[*EVAL[:-1], image])
+    failed = {(f.expectation, f.split) for f in result.failures}
+    assert failed == {
+        ("expect_column_values_to_be_unique", "train"),
+        ("expect_column_values_to_not_be_in_set", "eval"),
+    }, result.failures
+    examples = " ".join(e for f in result.failures for e in f.examples)
+    assert "<script>alert('docs')</script>" in examples and "<img src=x" in examples
+    pages = [p.read_text() for p in (tmp_path / "reports" / "data_docs").rglob("*.html")]
+    assert any("alert(" in page for page in pages), "the failing values are not in the docs"
+    for page in pages:
+        assert "<script>alert(" not in page and "<img src=x" not in page
