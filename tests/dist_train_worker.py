@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from tests.helpers import end_rank
+
 
 def run(rank: int, world_size: int, port: int, overrides: list[str]) -> None:
     os.environ.update(
@@ -25,6 +27,7 @@ def run(rank: int, world_size: int, port: int, overrides: list[str]) -> None:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    end_rank()
 
 
 def shard_a_model(
@@ -93,6 +96,7 @@ def shard_a_model(
             json.dump({**record, "states": states}, handle)
     finally:
         dist.destroy_process_group()
+    end_rank()  # before the sharded model is freed
 
 
 def sharded_state(model) -> dict[str, int]:

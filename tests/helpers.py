@@ -246,11 +246,36 @@ def spawn_ranks(fn, nprocs: int, *args) -> None:
     started with (the first call's), not this process's environment at the time of the call:
     pass what a rank needs in ``args``."""
     import multiprocessing
+    import time
 
     import torch.multiprocessing as mp
 
     multiprocessing.set_forkserver_preload(RANK_IMPORTS)
-    mp.start_processes(fn, args=args, nprocs=nprocs, join=True, start_method="forkserver")
+    ranks = mp.start_processes(fn, args=args, nprocs=nprocs, join=False, start_method="forkserver")
+    deadline = time.monotonic() + RANKS_TIMEOUT_S
+    while not ranks.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for process in ranks.processes:
+                process.kill()
+            raise TimeoutError(
+                f"the {nprocs} ranks of {fn.__name__} did not end within {RANKS_TIMEOUT_S} s"
+            )
+
+
+RANKS_TIMEOUT_S = 600
+"""Far above the 2-20 s a test's ranks take: past it they are killed and the test fails, instead
+of a hung rank holding the whole suite."""
+
+
+def end_rank() -> None:
+    """Leave a rank's process at once, its results written: a gloo process group freed by
+    Python's clean-up can deadlock (its worker thread waits for the interpreter lock that the
+    destructor holds, seen once in some hundred runs), and hang the rank."""
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 # -- rewards named by `model.reward=tests.helpers:<name>` ---------------------------------------

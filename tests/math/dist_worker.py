@@ -13,6 +13,7 @@ from ppo_core import (
     micro_batch_slices,
     whiten_advantages,
 )
+from tests.helpers import end_rank
 from tests.math.toy import ToyPolicy, ppo_micro_loss, random_batch
 
 BATCH, LENGTH, SEED = 8, 6, 11
@@ -54,5 +55,8 @@ def run(rank: int, world_size: int, init_method: str, out_path: str) -> None:
             shard.advantages, shard.response_mask, all_ranks=True
         )
         torch.save(results, f"{out_path}.{rank}")
-    finally:
         dist.destroy_process_group()
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    end_rank()  # before the last model and its reducer are freed
