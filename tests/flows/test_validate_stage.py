@@ -19,9 +19,9 @@ def write_version(folder, train, evals):
     (folder / "manifest.json").write_text(json.dumps({"content_hash": str(hash(tuple(train)))}))
 
 
-@pytest.mark.parametrize("problem", ["null", "duplicate", "too_long", "leak"])
-def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir, problem):
-    config = load_config(
+def stage_config(tmp_path, tiny_model_dir):
+    """The validate stage's config with every folder under ``tmp_path``."""
+    return load_config(
         overrides=[
             f"model.policy={tiny_model_dir}",
             f"data.interim_dir={tmp_path / 'interim'}",
@@ -31,6 +31,11 @@ def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir
             "validation.min_eval_rows=2",
         ]
     )
+
+
+@pytest.mark.parametrize("problem", ["null", "duplicate", "too_long", "leak"])
+def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir, problem):
+    config = stage_config(tmp_path, tiny_model_dir)
     train = [f"The movie number {i} was" for i in range(20)]
     evals = [f"The film number {i} is" for i in range(5)]
     write_version(tmp_path / "interim", train, evals)
@@ -75,16 +80,7 @@ def test_a_link_in_the_candidate_version_is_never_read_or_published(tmp_path, ti
     publishes nothing, so the file it points to never reaches ``data/prepared``."""
     from ppo_core.modeling.data import PromptFileError
 
-    config = load_config(
-        overrides=[
-            f"model.policy={tiny_model_dir}",
-            f"data.interim_dir={tmp_path / 'interim'}",
-            f"data.prepared_dir={tmp_path / 'prepared'}",
-            f"validation.report_dir={tmp_path / 'report'}",
-            "validation.min_train_rows=8",
-            "validation.min_eval_rows=2",
-        ]
-    )
+    config = stage_config(tmp_path, tiny_model_dir)
     train = [f"The movie number {i} was" for i in range(20)]
     write_version(tmp_path / "interim", train, [f"The film number {i} is" for i in range(5)])
     secret = tmp_path / "id_ed25519"
