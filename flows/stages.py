@@ -213,19 +213,22 @@ def base(config: Config) -> Path:
     """Import ``base.source`` into ``model.policy``, or build the tiny default there.
 
     ``model.policy`` is checked as an output first (``check_write_paths``: inside the project or
-    an allowed root, clear of the repository, the sources, the inputs and the other outputs). An
-    import copies regular files only, within ``ppo_core.files.MAX_COPY_BYTES``: a link, a device
-    or a FIFO in the source is refused by name before anything is loaded or written. It records
-    in ``imported_from.json`` where the model came from without naming the user's folders: the
-    source's path relative to the project when it lies inside it, else only its folder name, and
-    always ``content_sha256`` (``ppo_core.files.folder_fingerprint``: its ``config.json`` and
-    every file's name and size).
+    an allowed root, clear of the repository, the sources, the inputs and the other outputs).
+    ``base.source`` is a model folder, a GGUF file, or a hub id (``org/name``) found in the local
+    Hugging Face cache (``ppo_core.modeling.hub_cache``; never downloaded). A folder import
+    copies regular files only, within ``ppo_core.files.MAX_COPY_BYTES``: a link, a device or a
+    FIFO in the source is refused by name before anything is loaded or written, except the
+    links of a hub cache snapshot into its own ``blobs/``. A GGUF file is checked (header,
+    architecture, tensor types) and converted into a ``save_pretrained`` folder in
+    ``base.dtype`` (``ppo_core.modeling.gguf_import``). ``imported_from.json`` records where the
+    model came from without naming the user's folders: the source's path relative to the
+    project when it lies inside it, else only its name (or the hub id), and always
+    ``content_sha256`` (``ppo_core.files.folder_fingerprint``: its ``config.json`` and every
+    file's name and size); a GGUF import adds the file's SHA-256 and its tensor types.
     """
-    import os
-
-    from ppo_core.config import WRITE_KEYS, check_write_paths, flatten
-    from ppo_core.files import copy_regular_tree, folder_fingerprint, regular_files
-    from ppo_core.output_paths import inside, real_path
+    from ppo_core.config import WRITE_KEYS, ConfigError, check_write_paths, flatten
+    from ppo_core.files import folder_fingerprint
+    from ppo_core.modeling.hub_cache import resolve_model_source, snapshot_blobs
 
     check_write_paths(flatten(config), (*WRITE_KEYS, "model.policy"))
     target = Path(config.model.policy)
@@ -238,33 +241,82 @@ def base(config: Config) -> Path:
             steps=config.base.tiny_steps,
             num_threads=config.threads or None,
         )
+    source = resolve_model_source(config.base.source, "base.source")
+    blobs = snapshot_blobs(source)
+    record = _shown_source(config.base.source, source)
+    if source.is_file() or (source.is_symlink() and not source.is_dir()):
+        write = _gguf_import(config, source, blobs, record)
+    else:
+        if config.base.dtype != "fp32":
+            raise ConfigError(
+                f"base.dtype={config.base.dtype!r} applies to GGUF imports; base.source="
+                f"{config.base.source!r} is a model folder, copied as it is (leave base.dtype=fp32)"
+            )
+        write = _folder_import(config, source, blobs, record)
+
+    def write_and_record(tmp: Path) -> None:
+        write(tmp)
+        record["content_sha256"] = folder_fingerprint(tmp)
+        record["imported_at"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+        (tmp / "imported_from.json").write_text(json.dumps(record, indent=1))
+
+    return atomic_folder(target, write_and_record)
+
+
+def _shown_source(value: str, source: Path) -> dict[str, object]:
+    """How ``imported_from.json`` names the source: a hub id as given, a path inside the project
+    relative to it, any other path by its last name only (no user folders in the record)."""
+    from ppo_core.output_paths import inside, real_path
+
+    if str(source) != value:
+        return {"source": value, "inside_project": False}  # a hub id, resolved from the cache
+    project, where = real_path("."), real_path(source)
+    if where != project and inside(where, project):
+        return {"source": os.path.relpath(where, project), "inside_project": True}
+    return {"source": Path(where).name or where, "inside_project": False}
+
+
+def _folder_import(config: Config, source: Path, blobs: Path | None, record: dict):
+    """Check the model folder ``source`` (loads as a tokenizer and a causal LM, only regular
+    files or links into ``blobs``) and return the function that copies it."""
+    from ppo_core.files import copy_regular_tree, regular_files
     from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
 
-    source = Path(config.base.source)
     if source.is_dir():
-        regular_files(source)  # links are refused before the loaders below follow any
+        # links are refused before the loaders below follow any
+        regular_files(source, link_root=blobs)
     # Load both first: a folder that cannot serve as a policy is refused before anything is written.
     load_tokenizer(source, config.model.trust_remote_code)
     load_causal_lm(source, "base.source", config.model.trust_remote_code)
-    project, where = real_path("."), real_path(source)
-    in_project = where != project and inside(where, project)
-    shown = os.path.relpath(where, project) if in_project else (Path(where).name or where)
+    record["format"] = "folder"
+    return lambda tmp: copy_regular_tree(source, tmp, link_root=blobs)
 
-    def write(tmp: Path) -> None:
-        copy_regular_tree(source, tmp)
-        (tmp / "imported_from.json").write_text(
-            json.dumps(
-                {
-                    "source": shown,
-                    "inside_project": in_project,
-                    "content_sha256": folder_fingerprint(tmp),
-                    "imported_at": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                },
-                indent=1,
-            )
+
+def _gguf_import(config: Config, source: Path, blobs: Path | None, record: dict):
+    """Check the GGUF file ``source`` (a regular file, or a link into ``blobs``; its header,
+    architecture and tensor types) and return the function that converts it."""
+    import stat
+
+    from ppo_core.files import UnsafeCopyError, file_sha256, printable
+    from ppo_core.modeling.gguf_import import import_gguf, read_gguf
+
+    real = Path(os.path.realpath(source))
+    linked_blob = blobs is not None and real.parent == Path(os.path.realpath(blobs))
+    if (source.is_symlink() and not linked_blob) or not stat.S_ISREG(os.lstat(real).st_mode):
+        raise UnsafeCopyError(
+            f"base.source={printable(str(source))!r} is not a regular file (a link is followed "
+            "only from a Hugging Face cache snapshot into its blobs/); give the file itself"
         )
-
-    return atomic_folder(target, write)
+    summary = read_gguf(real, config.base.source)
+    record.update(
+        format="gguf",
+        gguf_sha256=file_sha256(real),
+        architecture=summary.architecture,
+        tensor_types=summary.tensor_types,
+        parameters=summary.parameters,
+        dtype=config.base.dtype,
+    )
+    return lambda tmp: import_gguf(real, tmp, config.base.dtype, config.base.source)
 
 
 def train(config: Config, show_progress: bool = True):

@@ -90,6 +90,7 @@ CHOICES: dict[str, Any] = {
     "precision": Precision,
     "model.critic": Critic,
     "model.reference_dtype": Precision,
+    "base.dtype": Precision,
     "ppo.loss_agg_mode": LossAggMode,
     "ppo.advantage_estimator": AdvantageEstimator,
     "kl.estimator": KLEstimator,
@@ -161,8 +162,13 @@ class BaseConfig:
     """The ``base`` stage: where the starting policy (``model.policy``) comes from."""
 
     source: str | None = None
-    """A local Hugging Face causal-LM folder to import as the base; ``None`` builds the tiny
-    default (a 2-layer GPT-2 warm-started on generated movie reviews, no download)."""
+    """What to import as the base: a local Hugging Face causal-LM folder, a GGUF file
+    (llama.cpp's format, dequantized), or a hub id (``org/name``) found in the local Hugging Face
+    cache (never downloaded); ``None`` builds the tiny default (a 2-layer GPT-2 warm-started on
+    generated movie reviews, no download)."""
+    dtype: Choice[Precision] = "fp32"
+    """Weights written by a GGUF import: ``fp32``, or ``bf16`` for half the disk and memory (a
+    model folder is copied as it is and needs ``fp32`` here)."""
     tiny_steps: int = 400
     """Warm-start steps of the tiny default."""
     tiny_seed: int = 0

