@@ -11,6 +11,7 @@ critic's values, or a critic-free one (:mod:`ppo_core.math.advantages`).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, fields
 from typing import Any
@@ -234,6 +235,7 @@ def collect_rollout(
     kl_coef: float,
     runtime: Runtime,
     chunk_seeds: Sequence[int] | None = None,
+    merge_adapter: bool = True,
 ) -> tuple[RolloutBatch, dict[str, float], list[str]]:
     """Generate, score and turn one batch of prompts into advantages and returns.
 
@@ -241,21 +243,26 @@ def collect_rollout(
     ``kl.in_loss`` the rewards hold the score alone and the update adds the KL term. Under data
     parallelism batch-wide statistics (whitening, REINFORCE++'s normalisation, the metrics) are
     taken over every rank's rows; the groups of ``ppo.samples_per_prompt`` consecutive rows lie
-    whole on this rank, so group statistics need no communication.
+    whole on this rank, so group statistics need no communication. With LoRA and
+    ``merge_adapter`` the responses are sampled with the adapter merged into copies of the
+    weights (``ActorCritic.sampling_model``); scoring always runs on the unmerged model.
 
     Returns:
         the batch, its ``rollout/*`` metrics, and the decoded responses.
     """
     all_ranks = runtime.parallel.active
-    generated = sample_responses(
-        actor_critic.causal_lm,
-        tokenizer,
-        prompts,
-        generation,
-        runtime,
-        chunk_size=ppo.generation_batch_size or len(prompts),
-        chunk_seeds=chunk_seeds,
-    )
+    started = time.perf_counter()
+    with actor_critic.sampling_model(merge_adapter) as sampler:
+        generated = sample_responses(
+            sampler,
+            tokenizer,
+            prompts,
+            generation,
+            runtime,
+            chunk_size=ppo.generation_batch_size or len(prompts),
+            chunk_seeds=chunk_seeds,
+        )
+    sampled = time.perf_counter()
     scoring_size = ppo.scoring_batch_size or ppo.micro_batch_size
     policy_scored = score_in_chunks(
         actor_critic,
@@ -269,8 +276,9 @@ def collect_rollout(
         reference, generated, generation.temperature, runtime, scoring_size, with_values=False
     )
     mask = generated.response_mask
-
+    scored = time.perf_counter()
     responses, raw_scores = score_responses(reward_fn, tokenizer, prompts, generated)
+    rewarded = time.perf_counter()
     raw_scores = raw_scores.to(runtime.device)
     scores = raw_scores
     if ppo.missing_eos_penalty is not None:
@@ -298,6 +306,9 @@ def collect_rollout(
     )
     metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
     metrics["rollout/kl_coef"] = float(kl_coef)
+    metrics["perf/generate_s"] = sampled - started
+    metrics["perf/score_s"] = scored - sampled
+    metrics["perf/reward_s"] = rewarded - scored
     return batch, metrics, responses
 
 

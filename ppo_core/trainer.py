@@ -568,6 +568,8 @@ def run_iteration(
             kl_coef=state.kl_controller.value,
             runtime=runtime,
             chunk_seeds=sampling_seeds(config, iteration, parallel),
+            # sharded parameters must stay FSDP's: the adapter is merged only when unsharded
+            merge_adapter=not models.strategy.sharded,
         )
     rollout_done = time.perf_counter()
     # 3. PPO epochs over shuffled mini-batches, each step the exact mini-batch gradient.

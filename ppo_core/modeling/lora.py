@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, cast
 
+import torch
 from torch import Tensor, nn
 
 from ppo_core.files import file_sha256, first_line
@@ -44,6 +45,7 @@ __all__ = [
     "is_adapter_folder",
     "load_adapter_model",
     "load_trainable_adapter",
+    "merged_for_sampling",
     "merged_model",
     "save_adapter",
 ]
@@ -350,6 +352,48 @@ def merged_model(peft_model: Any) -> Any:
         if name != POLICY_ADAPTER:
             peft_model.delete_adapter(name)
     return peft_model.merge_and_unload()
+
+
+@contextlib.contextmanager
+def merged_for_sampling(peft_model: Any) -> Iterator[nn.Module]:
+    """The causal LM with the trained adapter merged into its weights, for sampling only: each
+    adapted linear layer computes with ``W + (alpha / r) B A`` in one matrix, the adapter layers
+    switched off, as fast as the model without an adapter; on leaving, every layer has its own
+    weight tensor back, bit for bit, and the adapter on.
+
+    ``peft``'s ``merge_adapter``/``unmerge_adapter`` would add and subtract the update in place,
+    which rounds ``W`` a little differently at every iteration, and the frozen base is also the
+    KL reference; here the merged weights are new tensors (one copy of the adapted weights for
+    the duration of the block) and ``W`` is never written. Scoring, the reference and the update
+    run outside the block, on the unmerged model, so the log-probabilities that enter the update
+    are exactly what they were. Yields the model unchanged (adapter layers on) when an adapter
+    is not plain LoRA on linear layers (DoRA, embeddings, convolutions), which this does not
+    merge."""
+    from peft.tuners.lora import Linear, LoraLayer
+
+    layers: list[Any] = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+    plain = all(
+        isinstance(m, Linear) and not m.use_dora.get(POLICY_ADAPTER, False) for m in layers
+    ) and all(m.active_adapters == [POLICY_ADAPTER] for m in layers)
+    if not layers or not plain:
+        yield peft_model.get_base_model()
+        return
+    swapped: list[tuple[nn.Module, Any]] = []
+    try:
+        with torch.no_grad():
+            for layer in layers:
+                if POLICY_ADAPTER not in layer.lora_A:
+                    continue
+                base = layer.get_base_layer()
+                weight = base.weight
+                merged = weight + layer.get_delta_weight(POLICY_ADAPTER).to(weight.dtype)
+                swapped.append((base, weight))
+                base._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
+        with peft_model.disable_adapter():
+            yield peft_model.get_base_model()
+    finally:
+        for base, weight in swapped:
+            base._parameters["weight"] = weight
 
 
 class AdapterReference(nn.Module):

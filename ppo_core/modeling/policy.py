@@ -278,6 +278,22 @@ class ActorCritic(nn.Module):
         inside the ``peft`` wrapper (its LoRA layers in place)."""
         return _unwrap(self.policy)
 
+    @contextlib.contextmanager
+    def sampling_model(self, merge_adapter: bool = True) -> Iterator[nn.Module]:
+        """The causal LM to sample responses from, for the ``with`` block: :attr:`causal_lm`,
+        or with LoRA and ``merge_adapter`` the same model with the adapter merged into copies
+        of its weights (:func:`ppo_core.modeling.lora.merged_for_sampling`: plain-model speed,
+        the weights untouched afterwards). Sharded (FSDP) parameters must not be swapped:
+        callers pass ``merge_adapter=False`` for them."""
+        inner: Any = getattr(self.policy, "module", self.policy)
+        if self.adapter_base is None or not merge_adapter:
+            yield self.causal_lm
+            return
+        from ppo_core.modeling.lora import merged_for_sampling
+
+        with merged_for_sampling(inner) as model:
+            yield model
+
     def forward(
         self, input_ids: Tensor, attention_mask: Tensor, logits_to_keep: int = 0
     ) -> tuple[Tensor, Tensor | None]:

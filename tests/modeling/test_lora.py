@@ -394,3 +394,79 @@ def test_gradient_checkpointing_in_a_run_recomputes_every_block_and_changes_noth
 
 
 _ = (shutil, warnings)
+
+
+# -- sampling with the adapter merged -------------------------------------------------------------
+
+
+def lora_calls(model, monkeypatch) -> list[int]:
+    """Count the forward passes through LoRA ``A`` matrices (one per adapted layer and call)."""
+    calls = [0]
+    for name, module in model.named_modules():
+        if name.endswith("lora_A.default"):
+            module.register_forward_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sampling_merges_the_adapter_into_copies_and_gives_every_weight_back(
+    tmp_path, llama, family, monkeypatch
+):
+    """GPT-2's Conv1D layers store the weight transposed (peft's fan_in_fan_out)."""
+    base = llama if family == "llama" else build_tiny_causal_lm(tmp_path / "gpt2", "gpt2")
+    actor_critic = load_actor_critic(base, lora=LoraSettings(rank=4), lora_base=base)
+    with torch.no_grad():
+        for name, parameter in actor_critic.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0, 0.3)
+    before = {n: (p, p.detach().clone()) for n, p in actor_critic.named_parameters()}
+    batch = batch_for(base)
+    adapted = logprobs(actor_critic.policy, batch)
+    calls = lora_calls(actor_critic.policy, monkeypatch)
+    with actor_critic.sampling_model() as sampler:
+        merged = logprobs(sampler, batch)
+        assert calls[0] == 0  # no adapter layer ran: the update is inside the weights
+    # same policy up to the rounding of W + BA: measured 1.9e-6 (llama), 2.4e-6 (gpt2)
+    assert (merged - adapted).abs().max() < 2e-5
+    after = dict(actor_critic.named_parameters())
+    assert after.keys() == before.keys()
+    for name, (parameter, values) in before.items():
+        assert after[name] is parameter and torch.equal(parameter, values), name
+    assert torch.equal(logprobs(actor_critic.policy, batch), adapted)  # the adapter is back on
+    assert calls[0] > 0
+    with actor_critic.sampling_model(merge_adapter=False) as sampler:
+        assert torch.equal(logprobs(sampler, batch), adapted)
+
+
+def test_a_lora_run_samples_with_the_merged_adapter_and_scores_without_it(
+    tmp_path, llama, prompt_files, monkeypatch
+):
+    """Merging changes how fast responses are sampled, not the update: the same run with the
+    adapter left unmerged ends with the same adapter, bit for bit (the sampled tokens agree, and
+    old logprobs, reference and update are computed on the unmerged model in both)."""
+    import contextlib
+
+    from ppo_core.modeling import lora
+
+    merges = []
+    real = lora.merged_for_sampling
+
+    def counting(model):
+        merges.append(1)
+        return real(model)
+
+    extra = (LORA, "train.iterations=2", VARIED)
+    monkeypatch.setattr(lora, "merged_for_sampling", counting)
+    merged = train(small_config(tmp_path / "merged", llama, prompt_files, *extra))
+    assert len(merges) == 2  # one merged sampling block per iteration
+
+    @contextlib.contextmanager
+    def unmerged(model):
+        yield model.get_base_model()
+
+    monkeypatch.setattr(lora, "merged_for_sampling", unmerged)
+    plain = train(small_config(tmp_path / "plain", llama, prompt_files, *extra))
+    assert merged.history[-1]["rollout/score"] == plain.history[-1]["rollout/score"]
+    first = adapter_parameters(tmp_path / "merged" / "candidate")
+    second = adapter_parameters(tmp_path / "plain" / "candidate")
+    assert all(torch.equal(first[name], second[name]) for name in first)
