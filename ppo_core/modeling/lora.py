@@ -357,9 +357,9 @@ def merged_model(peft_model: Any) -> Any:
 @contextlib.contextmanager
 def merged_for_sampling(peft_model: Any) -> Iterator[nn.Module]:
     """The causal LM with the trained adapter merged into its weights, for sampling only: each
-    adapted linear layer computes with ``W + (alpha / r) B A`` in one matrix, the adapter layers
-    switched off, as fast as the model without an adapter; on leaving, every layer has its own
-    weight tensor back, bit for bit, and the adapter on.
+    LoRA layer is replaced by its plain base layer, computing with ``W + (alpha / r) B A`` in one
+    matrix, so that no adapter code runs and the model is as fast as one without an adapter; on
+    leaving, every LoRA layer is back in its place with its own weight tensor, bit for bit.
 
     ``peft``'s ``merge_adapter``/``unmerge_adapter`` would add and subtract the update in place,
     which rounds ``W`` a little differently at every iteration, and the frozen base is also the
@@ -371,29 +371,48 @@ def merged_for_sampling(peft_model: Any) -> Iterator[nn.Module]:
     merge."""
     from peft.tuners.lora import Linear, LoraLayer
 
-    layers: list[Any] = [m for m in peft_model.modules() if isinstance(m, LoraLayer)]
+    named = [(n, m) for n, m in peft_model.named_modules() if isinstance(m, LoraLayer)]
     plain = all(
-        isinstance(m, Linear) and not m.use_dora.get(POLICY_ADAPTER, False) for m in layers
-    ) and all(m.active_adapters == [POLICY_ADAPTER] for m in layers)
-    if not layers or not plain:
+        isinstance(m, Linear)
+        and not m.use_dora.get(POLICY_ADAPTER, False)
+        and not getattr(m, "lora_bias", {}).get(POLICY_ADAPTER, False)
+        and m.active_adapters == [POLICY_ADAPTER]
+        for _, m in named
+    )
+    if not named or not plain:
         yield peft_model.get_base_model()
         return
-    swapped: list[tuple[nn.Module, Any]] = []
+    modules = dict(peft_model.named_modules())
+    swapped: list[tuple[nn.Module, str, Any, nn.Module, Any]] = []
     try:
         with torch.no_grad():
-            for layer in layers:
-                if POLICY_ADAPTER not in layer.lora_A:
-                    continue
-                base = layer.get_base_layer()
-                weight = base.weight
-                merged = weight + layer.get_delta_weight(POLICY_ADAPTER).to(weight.dtype)
-                swapped.append((base, weight))
-                base._parameters["weight"] = nn.Parameter(merged, requires_grad=False)
-        with peft_model.disable_adapter():
-            yield peft_model.get_base_model()
+            for name, layer in named:
+                parent_name, _, attribute = name.rpartition(".")
+                parent, base = modules[parent_name], layer.get_base_layer()
+                weight: Any = base.weight
+                swapped.append((parent, attribute, layer, base, weight))
+                if POLICY_ADAPTER in layer.lora_A:
+                    base._parameters["weight"] = nn.Parameter(
+                        _merged_weight(layer, weight), requires_grad=False
+                    )
+                # the plain layer in the LoRA layer's place: no adapter code runs while sampling
+                setattr(parent, attribute, base)
+        yield peft_model.get_base_model()
     finally:
-        for base, weight in swapped:
+        for parent, attribute, layer, base, weight in reversed(swapped):
             base._parameters["weight"] = weight
+            setattr(parent, attribute, layer)
+
+
+def _merged_weight(layer: Any, weight: Tensor) -> Tensor:
+    """``W + (alpha / r) B A`` of a ``peft`` LoRA linear layer as a new tensor, in one ``addmm``
+    (``W`` stored transposed, ``fan_in_fan_out``, for GPT-2's Conv1D)."""
+    lora_a = layer.lora_A[POLICY_ADAPTER].weight.to(weight.dtype)  # [r, in]
+    lora_b = layer.lora_B[POLICY_ADAPTER].weight.to(weight.dtype)  # [out, r]
+    scaling = layer.scaling[POLICY_ADAPTER]
+    if layer.fan_in_fan_out:
+        return torch.addmm(weight, lora_a.t(), lora_b.t(), alpha=scaling)
+    return torch.addmm(weight, lora_b, lora_a, alpha=scaling)
 
 
 class AdapterReference(nn.Module):
