@@ -31,6 +31,7 @@ SECONDS = {
     "tests/flows/test_readme_own_model.py::test_the_readme_own_model_block_runs_verbatim": 40.0,
     "tests/flows/test_readme_chat_lora.py::test_the_readme_chat_and_lora_block_runs_verbatim": 34.0,
     "tests/flows/test_readme_estimators.py::test_the_readme_estimators_block_runs_verbatim": 34.0,
+    "tests/modeling/test_gguf_import.py::test_the_imported_smollm2_is_transformers_gguf_model_with_its_chat_template": 75.0,
     "tests/reliability/test_retry_resumes.py::test_a_retried_train_stage_resumes_from_its_checkpoint": 22.0,
 }
 

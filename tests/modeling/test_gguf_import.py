@@ -46,6 +46,7 @@ def transformers_gguf_load(gguf_file):
 
 # One test, not four: the import and transformers' load take 25 s each, and the test workers
 # would each pay for them again (module fixtures are per worker).
+@pytest.mark.slow
 def test_the_imported_smollm2_is_transformers_gguf_model_with_its_chat_template(tmp_path):
     from ppo_core.files import file_sha256
 
