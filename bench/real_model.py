@@ -5,7 +5,8 @@ The pipeline's own stages run one after the other in a project folder of their o
 ``base`` (the GGUF import), a chat prompt file written here (``--prompts`` requests to review
 invented films), ``prepare``, ``validate``, ``train`` (LoRA, the keys below plus ``--set``) and
 ``evaluate`` (the trained adapter against the imported base on ``eval.num_prompts`` held-out
-prompts, ``eval.samples_per_prompt`` responses each). It writes
+prompts, ``eval.samples_per_prompt`` responses each) and ``promote`` (the gate's decision). It
+writes
 ``bench/results/real_model.json``: the held-out score of both models with its standard error,
 the KL to the base, EOS rate, response length, distinct-2, six base/trained sample pairs, each
 iteration's time split into generation, scoring, reward and update, the peak memory
@@ -184,10 +185,38 @@ def run(args: argparse.Namespace, source: str, overrides: list[str]) -> None:
     started = time.perf_counter()
     stages.evaluate(config)
     timeline["evaluate_s"] = time.perf_counter() - started
-    report(args, config, summary.history, timeline, peak_rss_gib, overrides)
+    promotion = stages.promote(config)
+    report(args, config, summary.history, timeline, peak_rss_gib, overrides, promotion)
 
 
-def report(args, config, history, timeline, peak_rss_gib, overrides) -> None:
+def update_flops_per_iteration(config, history) -> float:
+    """FLOPs of one iteration's update, estimated from the model's shapes.
+
+    LoRA: the frozen weights need no weight gradient, but the backward pass still multiplies by
+    them to pass gradients down (2 N per token) after the forward (2 N), so 4 N FLOPs per token
+    and epoch, 6 N with the blocks recomputed by gradient checkpointing. N is the weights of the
+    blocks for every token (prompt and response) plus the output layer for the response tokens
+    only (the update computes logits there alone); attention scores and LoRA's own products are
+    left out (a few percent here)."""
+    from ppo_core.modeling.data import load_prompts
+    from ppo_core.modeling.generation import prompt_token_ids
+    from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
+
+    model = load_causal_lm(config.model.policy)
+    total = sum(p.numel() for p in model.parameters())
+    output = model.get_output_embeddings().weight.numel()
+    blocks = total - output - (0 if model.config.tie_word_embeddings else output)
+    prompts = load_prompts(config.data.train_file)[:256]
+    prompt_tokens = statistics.mean(
+        map(len, prompt_token_ids(load_tokenizer(config.model.policy), prompts))
+    )
+    response_tokens = statistics.median(row["rollout/response_length"] for row in history)
+    factor = 6 if config.train.gradient_checkpointing else 4
+    per_row = factor * (blocks * (prompt_tokens + response_tokens) + output * response_tokens)
+    return per_row * config.ppo.rollout_batch_size * config.ppo.epochs
+
+
+def report(args, config, history, timeline, peak_rss_gib, overrides, promotion) -> None:
     evaluation = Path(config.eval.output_dir)
     metrics = json.loads((evaluation / "metrics.json").read_text())
     samples = json.loads((evaluation / "samples.json").read_text())
@@ -205,16 +234,7 @@ def report(args, config, history, timeline, peak_rss_gib, overrides) -> None:
         key: statistics.median(row[f"perf/{key}"] for row in history)
         for key in ("generate_s", "score_s", "reward_s", "update_s", "iteration_s")
     }
-    # LoRA: the frozen weights need no gradient, but the backward pass still multiplies by them
-    # (2 N per token) after the forward (2 N): 4 N FLOPs per token and epoch, 6 N with the blocks
-    # recomputed by gradient checkpointing.
-    parameters = 134_515_008 if not args.smoke else 0
-    factor = 6 if config.train.gradient_checkpointing else 4
-    tokens = statistics.median(row["rollout/response_length"] for row in history)
-    prompt_tokens = 40  # a chat prompt of this benchmark, rendered, is 35-45 tokens
-    update_flops = (
-        factor * parameters * (tokens + prompt_tokens) * config.ppo.rollout_batch_size
-    ) * config.ppo.epochs
+    update_flops = update_flops_per_iteration(config, history)
     result = {
         "model": "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized to fp32)"
         if not args.smoke
@@ -234,6 +254,7 @@ def report(args, config, history, timeline, peak_rss_gib, overrides) -> None:
         "peak_rss_gib": peak_rss_gib,
         "update_gflops_per_s": update_flops / split["update_s"] / 1e9,
         "matmul_peak_gflops_per_s": matmul_peak_gflops(args.threads),
+        "promotion": {"decision": promotion.get("decision"), "reasons": promotion.get("reasons")},
         "sample_pairs": list(
             zip(samples.get("baseline", []), samples.get("candidate", []), strict=False)
         )[:6],
