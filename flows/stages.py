@@ -468,13 +468,7 @@ def promote(config: Config) -> dict:
     candidate = side("candidate")
     if candidate is None:
         raise ValueError(f"{metrics_file} has no candidate metrics")
-    decision = gate(
-        candidate,
-        side("baseline"),
-        min_improvement=rules.min_improvement,
-        max_kl=rules.max_kl,
-        min_eos_rate=rules.min_eos_rate,
-    )
+    decision = gate(candidate, side("baseline"), rules)
     summary_file = Path(config.train.output_dir) / "training_summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     config_file = Path(config.train.output_dir) / "ppo_config.yaml"

@@ -428,6 +428,21 @@ class PromoteConfig:
     """Largest KL to the reference (nats per sequence) a promoted model may have."""
     min_eos_rate: float = 0.85
     """Smallest share of responses that end with EOS."""
+    max_distinct_2_drop: float | None = 0.25
+    """Guard against a reward bought with repetition: the candidate's distinct-2 (distinct word
+    bigrams over all bigrams of its held-out responses) may fall below the baseline's by at most
+    this much; ``None`` is off."""
+    max_nll_increase: float | None = 1.0
+    """Fluency guard: the reference model's negative log-likelihood of the candidate's responses
+    (nats per response token, ``reference_nll``) may exceed the baseline's by at most this much;
+    ``None`` is off. Text the reference finds unlikely (broken words, another language, token
+    soup) raises it; fluent repetition does not, which ``max_distinct_2_drop`` guards."""
+    check_reward: str | None = None
+    """Guard against a reward that is gamed: a second scorer, independent of the training reward
+    (same forms as ``model.reward``; ``builtin:afinn`` is the AFINN-165 lexicon), that
+    ``ppo evaluate`` also runs on both models' responses (``check_score``); ``None`` is off."""
+    max_check_drop: float = 0.1
+    """The candidate's ``check_score`` may fall below the baseline's by at most this much."""
     production_dir: str = "models/production"
     """Promoted versions live here as ``v0001/``, ``v0002/``, ... (never overwritten)."""
     registry: str = "models/registry.json"
@@ -1123,6 +1138,13 @@ def validate_config(config: Config) -> None:
             f"promote.min_eos_rate must be in [0, 1], got {config.promote.min_eos_rate}"
         )
     _positive("promote.max_kl", config.promote.max_kl)
+    for key, value in {
+        "promote.max_distinct_2_drop": config.promote.max_distinct_2_drop,
+        "promote.max_nll_increase": config.promote.max_nll_increase,
+        "promote.max_check_drop": config.promote.max_check_drop,
+    }.items():
+        if value is not None:
+            _positive(key, value, allow_zero=True)
     if not 0.0 < config.data.eval_fraction < 1.0:
         raise ConfigError(f"data.eval_fraction must be in (0, 1), got {config.data.eval_fraction}")
     if not 0.0 < config.generation.top_p <= 1.0:

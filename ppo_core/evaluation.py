@@ -3,7 +3,10 @@
 For each model: sample ``samples_per_prompt`` responses for ``num_prompts`` held-out prompts with
 the same seed and sampling settings, score them, and measure what guards against a reward that is
 bought with degenerate text: KL to the reference (nats per sequence, the k1 sum over response
-tokens, an unbiased estimate of the sequence KL), response length, EOS rate and distinct-n.
+tokens, an unbiased estimate of the sequence KL), the reference's negative log-likelihood of the
+responses (nats per token, at temperature 1: fluency as the reference model judges it), response
+length, EOS rate, distinct-n, and with ``promote.check_reward`` a second, independent score
+(``check_score``). The promotion gate compares them with the baseline's (docs/design.md).
 
 Both models are scored with one reward: ``eval.reward`` when set, else ``model.reward``, which
 must then be the reward the candidate was trained with (recorded in its
@@ -34,7 +37,7 @@ from ppo_core.modeling.policy import (
     load_causal_lm,
     load_tokenizer,
 )
-from ppo_core.modeling.reward_loading import RewardError, RewardFn
+from ppo_core.modeling.reward_loading import RewardError, RewardFn, checked_scores
 from ppo_core.modeling.vocabulary import (
     Vocabulary,
     reference_vocabulary,
@@ -192,10 +195,12 @@ def evaluate_model(
     reward_fn: RewardFn,
     config: Config,
     runtime: Runtime,
+    check_fn: RewardFn | None = None,
 ) -> ModelReport:
     """Sample ``eval.samples_per_prompt`` responses per prompt from the model in ``path`` with
     its own ``tokenizer``, with the rollout's own sampling and scoring code, and measure them.
-    ``reference`` is None when the model's tokenizer is not the reference's: no KL then."""
+    ``reference`` is None when the model's tokenizer is not the reference's: no KL and no
+    reference NLL then. ``check_fn``, when given, scores the same responses as ``check_score``."""
     model = load_causal_lm(path, name, config.model.trust_remote_code).to(runtime.device)
     expanded = [p for p in prompts for _ in range(config.eval.samples_per_prompt)]
     batch_size = config.ppo.rollout_batch_size
@@ -204,23 +209,37 @@ def evaluate_model(
     generated = sample_responses(
         model, tokenizer, expanded, config.generation, runtime, chunk_size=batch_size
     )
-    kl: torch.Tensor | None = None
+    mask = generated.response_mask
+    reference_metrics: dict[str, float] = {}
     if reference is not None:
-        logprobs = score_in_chunks(
-            model, generated, temperature, runtime, batch_size, with_values=False
-        ).logprobs
-        ref_logprobs = score_in_chunks(
-            reference, generated, temperature, runtime, batch_size, with_values=False
-        ).logprobs
-        kl = masked_sum(logprobs - ref_logprobs, generated.response_mask, dim=1).cpu()
+
+        def logprobs_of(scorer: torch.nn.Module, at_temperature: float) -> torch.Tensor:
+            return score_in_chunks(
+                scorer, generated, at_temperature, runtime, batch_size, with_values=False
+            ).logprobs
+
+        ref_logprobs = logprobs_of(reference, temperature)
+        kl = masked_sum(logprobs_of(model, temperature) - ref_logprobs, mask, dim=1)
+        # Fluency is judged by the reference's own distribution, not the sampling temperature's.
+        plain = ref_logprobs if temperature == 1.0 else logprobs_of(reference, 1.0)
+        tokens = mask.sum().clamp(min=1)
+        reference_metrics = {
+            "kl_to_reference": kl.mean().item(),
+            "reference_nll": (-masked_sum(plain, mask) / tokens).item(),
+        }
     del model
     responses, score = score_responses(reward_fn, tokenizer, expanded, generated)
-    mask = generated.response_mask
+    if check_fn is not None:
+        reference_metrics["check_score"] = (
+            checked_scores(check_fn(expanded, responses), len(responses), "promote.check_reward")
+            .mean()
+            .item()
+        )
     metrics = {
         "score": score.mean().item(),
         "score_std": score.std().item() if len(score) > 1 else 0.0,
         "positive_rate": (score > POSITIVE_SCORE).float().mean().item(),
-        **({"kl_to_reference": kl.mean().item()} if kl is not None else {}),
+        **reference_metrics,
         "response_length": mask.sum(dim=1).float().mean().item(),
         "eos_rate": generated.has_eos.float().mean().item(),
         "distinct_1": distinct_n(responses, 1),
@@ -238,7 +257,11 @@ def evaluate_model(
         path=str(path),
         metrics=metrics,
         samples=samples,
-        unmeasured={} if kl is not None else {"kl_to_reference": OTHER_TOKENIZER},
+        unmeasured=(
+            {}
+            if reference is not None
+            else {"kl_to_reference": OTHER_TOKENIZER, "reference_nll": OTHER_TOKENIZER}
+        ),
     )
 
 
@@ -299,6 +322,15 @@ def evaluate(
             raise
         # The message names model.reward; say where this spec really came from.
         raise RewardError(f"{exc} (the reward set by eval.reward)") from None
+    check_fn = (
+        None
+        if config.promote.check_reward is None
+        else build_reward(
+            replace(config.model, reward=config.promote.check_reward),
+            runtime.device,
+            key="promote.check_reward",
+        )
+    )
     reference = load_reference(config.model, runtime.device)
     reports = {
         name: evaluate_model(
@@ -310,6 +342,7 @@ def evaluate(
             reward_fn,
             config,
             runtime,
+            check_fn,
         )
         for name, path in models.items()
     }
@@ -403,6 +436,11 @@ def write_reports(
             "reference": reference,
             "reward": reward.spec,
             "reward_source": reward.source,
+            **(
+                {"check_reward": config.promote.check_reward}
+                if config.promote.check_reward is not None
+                else {}
+            ),
         }
         (tmp / "models.json").write_text(json.dumps(described, indent=1))
         (tmp / "samples.json").write_text(
@@ -433,7 +471,13 @@ def markdown_report(
         f"temperature {config.generation.temperature}, top-k {config.generation.top_k}, "
         f"top-p {config.generation.top_p}, seed {config.eval.seed}, reward "
         f"{escape_markdown(reward.spec)} ({escape_markdown(reward.source)}), KL to the "
-        f"reference {escape_markdown(reference)}.",
+        f"reference {escape_markdown(reference)}"
+        + (
+            f", check score by {escape_markdown(config.promote.check_reward)} "
+            "(promote.check_reward)."
+            if config.promote.check_reward is not None
+            else "."
+        ),
         "",
         "| metric | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),

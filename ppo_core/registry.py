@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ppo_core.config import PromoteConfig
 from ppo_core.files import (
     atomic_folder,
     atomic_write_text,
@@ -41,38 +42,89 @@ class GateDecision:
 
 
 def gate(
-    candidate: dict[str, float],
-    baseline: dict[str, float] | None,
-    *,
-    min_improvement: float,
-    max_kl: float,
-    min_eos_rate: float,
+    candidate: dict[str, float], baseline: dict[str, float] | None, rules: PromoteConfig
 ) -> GateDecision:
-    """Apply the promotion rules to held-out metrics (as written by ``ppo evaluate``)."""
-    rules: list[tuple[bool, str]] = []
+    """Apply the promotion rules ``rules`` (``promote.*``) to held-out metrics (as written by
+    ``ppo evaluate``): the score gain, the KL budget and the EOS rate, then the guards against a
+    gamed reward, each comparing the candidate with the baseline (docs/design.md section 8)."""
+    rules_met: list[tuple[bool, str]] = []
     if baseline is not None:
         gain = candidate["score"] - baseline["score"]
-        rules.append(
+        rules_met.append(
             (
-                gain >= min_improvement,
+                gain >= rules.min_improvement,
                 f"score {candidate['score']:.4f} vs baseline {baseline['score']:.4f}: gain "
-                f"{gain:+.4f} (needs >= {min_improvement:+.4f})",
+                f"{gain:+.4f} (needs >= {rules.min_improvement:+.4f})",
             )
         )
-    rules.append(
+    rules_met.append(
         (
-            candidate["kl_to_reference"] <= max_kl,
-            f"KL to reference {candidate['kl_to_reference']:.3f} nats (budget {max_kl})",
+            candidate["kl_to_reference"] <= rules.max_kl,
+            f"KL to reference {candidate['kl_to_reference']:.3f} nats (budget {rules.max_kl})",
         )
     )
-    rules.append(
+    rules_met.append(
         (
-            candidate["eos_rate"] >= min_eos_rate,
-            f"EOS rate {candidate['eos_rate']:.3f} (needs >= {min_eos_rate})",
+            candidate["eos_rate"] >= rules.min_eos_rate,
+            f"EOS rate {candidate['eos_rate']:.3f} (needs >= {rules.min_eos_rate})",
         )
     )
+    if baseline is not None:
+        rules_met += [
+            rule
+            for rule in (
+                _guard(candidate, baseline, "distinct_2", -1, rules.max_distinct_2_drop),
+                _guard(candidate, baseline, "reference_nll", +1, rules.max_nll_increase),
+                _guard(
+                    candidate,
+                    baseline,
+                    "check_score",
+                    -1,
+                    None if rules.check_reward is None else rules.max_check_drop,
+                ),
+            )
+            if rule is not None
+        ]
     return GateDecision(
-        all(ok for ok, _ in rules), [("pass: " if ok else "FAIL: ") + text for ok, text in rules]
+        all(ok for ok, _ in rules_met),
+        [("pass: " if ok else "FAIL: ") + text for ok, text in rules_met],
+    )
+
+
+GUARDS = {
+    "distinct_2": ("distinct-2", "promote.max_distinct_2_drop", "fall"),
+    "reference_nll": ("reference NLL (nats/token)", "promote.max_nll_increase", "rise"),
+    "check_score": ("check score", "promote.check_reward", "fall"),
+}
+"""The guard metrics: how a reason names each, the key that switches it on, and which way is
+worse."""
+
+
+def _guard(
+    candidate: dict[str, float],
+    baseline: dict[str, float],
+    metric: str,
+    worse: int,
+    margin: float | None,
+) -> tuple[bool, str] | None:
+    """The rule that ``metric`` gets worse (``worse``: -1 falls, +1 rises) by at most ``margin``
+    from the baseline's; None when the guard is off. A metric the evaluation did not measure
+    for the candidate fails the rule; one it could not measure for the baseline (another
+    tokenizer than the reference's) leaves the guard unapplied, and the reason says so."""
+    if margin is None:
+        return None
+    name, key, direction = GUARDS[metric]
+    if metric not in candidate:
+        return False, (
+            f"{name} of the candidate was not measured, but {key} asks for it: run "
+            "`ppo evaluate` again with the same promote.* settings"
+        )
+    if metric not in baseline:
+        return True, f"{name} not compared: the baseline has none (not applied)"
+    change = candidate[metric] - baseline[metric]
+    return change * worse <= margin, (
+        f"{name} {candidate[metric]:.4f} vs baseline {baseline[metric]:.4f}: change "
+        f"{change:+.4f} (may {direction} by at most {margin})"
     )
 
 

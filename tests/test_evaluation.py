@@ -325,6 +325,86 @@ def test_a_candidate_with_another_tokenizer_than_the_reference_is_refused(
     assert not (tmp_path / "eval").exists()
 
 
+# --- the guards against a gamed reward -----------------------------------------------------------
+
+
+def build_repeating_model(base: Path, folder: Path, word: str = " great") -> Path:
+    """``base`` changed to say ``word`` at every step: its final layer norm outputs ones whatever
+    the input, and an untied output layer maps ones to a logit of 40 for ``word``'s token and 0
+    for every other, so each response is ``word`` repeated up to the token budget. It games a
+    sentiment lexicon the way a policy that learnt to repeat one positive word would."""
+    from transformers import GPT2LMHeadModel
+
+    tokenizer = load_tokenizer(base, False)
+    [token] = tokenizer(word, add_special_tokens=False).input_ids
+    model = GPT2LMHeadModel.from_pretrained(base)
+    width = model.config.n_embd
+    model.config.tie_word_embeddings = False
+    model.lm_head = torch.nn.Linear(width, model.config.vocab_size, bias=False)
+    with torch.no_grad():
+        model.lm_head.weight.zero_()
+        model.lm_head.weight[token] = 40.0 / width
+        model.transformer.ln_f.weight.zero_()
+        model.transformer.ln_f.bias.fill_(1.0)
+    model.save_pretrained(folder, safe_serialization=True)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def test_a_candidate_that_repeats_a_positive_word_gains_score_but_the_guards_refuse_it(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    from flows import stages
+
+    candidate = build_repeating_model(tiny_model_dir, tmp_path / "candidate")  # train.output_dir
+    gate_keys = ["promote.max_kl=1000.0", "promote.min_eos_rate=0.0"]
+    config = evaluation_config(
+        tmp_path,
+        tiny_model_dir,
+        prompt_files,
+        "eval.num_prompts=8",
+        "promote.check_reward=builtin:afinn",
+        *gate_keys,
+    )
+    reports = evaluate(config, candidate, tiny_model_dir)
+    gamed, base = reports["candidate"].metrics, reports["baseline"].metrics
+    assert {s["response"] for s in reports["candidate"].samples} == {" great" * 6}
+    # measured: score 0.979 vs 0.028 and AFINN's check score 0.999 vs -0.020 (both lexicons are
+    # gamed); distinct-2 0.025 vs 1.0; the reference's NLL 7.51 vs 2.61 nats per token
+    assert gamed["score"] > base["score"] + 0.5 and gamed["check_score"] > base["check_score"]
+    assert gamed["distinct_2"] < 0.05 and base["distinct_2"] > 0.5
+    assert gamed["reference_nll"] > base["reference_nll"] + 3.0
+    metrics = read(tmp_path / "eval", "metrics.json")
+    assert {"candidate/check_score", "baseline/reference_nll"} <= set(metrics)
+    assert read(tmp_path / "eval", "models.json")["check_reward"] == "builtin:afinn"
+    assert "| check_score | " in read(tmp_path / "eval", "report.md")
+
+    entry = stages.promote(config)
+    assert entry["decision"] == "rejected" and "version" not in entry
+    verdicts = [r.split(" ")[0] + " " + r.split(" ")[1] for r in entry["reasons"]]
+    # the independent lexicon is gamed as well; repetition and fluency are what give it away
+    assert verdicts == [
+        "pass: score",
+        "pass: KL",
+        "pass: EOS",
+        "FAIL: distinct-2",
+        "FAIL: reference",
+        "pass: check",
+    ]
+    assert read(tmp_path, "promotion.json")["reasons"] == entry["reasons"]
+
+    # with the guards off the same candidate is promoted: they are what refused it
+    unguarded = evaluation_config(
+        tmp_path,
+        tiny_model_dir,
+        prompt_files,
+        "promote.max_distinct_2_drop=null",
+        "promote.max_nll_increase=null",
+        *gate_keys,
+    )
+    assert stages.promote(unguarded)["decision"] == "promoted"
+
+
 def small_overrides(tmp: Path, model: Path, prompts: tuple[Path, Path]) -> dict[str, object]:
     return {
         "model.policy": model,

@@ -3,11 +3,13 @@ and a rejection changes no production version."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 
 import pytest
 
+from ppo_core.config import PromoteConfig
 from ppo_core.files import OUTPUT_MARKER, UnsafeCopyError
 from ppo_core.registry import (
     RegistryError,
@@ -18,18 +20,73 @@ from ppo_core.registry import (
 )
 
 GOOD = {"score": 0.80, "kl_to_reference": 2.5, "eos_rate": 0.99}
-RULES = {"min_improvement": 0.02, "max_kl": 4.0, "min_eos_rate": 0.85}
+RULES = PromoteConfig(
+    min_improvement=0.02,
+    max_kl=4.0,
+    min_eos_rate=0.85,
+    max_distinct_2_drop=None,
+    max_nll_increase=None,
+)
+"""The score, KL and EOS rules alone (the guards are tested on their own below)."""
 
 
 def test_gate_hand_computed():
-    assert gate(GOOD, {"score": 0.5}, **RULES).promote
+    assert gate(GOOD, {"score": 0.5}, RULES).promote
     # 0.51 - 0.50 = 0.01 < 0.02
-    worse = gate({**GOOD, "score": 0.51}, {"score": 0.50}, **RULES)
+    worse = gate({**GOOD, "score": 0.51}, {"score": 0.50}, RULES)
     assert not worse.promote and any("FAIL: score" in r for r in worse.reasons)
-    drifted = gate({**GOOD, "kl_to_reference": 4.5}, {"score": 0.1}, **RULES)
+    drifted = gate({**GOOD, "kl_to_reference": 4.5}, {"score": 0.1}, RULES)
     assert not drifted.promote and any("FAIL: KL" in r for r in drifted.reasons)
-    no_eos = gate({**GOOD, "eos_rate": 0.5}, None, **RULES)
+    no_eos = gate({**GOOD, "eos_rate": 0.5}, None, RULES)
     assert not no_eos.promote and any("FAIL: EOS" in r for r in no_eos.reasons)
+
+
+GUARDED = dataclasses.replace(RULES, max_distinct_2_drop=0.25, max_nll_increase=1.0)
+BASE = {"score": 0.36, "distinct_2": 0.86, "reference_nll": 2.10, "check_score": 0.30}
+FAIR = {**GOOD, "distinct_2": 0.80, "reference_nll": 2.40, "check_score": 0.55}
+
+
+def reasons_of(decision, start: str) -> list[str]:
+    return [r for r in decision.reasons if r.startswith(start)]
+
+
+def test_the_guards_hand_computed():
+    assert gate(FAIR, BASE, GUARDED).promote
+    # repetition: distinct-2 0.86 -> 0.05 falls by 0.81 > 0.25
+    repeated = gate({**FAIR, "distinct_2": 0.05}, BASE, GUARDED)
+    assert not repeated.promote
+    assert reasons_of(repeated, "FAIL:") == [
+        "FAIL: distinct-2 0.0500 vs baseline 0.8600: change -0.8100 (may fall by at most 0.25)"
+    ]
+    # token soup: the reference's NLL 2.10 -> 3.20 rises by 1.10 > 1.0; 3.10 (+1.00) passes
+    assert not gate({**FAIR, "reference_nll": 3.20}, BASE, GUARDED).promote
+    assert gate({**FAIR, "reference_nll": 3.10}, BASE, GUARDED).promote
+    # the check score only counts with promote.check_reward: 0.30 -> 0.15 falls by 0.15 > 0.1
+    lexicon_gamed = {**FAIR, "check_score": 0.15}
+    assert gate(lexicon_gamed, BASE, GUARDED).promote
+    checked = dataclasses.replace(GUARDED, check_reward="builtin:afinn", max_check_drop=0.1)
+    refused = gate(lexicon_gamed, BASE, checked)
+    assert reasons_of(refused, "FAIL:") == [
+        "FAIL: check score 0.1500 vs baseline 0.3000: change -0.1500 (may fall by at most 0.1)"
+    ]
+    # each guard is off with its key
+    assert gate({**FAIR, "distinct_2": 0.0, "reference_nll": 9.0}, BASE, RULES).promote
+
+
+def test_a_guard_whose_metric_is_missing():
+    # not measured for the candidate: fails, naming the key that asked for it
+    unmeasured = gate({k: v for k, v in FAIR.items() if k != "reference_nll"}, BASE, GUARDED)
+    [reason] = reasons_of(unmeasured, "FAIL:")
+    assert "reference NLL" in reason and "promote.max_nll_increase" in reason
+    # not measurable for the baseline (another tokenizer): said, and not applied
+    other = {k: v for k, v in BASE.items() if k != "reference_nll"}
+    decision = gate(FAIR, other, GUARDED)
+    assert decision.promote
+    assert "pass: reference NLL (nats/token) not compared: the baseline has none" in " ".join(
+        decision.reasons
+    )
+    # no baseline at all: no guard
+    assert [r.split()[1] for r in gate(GOOD, None, GUARDED).reasons] == ["KL", "EOS"]
 
 
 def candidate(tmp_path, name: str, content: str):
@@ -47,7 +104,7 @@ def test_better_is_promoted_worse_is_rejected(tmp_path):
         registry_path=registry,
         production_dir=production,
         candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-        decision=gate(GOOD, {"score": 0.1}, **RULES),
+        decision=gate(GOOD, {"score": 0.1}, RULES),
         lineage={"data_hash": "abc"},
     )
     assert first["decision"] == "promoted" and first["version"] == "v0001"
@@ -57,7 +114,7 @@ def test_better_is_promoted_worse_is_rejected(tmp_path):
         registry_path=registry,
         production_dir=production,
         candidate_dir=candidate(tmp_path, "c2", "weights-2"),
-        decision=gate({**GOOD, "score": 0.7}, GOOD, **RULES),
+        decision=gate({**GOOD, "score": 0.7}, GOOD, RULES),
         lineage={"data_hash": "def"},
     )
     assert worse["decision"] == "rejected" and "version" not in worse
@@ -68,7 +125,7 @@ def test_better_is_promoted_worse_is_rejected(tmp_path):
         registry_path=registry,
         production_dir=production,
         candidate_dir=candidate(tmp_path, "c3", "weights-3"),
-        decision=gate({**GOOD, "score": 0.9}, GOOD, **RULES),
+        decision=gate({**GOOD, "score": 0.9}, GOOD, RULES),
         lineage={"data_hash": "ghi"},
     )
     assert better["version"] == "v0002"
@@ -98,7 +155,7 @@ def test_a_second_promotion_at_once_refuses_and_changes_nothing(tmp_path):
             registry_path=registry,
             production_dir=production,
             candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-            decision=gate(GOOD, {"score": 0.1}, **RULES),
+            decision=gate(GOOD, {"score": 0.1}, RULES),
             lineage={},
         )
     assert not registry.exists() and not production.exists()
@@ -129,7 +186,7 @@ def test_a_malformed_registry_is_one_registry_error(tmp_path, content):
             registry_path=registry,
             production_dir=tmp_path / "production",
             candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-            decision=gate(GOOD, None, **RULES),
+            decision=gate(GOOD, None, RULES),
             lineage={},
         ),
     ):
@@ -159,7 +216,7 @@ def test_promotion_copies_no_link_and_changes_nothing(tmp_path):
             registry_path=registry,
             production_dir=production,
             candidate_dir=folder,
-            decision=gate(GOOD, None, **RULES),
+            decision=gate(GOOD, None, RULES),
             lineage={},
         )
     assert not registry.exists()
@@ -169,7 +226,7 @@ def test_promotion_copies_no_link_and_changes_nothing(tmp_path):
         registry_path=registry,
         production_dir=production,
         candidate_dir=folder,
-        decision=gate(GOOD, None, **RULES),
+        decision=gate(GOOD, None, RULES),
         lineage={},
     )
     promoted = production / entry["version"]
@@ -193,7 +250,7 @@ def test_a_production_version_changed_on_disk_is_refused_by_name(tmp_path, chang
         registry_path=registry,
         production_dir=production,
         candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-        decision=gate(GOOD, None, **RULES),
+        decision=gate(GOOD, None, RULES),
         lineage={"data_hash": "abc"},
     )
     version = production / "v0001"
@@ -245,7 +302,7 @@ def test_a_registry_entry_cannot_switch_the_content_check_off(tmp_path, recorded
         registry_path=registry,
         production_dir=production,
         candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-        decision=gate(GOOD, None, **RULES),
+        decision=gate(GOOD, None, RULES),
         lineage={"data_hash": "abc"},
     )
     (production / "v0001" / "model.safetensors").write_text("weights-X")

@@ -5,7 +5,8 @@ A reward function maps ``(prompts, responses)`` (lists of equal length) to a flo
 plain prompt, or for a chat the list of its turns (``{"role": ..., "content": ...}`` dicts, the
 response being the assistant's next turn). Three sources:
 
-- ``builtin:sentiment``: the VADER scorer of :mod:`ppo_core.modeling.rewards`.
+- ``builtin:sentiment``: the VADER scorer of :mod:`ppo_core.modeling.rewards`;
+  ``builtin:afinn``: the AFINN-165 lexicon scorer there (an independent check, ``promote.check_reward``).
 - ``module:function``: a Python callable you name. **This imports and runs your code**; it is the
   only option that imports code named by configuration. The module is looked for in the working
   folder first (``my_module.py`` beside ``params.yaml``), then on ``PYTHONPATH`` and among the
@@ -52,48 +53,58 @@ class RewardTimeoutError(RewardError):
 
 TIMEOUT_KEY = "model.reward_timeout"
 
+BUILTIN_REWARDS = {"builtin:sentiment": "SentimentScorer", "builtin:afinn": "AfinnScorer"}
+"""The built-in rewards and their classes in :mod:`ppo_core.modeling.rewards`."""
+
 
 def build_reward_fn(
     spec: str,
     device: torch.device | str = "cpu",
     trust_remote_code: bool = False,
     timeout: float = 0.0,
+    key: str = "model.reward",
 ) -> RewardFn:
-    """The reward function described by ``spec`` (see the module docstring); each call that
-    takes longer than ``timeout`` seconds raises :class:`RewardTimeoutError` (0: no limit)."""
-    return _checked(_reward_callable(spec, device, trust_remote_code), spec, timeout)
+    """The reward function described by ``spec`` (see the module docstring), which the setting
+    ``key`` names; each call that takes longer than ``timeout`` seconds raises
+    :class:`RewardTimeoutError` (0: no limit)."""
+    return _checked(_reward_callable(spec, device, trust_remote_code, key), spec, timeout)
 
 
-def _reward_callable(spec: str, device: torch.device | str, trust_remote_code: bool) -> RewardFn:
+def _reward_callable(
+    spec: str, device: torch.device | str, trust_remote_code: bool, key: str
+) -> RewardFn:
     """The bare function named by ``spec``, before any check or time limit."""
-    if spec == "builtin:sentiment":
-        from ppo_core.modeling.rewards import SentimentScorer
+    if spec in BUILTIN_REWARDS:
+        from ppo_core.modeling import rewards
 
-        return SentimentScorer()
+        try:
+            return getattr(rewards, BUILTIN_REWARDS[spec])()
+        except ImportError as exc:  # a built-in scorer's optional package is missing
+            raise RewardError(f"{key}={spec!r}: {exc}") from None
     if spec.startswith("builtin:"):
         raise RewardError(
-            f"unknown built-in reward {spec!r}; the built-in one is builtin:sentiment"
+            f"{key}={spec!r} is not a built-in reward; the built-in ones are "
+            f"{', '.join(BUILTIN_REWARDS)}"
         )
     if Path(spec).is_dir():
         return _RewardModel(spec, device, trust_remote_code)
     if ":" not in spec and HUB_ID.fullmatch(spec):
-        return _RewardModel(str(snapshot_of(spec, "model.reward")), device, trust_remote_code)
+        return _RewardModel(str(snapshot_of(spec, key)), device, trust_remote_code)
     if ":" in spec:
         module_name, _, function_name = spec.partition(":")
-        module = _import_reward_module(spec, module_name)
+        module = _import_reward_module(spec, module_name, key)
         function = getattr(module, function_name, None)
         if not callable(function):
-            raise RewardError(
-                f"model.reward={spec!r}: {module_name} has no callable {function_name!r}"
-            )
+            raise RewardError(f"{key}={spec!r}: {module_name} has no callable {function_name!r}")
         return function
     raise RewardError(
-        f"model.reward={spec!r} is neither builtin:sentiment, a module:function, an existing "
-        "folder of a sequence-classification model, nor a hub id in the local Hugging Face cache"
+        f"{key}={spec!r} is neither a built-in reward ({', '.join(BUILTIN_REWARDS)}), a "
+        "module:function, an existing folder of a sequence-classification model, nor a hub id "
+        "in the local Hugging Face cache"
     )
 
 
-def _import_reward_module(spec: str, module_name: str) -> Any:
+def _import_reward_module(spec: str, module_name: str, key: str) -> Any:
     """Import ``module_name`` as Python would from the working folder: the working folder is
     searched first (as by ``python -c``), then the installed packages."""
     working_folder = str(Path.cwd())
@@ -104,7 +115,7 @@ def _import_reward_module(spec: str, module_name: str) -> Any:
         return importlib.import_module(module_name)
     except ImportError as exc:
         raise RewardError(
-            f"model.reward={spec!r}: cannot import module {module_name!r} ({exc}); looked in the "
+            f"{key}={spec!r}: cannot import module {module_name!r} ({exc}); looked in the "
             f"working folder {working_folder} and the installed packages"
         ) from None
     finally:

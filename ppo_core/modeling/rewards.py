@@ -6,12 +6,20 @@ must be decoded only up to their first EOS, without special tokens, and keep the
 (byte-level BPE decodes " great." for the token "Ġgreat"), so that ``prompt + response`` is the
 review as a reader sees it.
 
-Built-in scorer: VADER sentiment (``vaderSentiment``), rule based and CPU only, so the embedded
-default runs with no download. Its known weak spots (stacked adjectives, a ", but ... great"
-clause that rescues a negative opening) are the ones PPO finds; docs/design.md section 8.
+Built-in scorers, both rule based and CPU only, so that nothing is downloaded:
+
+- ``builtin:sentiment``, VADER (``vaderSentiment``), the default reward. Its known weak spots
+  (stacked adjectives, a ", but ... great" clause that rescues a negative opening) are the ones
+  PPO finds; docs/design.md section 8.
+- ``builtin:afinn``, the AFINN-165 word list (``afinn``), a second, independent lexicon for the
+  promotion gate's check (``promote.check_reward``): a policy that learnt one lexicon's quirks is
+  not rewarded for them by the other. Both still reward a repeated positive word; the gate's
+  distinct-2 guard is the one that catches repetition.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -51,3 +59,26 @@ class SentimentScorer:
             (p if isinstance(p, str) else "") + r for p, r in zip(prompts, responses, strict=True)
         ]
         return torch.tensor(self.score_texts(texts), dtype=torch.float32)
+
+
+class AfinnScorer(SentimentScorer):
+    """Score ``prompt + response`` with the AFINN-165 word list: the sum of the valences (-5..+5)
+    of the words it lists, squashed to (-1, 1) by ``tanh(sum / 5)`` so that one clearly positive
+    word scores about +0.5, as on VADER's scale.
+
+    Source: Nielsen (2011), "A new ANEW: evaluation of a word list for sentiment analysis in
+    microblogs" (arXiv:1103.2903); ``afinn.Afinn(language="en").score``."""
+
+    def __init__(self) -> None:
+        try:
+            from afinn import Afinn
+        except ImportError:
+            raise ImportError(
+                "builtin:afinn needs the afinn package (`pip install afinn`; `make setup` "
+                "installs it)"
+            ) from None
+        self._afinn = Afinn(language="en")
+
+    def score_texts(self, texts: list[str]) -> list[float]:
+        """Return ``tanh(sum of valences / 5)`` of each whole text."""
+        return [math.tanh(self._afinn.score(text) / 5.0) for text in texts]

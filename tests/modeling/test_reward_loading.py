@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import sys
 import threading
 import time
@@ -41,6 +42,27 @@ def test_a_module_without_the_function_is_named(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "other_reward_module", raising=False)
     with pytest.raises(RewardError, match=r"other_reward_module has no callable 'score'"):
         build_reward_fn("other_reward_module:score")
+
+
+def test_the_afinn_check_reward_hand_computed():
+    check = build_reward_fn("builtin:afinn", key="promote.check_reward")
+    # AFINN-165: great +3, boring -3, dull -2; plain prompts are scored with their response, a
+    # chat's response alone
+    chat = [{"role": "user", "content": "A terrible film?"}]
+    scores = check(["It was", "It was", chat], [" great.", " dull and boring.", " great"])
+    assert scores.tolist() == pytest.approx([math.tanh(3 / 5), math.tanh(-5 / 5), math.tanh(3 / 5)])
+
+
+def test_a_reward_error_names_the_key_that_set_it(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(RewardError) as caught:
+        build_reward_fn("builtin:vibes", key="promote.check_reward")
+    assert str(caught.value) == (
+        "promote.check_reward='builtin:vibes' is not a built-in reward; the built-in ones are "
+        "builtin:sentiment, builtin:afinn"
+    )
+    with pytest.raises(RewardError, match=r"^promote.check_reward='no_such_module:f': cannot"):
+        build_reward_fn("no_such_module:f", key="promote.check_reward")
 
 
 # --- the watchdog (model.reward_timeout) ---------------------------------------------------------
