@@ -12,7 +12,7 @@ the KL to the base, EOS rate, response length, distinct-2, six base/trained samp
 iteration's time split into generation, scoring, reward and update, the peak memory
 (``ru_maxrss``), and the update's GFLOP/s against a measured fp32 matmul peak.
 
-    .venv/bin/python bench/real_model.py                      # about 45 minutes on 2 CPU cores
+    .venv/bin/python bench/real_model.py                      # about 50 minutes on 2 CPU cores
     .venv/bin/python bench/real_model.py --set train.iterations=10 optim.lr=1e-4
     .venv/bin/python bench/real_model.py --smoke              # the tiny default, seconds
 """
@@ -45,19 +45,23 @@ TRAINING = [
     "ppo.mini_batch_size=16",
     "ppo.micro_batch_size=8",
     "ppo.epochs=1",
-    "generation.max_new_tokens=40",
+    "generation.max_new_tokens=64",
+    "ppo.missing_eos_penalty=1.0",
     "optim.lr=2e-4",
-    "kl.coef=0.05",
+    "kl.coef=0.1",
     "train.iterations=36",
     "validation.max_tokens=128",
     "eval.num_prompts=64",
     "eval.samples_per_prompt=2",
     "eval.num_examples=6",
     "generation.temperature=1.0",
+    "promote.check_reward=builtin:afinn",
 ]
 """The run's settings (``--set`` overrides any of them): critic-free RLOO advantages over four
 responses per prompt, so that no value head has to be learnt from scratch in a few dozen
-iterations."""
+iterations; one-sentence answers within 64 tokens, a response cut off there losing 1 from its
+score in training (the gate asks for 85 % of responses to end with EOS); AFINN as the gate's
+independent check of the sentiment gain."""
 
 FILMS = (
     "The Silent Harbor",
@@ -78,12 +82,15 @@ FILMS = (
     "The Long Field",
 )
 REQUESTS = (
-    "Write a short review of the film {film}.",
-    "What did you think of the movie {film}? Answer in two sentences.",
-    "Give your opinion of {film} in a few sentences.",
-    "Review the {genre} film {film} for a newspaper, briefly.",
-    "Tell a friend what you thought of {film}, a {genre} film.",
+    "Write a one-sentence review of the film {film}.",
+    "What did you think of the movie {film}? Answer in one sentence.",
+    "Give your opinion of {film} in one sentence.",
+    "Review the {genre} film {film} in one sentence.",
+    "Tell a friend in one sentence what you thought of {film}, a {genre} film.",
 )
+"""One-sentence requests: asked for "a short review" or "a few sentences", SmolLM2 ends 6 % of
+its answers within 48 tokens; asked for one sentence, 56 % within 48 and 81 % within 64 (16
+samples each, measured before training)."""
 GENRES = ("drama", "comedy", "thriller", "documentary", "romance", "science-fiction", "western")
 
 
