@@ -28,9 +28,11 @@ from omegaconf.errors import OmegaConfBaseException
 
 from ppo_core.files import atomic_write_text, first_line
 from ppo_core.math.choices import (
+    DEFAULT_KL_ESTIMATOR,
     AdvantageEstimator,
     KLEstimator,
     LossAggMode,
+    ObjectiveCoefficients,
     check_batch_sizes,
     needs_critic,
     needs_groups,
@@ -250,17 +252,17 @@ class PPOConfig:
     """Passes over each rollout batch."""
     drop_last: bool = False
     """Drop rows that do not fill a last mini-batch (with a warning) instead of failing."""
-    clip_eps: float = 0.2
+    clip_eps: float = ObjectiveCoefficients.clip_eps
     """Policy ratio clip range, ``rho`` in ``[1 - clip_eps, 1 + clip_eps_high]``."""
-    clip_eps_high: float | None = None
+    clip_eps_high: float | None = ObjectiveCoefficients.clip_eps_high
     """Upper clip range; ``None`` uses ``clip_eps``."""
-    dual_clip: float | None = None
+    dual_clip: float | None = ObjectiveCoefficients.dual_clip
     """Dual-clip constant ``c > 1`` bounding the loss of negative advantages; ``None`` is off."""
-    clip_eps_value: float | None = 0.2
+    clip_eps_value: float | None = ObjectiveCoefficients.clip_eps_value
     """Value clip range around the rollout values; ``None`` is off."""
-    vf_coef: float = 0.1
+    vf_coef: float = ObjectiveCoefficients.vf_coef
     """Weight of the value loss."""
-    entropy_coef: float = 0.0
+    entropy_coef: float = ObjectiveCoefficients.entropy_coef
     """Weight of the entropy bonus."""
     gamma: float = 1.0
     """Discount factor."""
@@ -276,7 +278,7 @@ class PPOConfig:
     """Responses sampled for each drawn prompt, in consecutive rows that stay on one rank; must
     divide ``rollout_batch_size`` (which counts responses). ``grpo``, ``dr_grpo`` and ``rloo``
     compare the samples of a prompt, so they need at least 2."""
-    loss_agg_mode: Choice[LossAggMode] = "token-mean"
+    loss_agg_mode: Choice[LossAggMode] = ObjectiveCoefficients.loss_agg_mode
     """``token-mean``, ``seq-mean-token-mean`` or ``seq-mean-token-sum``."""
     whiten_advantages: bool = True
     """Whiten GAE advantages once per rollout batch (``reinforce_pp`` always normalises over the
@@ -293,7 +295,7 @@ class PPOConfig:
 class KLConfig:
     """The KL penalty against the reference model."""
 
-    estimator: Choice[KLEstimator] = "k1"
+    estimator: Choice[KLEstimator] = DEFAULT_KL_ESTIMATOR
     """``k1``, ``k2``, ``k3`` or ``abs``: the per-token estimate, in the reward or in the loss."""
     in_loss: bool = False
     """Add ``coef * KL`` to each token's loss, as GRPO does, instead of ``-coef * KL`` to its

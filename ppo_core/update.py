@@ -8,12 +8,14 @@ objective is :class:`~ppo_core.math.objective.PPOObjective`, the one the tests p
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import fields
 
 import torch
 
 from ppo_core.config import KLConfig, PPOConfig
 from ppo_core.math.accumulation import accumulate_gradients
 from ppo_core.math.batching import micro_batch_slices, minibatch_indices
+from ppo_core.math.choices import DEFAULT_KL_ESTIMATOR, ObjectiveCoefficients
 from ppo_core.math.losses import LossParts
 from ppo_core.math.masked import select
 from ppo_core.math.objective import PPOObjective
@@ -36,15 +38,9 @@ def objective_from(
     term ``kl_coef`` (the controller's current ``beta``) when ``kl.in_loss`` puts it there."""
     in_loss = kl is not None and kl.in_loss
     return PPOObjective(
+        **{field.name: getattr(ppo, field.name) for field in fields(ObjectiveCoefficients)},
         kl_coef=kl_coef if in_loss else 0.0,
-        kl_estimator=kl.estimator if kl is not None else "k1",
-        clip_eps=ppo.clip_eps,
-        clip_eps_high=ppo.clip_eps_high,
-        dual_clip=ppo.dual_clip,
-        clip_eps_value=ppo.clip_eps_value,
-        vf_coef=ppo.vf_coef,
-        entropy_coef=ppo.entropy_coef,
-        loss_agg_mode=ppo.loss_agg_mode,
+        kl_estimator=kl.estimator if kl is not None else DEFAULT_KL_ESTIMATOR,
     )
 
 

@@ -440,3 +440,38 @@ def test_every_integer_key_has_an_upper_bound_above_its_default():
     } | {"ppo.generation_batch_size", "ppo.scoring_batch_size"}
     assert set(UPPER_BOUNDS) == integers
     assert all(defaults[key] is None or defaults[key] <= UPPER_BOUNDS[key] for key in UPPER_BOUNDS)
+
+
+def test_the_objective_and_the_config_share_each_coefficient_and_default():
+    import dataclasses
+
+    from ppo_core.config import KLConfig, PPOConfig
+    from ppo_core.math.choices import ObjectiveCoefficients
+    from ppo_core.math.objective import PPOObjective
+    from ppo_core.update import objective_from
+
+    names = [field.name for field in dataclasses.fields(ObjectiveCoefficients)]
+    defaults = PPOObjective()
+    assert {name: getattr(PPOConfig(), name) for name in names} == {
+        name: getattr(defaults, name) for name in names
+    }
+    assert KLConfig().estimator == defaults.kl_estimator == "k1"
+    # every coefficient set in the config reaches the objective
+    config = load_config(
+        overrides=[
+            "ppo.clip_eps=0.11",
+            "ppo.clip_eps_high=0.28",
+            "ppo.dual_clip=3.0",
+            "ppo.clip_eps_value=0.5",
+            "ppo.vf_coef=0.7",
+            "ppo.entropy_coef=0.01",
+            "ppo.loss_agg_mode=seq-mean-token-sum",
+            "kl.estimator=k3",
+            "kl.in_loss=true",
+        ]
+    )
+    objective = objective_from(config.ppo, config.kl, kl_coef=0.05)
+    assert {name: getattr(objective, name) for name in names} == {
+        name: getattr(config.ppo, name) for name in names
+    }
+    assert (objective.kl_coef, objective.kl_estimator) == (0.05, "k3")

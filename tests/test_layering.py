@@ -77,6 +77,95 @@ def test_relative_imports_are_resolved():
     }
 
 
+def project_modules() -> dict[str, Path]:
+    """Each module of ``ppo_core`` and ``flows`` by its dotted name, with its file."""
+    return {
+        ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): path
+        for folder in ("ppo_core", "flows")
+        for path in sources(ROOT / folder)
+    }
+
+
+def project_import_graph() -> dict[str, set[str]]:
+    """Each module of ``ppo_core`` and ``flows`` (dotted) and the project modules it imports,
+    at the top or inside a function (an import a function defers still ties the two)."""
+    modules = project_modules()
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        graph[name] = set()
+        for imported in imported_modules(path):
+            parts = imported.split(".")
+            # `from ppo_core.modeling import lora` names the module lora, or the package
+            target = next(
+                (
+                    ".".join(parts[:k])
+                    for k in range(len(parts), 0, -1)
+                    if ".".join(parts[:k]) in modules
+                ),
+                None,
+            )
+            if target is not None and target != name:
+                graph[name].add(target)
+    return graph
+
+
+def import_circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The modules that reach themselves through imports, one list per circle (Tarjan's
+    strongly connected components of more than one module)."""
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    circles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for other in sorted(graph[module]):
+            if other not in order:
+                visit(other)
+                low[module] = min(low[module], low[other])
+            elif other in stack:
+                low[module] = min(low[module], order[other])
+        if low[module] == order[module]:
+            component = []
+            while True:
+                other = stack.pop()
+                component.append(other)
+                if other == module:
+                    break
+            if len(component) > 1:
+                circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in order:
+            visit(module)
+    return circles
+
+
+def test_no_import_circles():
+    assert import_circles(project_import_graph()) == []
+
+
+def test_the_circle_check_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert import_circles(graph) == [["a", "b", "c"]]
+
+
+def test_the_stages_never_import_prefect():
+    """`ppo <stage>` runs without Prefect (under `dvc repro`, torchrun, or by hand): the stages
+    and every project module they import, at the top or in a function, keep Prefect out."""
+    graph, modules = project_import_graph(), project_modules()
+    seen, todo = set(), ["flows.stages"]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo += graph[module]
+    for module in sorted(seen):
+        prefect = {n for n in imported_modules(modules[module]) if n.split(".")[0] == "prefect"}
+        assert not prefect, f"{module} (reached from flows.stages) imports {sorted(prefect)}"
+
+
 # -- the tests' own layering --------------------------------------------------------------------
 
 TESTS = ROOT / "tests"

@@ -8,15 +8,20 @@ check a config without importing torch, which costs seconds a run (docs/benchmar
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from dataclasses import dataclass
+from typing import Literal, NamedTuple, get_args
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "DEFAULT_KL_ESTIMATOR",
+    "ESTIMATOR_NEEDS",
     "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "AdvantageEstimator",
+    "EstimatorNeeds",
     "KLEstimator",
     "LossAggMode",
+    "ObjectiveCoefficients",
     "check_batch_sizes",
     "needs_critic",
     "needs_groups",
@@ -28,14 +33,34 @@ AdvantageEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
 ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 
 
+class EstimatorNeeds(NamedTuple):
+    """What an advantage estimator reads besides the scores."""
+
+    critic: bool
+    """The critic's values (a value model is built, run and trained)."""
+    groups: bool
+    """The other samples of the same prompt (at least 2 a prompt)."""
+
+
+ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
+    "gae": EstimatorNeeds(critic=True, groups=False),
+    "grpo": EstimatorNeeds(critic=False, groups=True),
+    "dr_grpo": EstimatorNeeds(critic=False, groups=True),
+    "rloo": EstimatorNeeds(critic=False, groups=True),
+    "reinforce_pp": EstimatorNeeds(critic=False, groups=False),
+}
+"""Each estimator with what it needs, in one place: the config's checks read it, and
+``ppo_core.math.advantages.ESTIMATORS`` holds one function for each of its names."""
+
+
 def needs_critic(estimator: str) -> bool:
     """Whether an advantage estimator reads the critic's values (only ``gae`` does)."""
-    return estimator == "gae"
+    return ESTIMATOR_NEEDS[estimator].critic
 
 
 def needs_groups(estimator: str) -> bool:
     """Whether an advantage estimator compares the samples of one prompt (at least 2 each)."""
-    return estimator in ("grpo", "dr_grpo", "rloo")
+    return ESTIMATOR_NEEDS[estimator].groups
 
 
 # KL(pi || ref) estimators of Schulman (2020), "Approximating KL divergence" (ppo_core.math.kl).
@@ -45,6 +70,25 @@ KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
 # How token losses reduce to one loss (ppo_core.math.losses.aggregate_loss).
 LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
 LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
+
+
+@dataclass(frozen=True)
+class ObjectiveCoefficients:
+    """The coefficients of the PPO objective, with their defaults: the one definition that
+    ``ppo_core.math.objective.PPOObjective`` extends and the ``ppo`` config section reads its
+    defaults from (the meaning of each: ``PPOObjective``)."""
+
+    clip_eps: float = 0.2
+    clip_eps_high: float | None = None
+    dual_clip: float | None = None
+    clip_eps_value: float | None = 0.2
+    vf_coef: float = 0.1
+    entropy_coef: float = 0.0
+    loss_agg_mode: LossAggMode = "token-mean"
+
+
+DEFAULT_KL_ESTIMATOR: KLEstimator = "k1"
+"""The per-token KL estimate of ``kl.estimator`` and of ``PPOObjective.kl_estimator``."""
 
 
 def check_batch_sizes(

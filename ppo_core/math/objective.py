@@ -21,10 +21,9 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ppo_core.math.choices import KLEstimator
+from ppo_core.math.choices import DEFAULT_KL_ESTIMATOR, KLEstimator, ObjectiveCoefficients
 from ppo_core.math.kl import kl_penalty
 from ppo_core.math.losses import (
-    LossAggMode,
     LossParts,
     aggregate_loss,
     count_units,
@@ -37,10 +36,11 @@ __all__ = ["PPOObjective"]
 
 
 @dataclass(frozen=True)
-class PPOObjective:
+class PPOObjective(ObjectiveCoefficients):
     """The coefficients of the PPO objective; calling it scores one micro-batch.
 
-    Attributes:
+    Attributes (the defaults of the first seven are ``ObjectiveCoefficients``', which the
+    ``ppo`` config section shares):
         clip_eps: lower policy clip range, ``rho >= 1 - clip_eps``.
         clip_eps_high: upper clip range, ``rho <= 1 + clip_eps_high``; ``None`` uses ``clip_eps``.
         dual_clip: dual-clip constant ``c > 1`` for negative advantages; ``None`` is off.
@@ -50,18 +50,11 @@ class PPOObjective:
         loss_agg_mode: how token losses reduce to units (see ``aggregate_loss``).
         kl_coef: weight of the KL term in the loss; 0 leaves it out (the KL is then in the
             reward, or nowhere).
-        kl_estimator: which per-token KL estimate that term uses.
+        kl_estimator: which per-token KL estimate that term uses (``kl.estimator``'s default).
     """
 
-    clip_eps: float = 0.2
-    clip_eps_high: float | None = None
-    dual_clip: float | None = None
-    clip_eps_value: float | None = 0.2
-    vf_coef: float = 0.1
-    entropy_coef: float = 0.0
-    loss_agg_mode: LossAggMode = "token-mean"
     kl_coef: float = 0.0
-    kl_estimator: KLEstimator = "k3"
+    kl_estimator: KLEstimator = DEFAULT_KL_ESTIMATOR
 
     def __call__(
         self,

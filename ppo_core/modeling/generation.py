@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ppo_core.modeling.data import Prompt, is_chat
-from ppo_core.modeling.policy import ModelFolderError
+from ppo_core.modeling.folders import ModelFolderError
 
 __all__ = [
     "ChatTemplateError",

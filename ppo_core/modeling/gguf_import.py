@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from ppo_core.files import printable
-from ppo_core.modeling.policy import ModelFolderError
+from ppo_core.modeling.folders import ModelFolderError
 
 __all__ = [
     "GGUF_MAGIC",

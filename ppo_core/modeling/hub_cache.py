@@ -20,7 +20,7 @@ import re
 from pathlib import Path
 
 from ppo_core.files import printable
-from ppo_core.modeling.policy import ModelFolderError
+from ppo_core.modeling.folders import ModelFolderError
 
 __all__ = [
     "HUB_ID",

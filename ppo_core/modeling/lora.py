@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from ppo_core.files import file_sha256, first_line
-from ppo_core.modeling.policy import ModelFolderError, check_model_folder
+from ppo_core.modeling.folders import ModelFolderError, check_model_folder
 
 __all__ = [
     "ADAPTER_BASE_FILE",

@@ -22,6 +22,7 @@ from torch import Tensor, nn
 
 from ppo_core.files import first_line
 from ppo_core.math.losses import logprobs_from_logits
+from ppo_core.modeling.folders import ADAPTER_CONFIG, ModelFolderError, check_model_folder
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -45,41 +46,6 @@ __all__ = [
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_DIR = "critic"
-ADAPTER_CONFIG = "adapter_config.json"
-
-
-class ModelFolderError(FileNotFoundError):
-    """A model folder is missing or is not a Hugging Face ``save_pretrained`` folder."""
-
-
-def check_model_folder(path: str | Path, role: str = "model") -> Path:
-    """Return ``path`` as a Path if it is a local model folder, else raise a clear error."""
-    folder = Path(path)
-    if not folder.exists():
-        raise ModelFolderError(
-            f"{role} folder {str(folder)!r} does not exist; give a local folder written by "
-            "save_pretrained (models are never downloaded), or run `ppo base` to build the "
-            "tiny default"
-        )
-    if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
-        return folder  # a LoRA adapter: ppo_core.modeling.lora checks it and its base
-    if not (folder / "config.json").is_file():
-        raise ModelFolderError(
-            f"{role} folder {str(folder)!r} has no config.json; it is not a Hugging Face "
-            "save_pretrained folder"
-        )
-    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.safetensors.index.json")):
-        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(
-            p.name for p in folder.glob("*.pt*")
-        )
-        found = f" (found {', '.join(pickled)}: pickle files are never loaded)" if pickled else ""
-        raise ModelFolderError(
-            f"{role} folder {str(folder)!r} has no safetensors weights{found}; save the model "
-            "with save_pretrained(..., safe_serialization=True)"
-        )
-    return folder
-
-
 _STRUCTURE_ONLY = contextvars.ContextVar("structure_only", default=False)
 
 

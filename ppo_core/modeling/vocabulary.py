@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_core.files import first_line
-from ppo_core.modeling.policy import ModelFolderError, check_model_folder
+from ppo_core.modeling.folders import ModelFolderError, check_model_folder
 
 __all__ = [
     "SPECIAL_TOKENS",

@@ -1,6 +1,7 @@
 """The advantage estimators against plain Python, on random masks, groups of unequal sizes and
 all-masked rows (float64, 1e-12)."""
 
+import dataclasses
 import math
 import random
 
@@ -18,7 +19,7 @@ from ppo_core.math.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from ppo_core.math.choices import ADVANTAGE_ESTIMATORS
+from ppo_core.math.choices import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS
 from ppo_core.math.gae import compute_gae, whiten_advantages
 from tests.helpers import examples
 
@@ -195,9 +196,15 @@ def test_the_registry_runs_each_estimator_by_name():
         "rloo": (rloo_advantages(scores, torch.tensor(groups), mask), None),
         "reinforce_pp": (reinforce_pp_advantages(rewards, mask, 0.9), None),
     }
-    assert set(ESTIMATORS) == set(expected) == set(ADVANTAGE_ESTIMATORS)
+    assert set(ESTIMATORS) == set(expected) == set(ADVANTAGE_ESTIMATORS) == set(ESTIMATOR_NEEDS)
     for name, (advantages, returns) in expected.items():
         got_advantages, got_returns = ESTIMATORS[name](inputs)
+        # what the registry says each needs is what it reads: returns only with a critic, and
+        # no run without the groups where it compares samples
+        assert (got_returns is not None) == ESTIMATOR_NEEDS[name].critic, name
+        if ESTIMATOR_NEEDS[name].groups:
+            with pytest.raises(ValueError, match="needs the group of each row"):
+                ESTIMATORS[name](dataclasses.replace(inputs, group_ids=None))
         torch.testing.assert_close(got_advantages, advantages, **TOL)
         if returns is None:
             assert got_returns is None
