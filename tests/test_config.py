@@ -213,7 +213,7 @@ def test_the_defaults_are_the_values_of_params_yaml():
     differ = {
         key: (value, defaults[key]) for key, value in params.items() if value != defaults[key]
     }
-    assert not differ, f"params.yaml vs the defaults in ppo_core/config.py: {differ}"
+    assert not differ, f"params.yaml vs the defaults in ppo_core/config/schema.py: {differ}"
 
 
 def test_every_key_is_documented():
