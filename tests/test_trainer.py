@@ -533,7 +533,7 @@ def test_resuming_on_another_number_of_ranks_compares_the_global_batch_sizes():
     number of ranks, and when they differ the reason says which per-rank size would continue it,
     or that none can."""
     from ppo_core.config import to_yaml
-    from ppo_core.trainer import resume_mismatch
+    from ppo_core.training.resume import resume_mismatch
 
     def sizes(rollout: int, mini: int):
         return load_config(

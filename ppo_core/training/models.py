@@ -1,0 +1,124 @@
+"""Step 4 of the run (layer 3): the models (policy with value head, or LoRA adapters on a
+frozen base, the reference, the data-parallel wrapping), the optimizer and the learning-rate
+schedule."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ppo_core.config import Config, OptimConfig
+from ppo_core.modeling.lora import (
+    AdapterReference,
+    LoraSettings,
+    add_reference_adapter,
+)
+from ppo_core.modeling.policy import (
+    ActorCritic,
+    checkpoint_blocks,
+    load_actor_critic,
+)
+from ppo_core.parallel import ParallelStrategy
+from ppo_core.rollout import load_reference
+from ppo_core.runtime import Runtime
+
+
+@dataclass
+class Models:
+    """The networks of a run."""
+
+    actor_critic: ActorCritic
+    """The policy with its value head: what is trained, checkpointed and saved."""
+    update_model: torch.nn.Module
+    """``actor_critic``, wrapped in DDP under data parallelism, for the update's passes."""
+    reference: torch.nn.Module
+    """The frozen KL reference."""
+    strategy: ParallelStrategy
+    """How the models are spread over the ranks (``parallel.strategy``)."""
+
+
+def build_models(
+    config: Config, runtime: Runtime, strategy: ParallelStrategy, checkpoint: Path | None
+) -> Models:
+    """The actor-critic from ``checkpoint`` (a checkpoint's model folder) or, starting afresh,
+    from ``model.policy`` (and ``model.lora.adapter``), and the reference, spread over the
+    ranks by ``strategy``.
+
+    With LoRA (``model.lora.enabled``) the policy is ``model.policy`` with an adapter: the
+    checkpoint's, else ``model.lora.adapter``, else a fresh one; and unless ``model.reference``
+    names a folder, the reference is the same weights with the trained adapter off (or with a
+    frozen copy of ``model.lora.adapter`` in its place)."""
+    torch.manual_seed(config.seed)
+    model, lora = config.model, config.model.lora
+    start_folder = checkpoint or (lora.adapter if lora.enabled and lora.adapter else model.policy)
+    actor_critic = strategy.load(
+        lambda: load_actor_critic(
+            start_folder,
+            model.critic,
+            model.trust_remote_code,
+            lora=lora_settings(config) if lora.enabled else None,
+            lora_base=model.policy,
+        )
+    )
+    if config.train.gradient_checkpointing:
+        checkpoint_blocks(actor_critic)
+    reference: torch.nn.Module
+    if lora.enabled and model.reference is None:
+        if lora.adapter is not None:
+            add_reference_adapter(actor_critic.policy, lora.adapter, model.policy)
+        reference = AdapterReference(actor_critic.policy, lora.adapter is not None)
+    else:
+        reference = strategy.wrap_reference(strategy.load(lambda: load_reference(model, None)))
+    return Models(
+        actor_critic=actor_critic,
+        update_model=strategy.wrap(actor_critic),
+        reference=reference,
+        strategy=strategy,
+    )
+
+
+def lora_settings(config: Config) -> LoraSettings:
+    lora = config.model.lora
+    return LoraSettings(
+        rank=lora.rank,
+        alpha=lora.alpha,
+        dropout=lora.dropout,
+        target_modules=tuple(lora.target_modules),
+    )
+
+
+def build_optimizer(
+    parameters: Iterable[torch.nn.Parameter], optim: OptimConfig
+) -> torch.optim.Optimizer:
+    params = [p for p in parameters if p.requires_grad]
+    if optim.name == "adamw":
+        return torch.optim.AdamW(
+            params,
+            lr=optim.lr,
+            weight_decay=optim.weight_decay,
+            betas=(optim.betas[0], optim.betas[1]),
+            eps=optim.eps,
+        )
+    if optim.name == "sgd":
+        return torch.optim.SGD(
+            params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay
+        )
+    raise ValueError(f"unknown optimizer {optim.name!r}; choose adamw or sgd")
+
+
+def build_scheduler(
+    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_iterations: int
+) -> torch.optim.lr_scheduler.LambdaLR:
+    """Linear warm-up over ``optim.warmup_iterations``, then constant or a linear decay to 0."""
+    warmup = optim.warmup_iterations
+
+    def factor(iteration: int) -> float:
+        warm = min(1.0, (iteration + 1) / warmup) if warmup > 0 else 1.0
+        if optim.scheduler == "linear":
+            return warm * max(0.0, 1.0 - iteration / max(total_iterations, 1))
+        return warm
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
