@@ -9,7 +9,6 @@ import time
 
 import pytest
 
-from ppo_core import files
 from ppo_core.files import (
     OUTPUT_MARKER,
     ForeignFolderError,
@@ -18,6 +17,7 @@ from ppo_core.files import (
     atomic_folder,
     atomic_write_text,
     copy_regular_tree,
+    copying,
     discard,
     exclusive_run,
     file_sha256,
@@ -322,12 +322,12 @@ def test_copy_regular_tree_refuses_over_the_cap_before_copying(tmp_path, monkeyp
     with pytest.raises(UnsafeCopyError, match="1200 bytes, more than the 1000 bytes"):
         copy_regular_tree(source, dest, max_bytes=1000)
     assert list(dest.iterdir()) == []
-    monkeypatch.setattr(files, "MAX_COPY_BYTES", 1000)  # the default cap is read at each call
+    monkeypatch.setattr(copying, "MAX_COPY_BYTES", 1000)  # the default cap is read at each call
     with pytest.raises(UnsafeCopyError, match="more than the 1000 bytes"):
         copy_regular_tree(source, dest)
-    assert files.MAX_COPY_BYTES == 1000
+    assert copying.MAX_COPY_BYTES == 1000
     monkeypatch.undo()
-    assert files.MAX_COPY_BYTES >= 200 * 10**9
+    assert copying.MAX_COPY_BYTES >= 200 * 10**9
     assert copy_regular_tree(source, dest) == [("a.bin", 600), ("b.bin", 600)]
 
 
@@ -336,7 +336,7 @@ def test_copy_regular_tree_refuses_a_file_that_grows_while_it_is_copied(tmp_path
     source.mkdir()
     grower = source / "a.bin"
     grower.write_bytes(b"x" * 100)
-    real_scan = files._scan
+    real_scan = copying._scan
 
     def scan_then_grow(folder, max_bytes, link_root=None):
         found = real_scan(folder, max_bytes, link_root)
@@ -344,7 +344,7 @@ def test_copy_regular_tree_refuses_a_file_that_grows_while_it_is_copied(tmp_path
             handle.write(b"y" * 100)
         return found
 
-    monkeypatch.setattr(files, "_scan", scan_then_grow)
+    monkeypatch.setattr(copying, "_scan", scan_then_grow)
     dest = tmp_path / "copy"
     dest.mkdir()
     with pytest.raises(UnsafeCopyError, match="changed while it was copied"):

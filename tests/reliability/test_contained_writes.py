@@ -19,6 +19,7 @@ from flows.cli import app
 from flows.stages import base
 from ppo_core import files
 from ppo_core.config import ConfigError, load_config
+from ppo_core.files import copying
 from ppo_core.modeling.policy import load_causal_lm
 from ppo_core.output_paths import PROTECTED
 
@@ -253,7 +254,7 @@ def test_base_refuses_a_source_over_the_size_cap_before_copying(
     tmp_path, tiny_model_dir, monkeypatch
 ):
     source = model_with(tmp_path, tiny_model_dir)
-    monkeypatch.setattr(files, "MAX_COPY_BYTES", 1000)
+    monkeypatch.setattr(copying, "MAX_COPY_BYTES", 1000)
     config = load_config(overrides=[f"base.source={source}", f"model.policy={tmp_path / 'base'}"])
     with pytest.raises(FileExistsError, match="more than the 1000 bytes"):
         base(config)

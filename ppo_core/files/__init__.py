@@ -1,0 +1,61 @@
+"""File safety shared by every layer (standard library only, so that the math, model I/O,
+composition layers and the flows can all use it): atomic files and folders (:mod:`.atomic`),
+safe copies of model folders (:mod:`.copying`), content hashes (:mod:`.hashes`) and run locks
+(:mod:`.locks`). The names below are the ones the layers above import."""
+
+from ppo_core.files.atomic import (
+    OUTPUT_MARKER,
+    ForeignFileError,
+    ForeignFolderError,
+    atomic_folder,
+    atomic_write_bytes,
+    atomic_write_text,
+    check_replaceable,
+    check_replaceable_file,
+    clear_output_folder,
+    create_sibling,
+    discard,
+    first_line,
+    fsync_folder,
+    is_partial,
+    printable,
+    remove_links,
+)
+from ppo_core.files.copying import (
+    MAX_COPY_BYTES,
+    UnsafeCopyError,
+    copy_regular_file,
+    copy_regular_tree,
+    regular_files,
+)
+from ppo_core.files.hashes import file_sha256, folder_fingerprint, tree_sha256
+from ppo_core.files.locks import RunLockedError, exclusive_run
+
+__all__ = [
+    "MAX_COPY_BYTES",
+    "OUTPUT_MARKER",
+    "ForeignFileError",
+    "ForeignFolderError",
+    "RunLockedError",
+    "UnsafeCopyError",
+    "atomic_folder",
+    "atomic_write_bytes",
+    "atomic_write_text",
+    "check_replaceable",
+    "check_replaceable_file",
+    "clear_output_folder",
+    "copy_regular_file",
+    "copy_regular_tree",
+    "create_sibling",
+    "discard",
+    "exclusive_run",
+    "file_sha256",
+    "first_line",
+    "folder_fingerprint",
+    "fsync_folder",
+    "is_partial",
+    "printable",
+    "regular_files",
+    "remove_links",
+    "tree_sha256",
+]
