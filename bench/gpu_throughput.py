@@ -108,7 +108,7 @@ def measure_generation(model, config, args, device) -> dict[str, float]:
 def measure_update(model, config, args, device, autocast) -> dict[str, float]:
     from ppo_core.math.accumulation import accumulate_gradients
     from ppo_core.math.objective import PPOObjective
-    from ppo_core.modeling.policy import score_sequences
+    from ppo_core.modeling.scoring import score_sequences
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     prompt_ids = torch.randint(

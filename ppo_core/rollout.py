@@ -32,8 +32,9 @@ from ppo_core.modeling.generation import (
     decode_responses,
     generate_responses,
 )
-from ppo_core.modeling.policy import ActorCritic, ScoredBatch, load_causal_lm, score_sequences
+from ppo_core.modeling.policy import ActorCritic, load_causal_lm
 from ppo_core.modeling.reward_loading import RewardFn, build_reward_fn, checked_scores
+from ppo_core.modeling.scoring import ScoredBatch, score_sequences
 from ppo_core.runtime import Runtime
 
 __all__ = [

@@ -20,7 +20,7 @@ from ppo_core.math.losses import LossParts
 from ppo_core.math.masked import select
 from ppo_core.math.objective import PPOObjective
 from ppo_core.math.running_mean import RunningMean
-from ppo_core.modeling.policy import score_sequences
+from ppo_core.modeling.scoring import score_sequences
 from ppo_core.rollout import RolloutBatch
 from ppo_core.runtime import Runtime
 

@@ -1,4 +1,5 @@
-"""Loading the policy, critic and reference models, and the forward pass that scores responses.
+"""Loading the policy, critic and reference models (the pass that scores responses with them:
+:mod:`ppo_core.modeling.scoring`).
 
 Layer 2 (model I/O). Models come from local ``save_pretrained`` folders only; weights load from
 safetensors, and a folder's own Python code runs only with ``trust_remote_code=True``.
@@ -13,7 +14,6 @@ import shutil
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -21,7 +21,6 @@ import torch
 from torch import Tensor, nn
 
 from ppo_core.files import first_line
-from ppo_core.math.losses import logprobs_from_logits
 from ppo_core.modeling.folders import ADAPTER_CONFIG, ModelFolderError, check_model_folder
 
 if TYPE_CHECKING:
@@ -32,16 +31,16 @@ if TYPE_CHECKING:
 __all__ = [
     "ActorCritic",
     "ModelFolderError",
-    "ScoredBatch",
     "check_model_folder",
     "checkpoint_blocks",
     "fuse_activations",
     "load_actor_critic",
     "load_causal_lm",
     "load_tokenizer",
+    "logits_to_keep_kwargs",
     "position_ids_from_mask",
-    "score_sequences",
     "transformer_blocks",
+    "unwrap_model",
 ]
 
 VALUE_HEAD_FILE = "value_head.safetensors"
@@ -242,7 +241,7 @@ class ActorCritic(nn.Module):
     def causal_lm(self) -> nn.Module:
         """The Hugging Face causal LM that computes the policy: ``policy`` itself, or the model
         inside the ``peft`` wrapper (its LoRA layers in place)."""
-        return _unwrap(self.policy)
+        return unwrap_model(self.policy)
 
     @contextlib.contextmanager
     def sampling_model(self, merge_adapter: bool = True) -> Iterator[nn.Module]:
@@ -272,7 +271,7 @@ class ActorCritic(nn.Module):
             position_ids=position_ids,
             output_hidden_states=self.has_critic and self.critic is None,
             use_cache=False,
-            **_keep_kwargs(self.causal_lm, logits_to_keep),
+            **logits_to_keep_kwargs(self.causal_lm, logits_to_keep),
         )
         if self.value_head is None:
             return out.logits, None
@@ -448,73 +447,7 @@ def _hidden_size(config) -> int:
     raise ModelFolderError(f"cannot tell the hidden size of a {type(config).__name__}")
 
 
-@dataclass
-class ScoredBatch:
-    """Logprobs (and values) of response tokens: each ``[B, T]``."""
-
-    logprobs: Tensor
-    values: Tensor | None
-    entropy: Tensor | None
-
-
-def score_sequences(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
-    temperature: float = 1.0,
-    with_values: bool = True,
-    with_entropy: bool = False,
-    entropy_grad: bool = False,
-) -> ScoredBatch:
-    """One forward pass over ``[prompt; response]`` giving the response tokens' logprobs.
-
-    Args:
-        model: an :class:`ActorCritic` (values too) or a plain causal LM (logprobs only).
-        prompt_ids, prompt_mask: ``[B, P]``, left-padded.
-        response_ids, response_mask: ``[B, T]``; positions after EOS are masked.
-        temperature: the sampling temperature, so the logprobs describe the sampled distribution.
-        with_entropy: also return the per-token entropy ``[B, T]``; it carries a gradient only
-            with ``entropy_grad`` (an entropy bonus in the loss).
-
-    Returns:
-        :class:`ScoredBatch` with ``[B, T]`` tensors aligned with ``response_ids``.
-    """
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
-    prompt_len = prompt_ids.shape[1]
-    length = response_ids.shape[1]
-    # Logits at position t predict token t + 1, so the response needs those of the last
-    # length + 1 positions but the final one; the LM head skips the prompt where the model allows.
-    if isinstance(_unwrap(model), ActorCritic):
-        logits, values = model(input_ids, attention_mask, logits_to_keep=length + 1)
-        values = values if with_values else None
-    else:
-        logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids_from_mask(attention_mask),
-            use_cache=False,
-            **_keep_kwargs(model, length + 1),
-        ).logits
-        values = None
-    response_logits = logits[:, logits.shape[1] - length - 1 : -1]
-    logprobs = logprobs_from_logits(response_logits, response_ids, temperature)
-    entropy = None
-    if with_entropy:
-        from ppo_core.math.losses import entropy_from_logits
-
-        # Entropy only enters the loss with an entropy bonus; as a metric it needs no graph.
-        with contextlib.nullcontext() if entropy_grad else torch.no_grad():
-            entropy = entropy_from_logits(response_logits, temperature)
-    if values is not None:
-        values = values[:, prompt_len - 1 : prompt_len - 1 + length]
-        values = values.to(torch.promote_types(values.dtype, torch.float32))
-    return ScoredBatch(logprobs=logprobs, values=values, entropy=entropy)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
+def unwrap_model(model: nn.Module) -> nn.Module:
     """The module inside a DDP wrapper, a ``peft`` wrapper or both."""
     inner: Any = getattr(model, "module", model)
     if type(inner).__module__.startswith("peft."):
@@ -522,10 +455,10 @@ def _unwrap(model: nn.Module) -> nn.Module:
     return inner
 
 
-def _keep_kwargs(model: nn.Module, logits_to_keep: int) -> dict[str, int]:
+def logits_to_keep_kwargs(model: nn.Module, logits_to_keep: int) -> dict[str, int]:
     """``{"logits_to_keep": n}`` where the model's ``forward`` takes it (most Hugging Face causal
     LMs since transformers 4.50), else nothing: every position then gets logits."""
-    if logits_to_keep <= 0 or not _takes_logits_to_keep(type(_unwrap(model))):
+    if logits_to_keep <= 0 or not _takes_logits_to_keep(type(unwrap_model(model))):
         return {}
     return {"logits_to_keep": logits_to_keep}
 

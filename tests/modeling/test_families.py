@@ -22,8 +22,8 @@ from ppo_core.modeling.policy import (
     load_causal_lm,
     load_tokenizer,
     position_ids_from_mask,
-    score_sequences,
 )
+from ppo_core.modeling.scoring import score_sequences
 from ppo_core.trainer import train
 from tests.helpers import (
     FAMILIES,

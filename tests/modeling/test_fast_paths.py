@@ -6,12 +6,8 @@ import copy
 import torch
 
 from ppo_core.modeling.generation import encode_prompts
-from ppo_core.modeling.policy import (
-    fuse_activations,
-    load_actor_critic,
-    load_tokenizer,
-    score_sequences,
-)
+from ppo_core.modeling.policy import fuse_activations, load_actor_critic, load_tokenizer
+from ppo_core.modeling.scoring import score_sequences
 from ppo_core.rollout import RolloutBatch
 
 

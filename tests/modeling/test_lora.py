@@ -26,8 +26,8 @@ from ppo_core.modeling.policy import (
     load_actor_critic,
     load_causal_lm,
     load_tokenizer,
-    score_sequences,
 )
+from ppo_core.modeling.scoring import score_sequences
 from ppo_core.registry import load_registry, record_decision
 from ppo_core.trainer import train
 from tests.helpers import (
