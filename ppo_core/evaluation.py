@@ -210,7 +210,7 @@ def evaluate_model(
         model, tokenizer, expanded, config.generation, runtime, chunk_size=batch_size
     )
     mask = generated.response_mask
-    reference_metrics: dict[str, float] = {}
+    guard_metrics: dict[str, float] = {}
     if reference is not None:
 
         def logprobs_of(scorer: torch.nn.Module, at_temperature: float) -> torch.Tensor:
@@ -223,14 +223,14 @@ def evaluate_model(
         # Fluency is judged by the reference's own distribution, not the sampling temperature's.
         plain = ref_logprobs if temperature == 1.0 else logprobs_of(reference, 1.0)
         tokens = mask.sum().clamp(min=1)
-        reference_metrics = {
+        guard_metrics = {
             "kl_to_reference": kl.mean().item(),
             "reference_nll": (-masked_sum(plain, mask) / tokens).item(),
         }
     del model
     responses, score = score_responses(reward_fn, tokenizer, expanded, generated)
     if check_fn is not None:
-        reference_metrics["check_score"] = (
+        guard_metrics["check_score"] = (
             checked_scores(check_fn(expanded, responses), len(responses), "promote.check_reward")
             .mean()
             .item()
@@ -239,7 +239,7 @@ def evaluate_model(
         "score": score.mean().item(),
         "score_std": score.std().item() if len(score) > 1 else 0.0,
         "positive_rate": (score > POSITIVE_SCORE).float().mean().item(),
-        **reference_metrics,
+        **guard_metrics,
         "response_length": mask.sum(dim=1).float().mean().item(),
         "eos_rate": generated.has_eos.float().mean().item(),
         "distinct_1": distinct_n(responses, 1),
@@ -322,15 +322,7 @@ def evaluate(
             raise
         # The message names model.reward; say where this spec really came from.
         raise RewardError(f"{exc} (the reward set by eval.reward)") from None
-    check_fn = (
-        None
-        if config.promote.check_reward is None
-        else build_reward(
-            replace(config.model, reward=config.promote.check_reward),
-            runtime.device,
-            key="promote.check_reward",
-        )
-    )
+    check_fn = check_reward_fn(config, runtime)
     reference = load_reference(config.model, runtime.device)
     reports = {
         name: evaluate_model(
@@ -355,6 +347,14 @@ def evaluate(
         reference=reference_vocab.folder,
     )
     return reports
+
+
+def check_reward_fn(config: Config, runtime: Runtime) -> RewardFn | None:
+    """The gate's independent scorer (``promote.check_reward``), or None when it is off."""
+    if config.promote.check_reward is None:
+        return None
+    spec = replace(config.model, reward=config.promote.check_reward)
+    return build_reward(spec, runtime.device, key="promote.check_reward")
 
 
 def _refusal(

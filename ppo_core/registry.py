@@ -70,20 +70,15 @@ def gate(
         )
     )
     if baseline is not None:
+        margins = {
+            "distinct_2": rules.max_distinct_2_drop,
+            "reference_nll": rules.max_nll_increase,
+            "check_score": None if rules.check_reward is None else rules.max_check_drop,
+        }
         rules_met += [
             rule
-            for rule in (
-                _guard(candidate, baseline, "distinct_2", -1, rules.max_distinct_2_drop),
-                _guard(candidate, baseline, "reference_nll", +1, rules.max_nll_increase),
-                _guard(
-                    candidate,
-                    baseline,
-                    "check_score",
-                    -1,
-                    None if rules.check_reward is None else rules.max_check_drop,
-                ),
-            )
-            if rule is not None
+            for metric, margin in margins.items()
+            if (rule := _guard(candidate, baseline, metric, margin)) is not None
         ]
     return GateDecision(
         all(ok for ok, _ in rules_met),
@@ -92,28 +87,24 @@ def gate(
 
 
 GUARDS = {
-    "distinct_2": ("distinct-2", "promote.max_distinct_2_drop", "fall"),
-    "reference_nll": ("reference NLL (nats/token)", "promote.max_nll_increase", "rise"),
-    "check_score": ("check score", "promote.check_reward", "fall"),
+    "distinct_2": ("distinct-2", "promote.max_distinct_2_drop", -1),
+    "reference_nll": ("reference NLL (nats/token)", "promote.max_nll_increase", +1),
+    "check_score": ("check score", "promote.check_reward", -1),
 }
 """The guard metrics: how a reason names each, the key that switches it on, and which way is
-worse."""
+worse (-1: falling, +1: rising)."""
 
 
 def _guard(
-    candidate: dict[str, float],
-    baseline: dict[str, float],
-    metric: str,
-    worse: int,
-    margin: float | None,
+    candidate: dict[str, float], baseline: dict[str, float], metric: str, margin: float | None
 ) -> tuple[bool, str] | None:
-    """The rule that ``metric`` gets worse (``worse``: -1 falls, +1 rises) by at most ``margin``
+    """The rule that ``metric`` gets worse (the way :data:`GUARDS` names) by at most ``margin``
     from the baseline's; None when the guard is off. A metric the evaluation did not measure
     for the candidate fails the rule; one it could not measure for the baseline (another
     tokenizer than the reference's) leaves the guard unapplied, and the reason says so."""
     if margin is None:
         return None
-    name, key, direction = GUARDS[metric]
+    name, key, worse = GUARDS[metric]
     if metric not in candidate:
         return False, (
             f"{name} of the candidate was not measured, but {key} asks for it: run "
@@ -124,7 +115,7 @@ def _guard(
     change = candidate[metric] - baseline[metric]
     return change * worse <= margin, (
         f"{name} {candidate[metric]:.4f} vs baseline {baseline[metric]:.4f}: change "
-        f"{change:+.4f} (may {direction} by at most {margin})"
+        f"{change:+.4f} (may {'fall' if worse < 0 else 'rise'} by at most {margin})"
     )
 
 
