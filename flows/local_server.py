@@ -24,9 +24,11 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from contextlib import AbstractContextManager
+
     from prefect.settings import Setting
 
 # A first start on a busy two-core machine creates the database and takes about 40 s; the wait
@@ -161,3 +163,28 @@ def start_if_needed(argv: list[str]) -> LocalServer | None:
     if not argv or argv[0] != "run" or "-h" in argv or "--help" in argv or api_url_named():
         return None
     return LocalServer()
+
+
+def local_server_settings() -> AbstractContextManager[Any]:
+    """Prefect settings for the temporary server that a run without a Prefect server starts,
+    each only where neither the environment nor the active Prefect profile sets it.
+
+    Telemetry off: its service writes a session row into the server's new SQLite database while
+    the server sets itself up (a "database is locked" traceback when the two collide) and posts
+    to Prefect (an error without a network); either reads as a failure when none happened.
+    A longer start-up wait: on a busy two-core machine a first start, which creates the
+    database, takes about 40 s, twice Prefect's default wait.
+    """
+    # Here, not at the top: this module runs before Prefect is imported (the early start).
+    from prefect.settings import (
+        PREFECT_SERVER_ANALYTICS_ENABLED,
+        PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+        temporary_settings,
+    )
+
+    return temporary_settings(
+        set_defaults={
+            PREFECT_SERVER_ANALYTICS_ENABLED: False,
+            PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS: 120,
+        }
+    )

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import StageFailed, decision_message, run_stage, summary
+from flows.outcome import decision_message, summary
+from flows.pipeline import StageFailed, run_stage
 from flows.relay import Deadline, StageRelay, output_segments, stop_process_tree
 from flows.relay import stage_environment as _environment
 from tests.flows.conftest import HANGING, Recorder
@@ -303,7 +304,7 @@ def test_the_temporary_server_s_telemetry_is_off_unless_the_user_sets_it():
         temporary_settings,
     )
 
-    from flows.pipeline import local_server_settings
+    from flows.local_server import local_server_settings
 
     def server() -> tuple[bool, int]:
         with local_server_settings():
@@ -327,7 +328,7 @@ def test_the_artifact_header_shows_promotion_reasons_as_text(tmp_path, monkeypat
     become a link, an image or HTML in the Prefect UI."""
     import shutil
 
-    import flows.pipeline
+    import flows.outcome
     from tests.flows.conftest import ROOT
 
     shutil.copy2(ROOT / "params.yaml", tmp_path / "params.yaml")
@@ -340,10 +341,10 @@ def test_the_artifact_header_shows_promotion_reasons_as_text(tmp_path, monkeypat
     )
     published = {}
     monkeypatch.setattr(
-        flows.pipeline, "create_markdown_artifact", lambda **kw: published.update(kw)
+        flows.outcome, "create_markdown_artifact", lambda **kw: published.update(kw)
     )
-    monkeypatch.setattr(flows.pipeline, "create_table_artifact", lambda **kw: None)
-    outputs = flows.pipeline.publish_results(str(tmp_path), {"promote": "ran"})
+    monkeypatch.setattr(flows.outcome, "create_table_artifact", lambda **kw: None)
+    outputs = flows.outcome.publish_results(str(tmp_path), {"promote": "ran"})
     header = published["markdown"].split("# Evaluation")[0]
     assert "**Decision: rejected**" in header
     for markup in ("[click me](", "<img", "http://"):

@@ -6,7 +6,8 @@ import shutil
 
 import pytest
 
-from flows.pipeline import deployments
+from flows.deployments import deployments
+from flows.pipeline import retrain
 from flows.run_params import params_for_this_run, set_params
 from ppo_core.config import ConfigError
 from tests.flows.conftest import ROOT
@@ -38,7 +39,7 @@ def test_set_params_keeps_comments_and_leaves_no_temporary_file(project):
 
 def test_the_served_deployments_are_those_of_prefect_yaml_with_the_configured_schedule(project):
     set_params(str(project), {"schedule.cron": "30 2 * * *", "schedule.timezone": "Europe/Berlin"})
-    manual, scheduled, on_new_data = deployments(str(project))
+    manual, scheduled, on_new_data = deployments(retrain, str(project))
     assert [d.name for d in (manual, scheduled, on_new_data)] == [
         "manual",
         "scheduled",
@@ -72,15 +73,15 @@ def test_the_served_deployments_are_those_of_prefect_yaml_with_the_configured_sc
 
 
 def test_params_are_built_once_per_text_and_again_when_the_file_changes(project):
-    from flows.pipeline import _load_params
+    from flows.project import load_params
 
-    first = _load_params(str(project))
-    assert _load_params(str(project)) is first  # the same text: not built again
+    first = load_params(str(project))
+    assert load_params(str(project)) is first  # the same text: not built again
     with params_for_this_run(str(project), {"ppo.epochs": 2}):
-        during = _load_params(str(project))
+        during = load_params(str(project))
         assert during is not first and during.ppo.epochs == 2
-    after = _load_params(str(project))
+    after = load_params(str(project))
     assert after.ppo.epochs == first.ppo.epochs
     (project / "params.yaml").write_text("ppo:\n  epochs: [1\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
-        _load_params(str(project))  # a broken file is never answered from the cache
+        load_params(str(project))  # a broken file is never answered from the cache

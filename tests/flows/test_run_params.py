@@ -164,7 +164,8 @@ def test_a_backup_written_before_params_yaml_was_replaced_is_dropped(project):
 
 
 def test_the_flow_refuses_bad_params_before_it_takes_the_lock(project, monkeypatch):
-    from flows.pipeline import PROJECT_ENV, retrain
+    from flows.pipeline import retrain
+    from flows.project import PROJECT_ENV
 
     monkeypatch.setenv(PROJECT_ENV, str(project))
     before = listing(project)
@@ -190,7 +191,7 @@ def test_the_project_folder_is_not_a_parameter_of_the_flow():
 
 
 def test_the_project_folder_comes_from_where_the_flow_is_served(tmp_path, monkeypatch):
-    from flows.pipeline import PROJECT_ENV, project_dir
+    from flows.project import PROJECT_ENV, project_dir
 
     monkeypatch.setenv(PROJECT_ENV, str(tmp_path))
     assert project_dir() == tmp_path.resolve()
@@ -211,7 +212,8 @@ def test_the_project_folder_comes_from_where_the_flow_is_served(tmp_path, monkey
 def test_run_with_a_bad_setting_stops_in_one_line_before_a_server_starts(
     project, assignment, message, monkeypatch
 ):
-    from flows.pipeline import PROJECT_ENV, main
+    from flows.pipeline import main
+    from flows.project import PROJECT_ENV
 
     monkeypatch.setenv(PROJECT_ENV, str(project))  # main() sets it: restored after the test
     before = listing(project)
