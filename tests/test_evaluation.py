@@ -465,7 +465,7 @@ def hostile_reports():
 
 
 def hostile_report() -> str:
-    from ppo_core.evaluation import RewardChoice, markdown_report
+    from ppo_core.evaluation_report import RewardChoice, markdown_report
 
     return markdown_report(
         hostile_reports(),

@@ -12,15 +12,8 @@ import torch
 from ppo_core.config import Config
 from ppo_core.distributed import DataParallel
 from ppo_core.math.kl import AdaptiveKLController, FixedKLController
-from ppo_core.modeling.checkpoint import (
-    checked_history,
-    load_sharded_checkpoint,
-    save_checkpoint,
-    save_sharded_checkpoint,
-)
-from ppo_core.modeling.policy import (
-    ActorCritic,
-)
+from ppo_core.modeling.checkpoint import checked_history, save_checkpoint
+from ppo_core.modeling.policy import ActorCritic
 from ppo_core.training.models import Models, build_optimizer, build_scheduler
 
 TIMINGS = "perf/"
@@ -51,6 +44,9 @@ class TrainState:
         """Take the state of a checkpoint read by ``load_latest_good``: of a sharded one, the
         weights too (every rank calls it)."""
         if checkpoint["sharded"] is not None:
+            # Here, not at the top: it imports DCP (1.6 s), which only a sharded run needs.
+            from ppo_core.modeling.sharded_checkpoint import load_sharded_checkpoint
+
             load_sharded_checkpoint(checkpoint["sharded"], models.actor_critic, self.optimizer)
         else:
             models.strategy.load_optimizer_state(
@@ -78,6 +74,8 @@ class TrainState:
         history = [without_timings(row) for row in self.history]
         state = {"kl_coef": self.kl_controller.value, "history": history, **lineage}
         if models.strategy.sharded:
+            from ppo_core.modeling.sharded_checkpoint import save_sharded_checkpoint  # as above
+
             save_sharded_checkpoint(
                 train.checkpoint_dir,
                 self.iteration,

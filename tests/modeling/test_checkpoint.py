@@ -8,11 +8,10 @@ from ppo_core.modeling.checkpoint import (
     list_checkpoints,
     load_checkpoint_state,
     load_latest_good,
-    load_sharded_checkpoint,
     remove_partial,
     save_checkpoint,
-    save_sharded_checkpoint,
 )
+from ppo_core.modeling.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
 
 def _save(folder, iteration, keep=2):

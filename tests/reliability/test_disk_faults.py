@@ -66,7 +66,7 @@ def assert_only_good_checkpoints(folder: Path, expected_steps: list[int]) -> Non
 
 def test_an_injected_disk_full_error(tmp_path, tiny_model_dir, prompt_files, monkeypatch):
     checkpoints, output = tmp_path / "checkpoints", tmp_path / "candidate"
-    real_save = checkpoint_module._save_tensors
+    real_save = checkpoint_module.save_tensors
     calls = {"n": 0}
 
     def save_until_full(obj, path):
@@ -76,7 +76,7 @@ def test_an_injected_disk_full_error(tmp_path, tiny_model_dir, prompt_files, mon
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return real_save(obj, path)
 
-    monkeypatch.setattr(checkpoint_module, "_save_tensors", save_until_full)
+    monkeypatch.setattr(checkpoint_module, "save_tensors", save_until_full)
     config = load_config(
         overrides=overrides(
             tmp_path, tiny_model_dir, prompt_files, checkpoints, output, iterations=3

@@ -23,12 +23,14 @@ from ppo_core.modeling.checkpoint import (
     list_checkpoints,
     load_checkpoint_state,
     load_latest_good,
-    load_sharded_checkpoint,
-    read_dcp_metadata,
     save_checkpoint,
-    save_sharded_checkpoint,
 )
 from ppo_core.modeling.policy import ModelFolderError, load_actor_critic, load_causal_lm
+from ppo_core.modeling.sharded_checkpoint import (
+    load_sharded_checkpoint,
+    read_dcp_metadata,
+    save_sharded_checkpoint,
+)
 from ppo_core.registry import RegistryError, current_production
 
 
