@@ -83,7 +83,7 @@ def sample_merged(actor_critic, ids, mask, config) -> None:
 
 def measure(args: argparse.Namespace) -> None:
     from ppo_core.modeling.generation import encode_prompts, sample, sampling_config
-    from ppo_core.modeling.lora import LoraSettings
+    from ppo_core.modeling.lora import LoraSettings, LoraWeights
     from ppo_core.modeling.policy import load_actor_critic, load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
@@ -106,7 +106,7 @@ def measure(args: argparse.Namespace) -> None:
     ]
     for rank in args.ranks:
         actor_critic = load_actor_critic(
-            args.model, lora=LoraSettings(rank=rank, alpha=2.0 * rank), lora_base=args.model
+            args.model, weights=LoraWeights(LoraSettings(rank=rank, alpha=2.0 * rank), args.model)
         )
         with torch.no_grad():
             for name, parameter in actor_critic.named_parameters():

@@ -32,12 +32,10 @@ from ppo_core.evaluation_report import ModelReport, RewardChoice, metric_table, 
 from ppo_core.files import first_line
 from ppo_core.markdown import escape_markdown
 from ppo_core.math.masked import masked_sum
+from ppo_core.modeling.causal_lm import load_tokenizer
 from ppo_core.modeling.data import Prompt, load_prompts, prompt_text
 from ppo_core.modeling.generation import check_chat_template
-from ppo_core.modeling.policy import (
-    load_causal_lm,
-    load_tokenizer,
-)
+from ppo_core.modeling.policy import load_causal_lm
 from ppo_core.modeling.reward_loading import RewardError, RewardFn, checked_scores
 from ppo_core.modeling.vocabulary import (
     Vocabulary,

@@ -30,7 +30,7 @@ from torch import nn
 
 from ppo_core.config import ConfigError
 from ppo_core.distributed import DataParallel
-from ppo_core.modeling.policy import ModuleT, structure_only, transformer_blocks
+from ppo_core.modeling.causal_lm import ModuleT, structure_only, transformer_blocks
 
 __all__ = ["STRATEGIES", "ParallelStrategy", "ShardingError", "make_strategy"]
 

@@ -32,6 +32,7 @@ from ppo_core.modeling.generation import (
     decode_responses,
     generate_responses,
 )
+from ppo_core.modeling.lora import load_trainable_adapter
 from ppo_core.modeling.policy import ActorCritic, load_causal_lm
 from ppo_core.modeling.reward_loading import RewardFn, build_reward_fn, checked_scores
 from ppo_core.modeling.scoring import ScoredBatch, score_sequences
@@ -111,8 +112,6 @@ def load_reference(model: ModelConfig, device: torch.device | None) -> torch.nn.
     it)."""
     dtype = torch.bfloat16 if model.reference_dtype == "bf16" else torch.float32
     if model.reference is None and model.lora.adapter is not None:
-        from ppo_core.modeling.lora import load_trainable_adapter
-
         base = load_causal_lm(model.policy, "model.policy", model.trust_remote_code, dtype)
         reference: torch.nn.Module = load_trainable_adapter(
             base, model.lora.adapter, model.policy, "model.lora.adapter"

@@ -36,12 +36,7 @@ from ppo_core.config import Config, save_config, to_yaml
 from ppo_core.distributed import is_main_process
 from ppo_core.files import atomic_folder, exclusive_run
 from ppo_core.modeling.data import Prompt, prompt_text
-from ppo_core.modeling.lora import (
-    adapter_dropout,
-)
-from ppo_core.modeling.policy import (
-    ActorCritic,
-)
+from ppo_core.modeling.policy import ActorCritic
 from ppo_core.parallel import make_strategy
 from ppo_core.rollout import collect_rollout
 from ppo_core.runtime import Runtime, setup_runtime
@@ -122,7 +117,7 @@ def run_iteration(
     shuffle = torch.Generator().manual_seed(
         stream_seed(config.seed, iteration, RandomStream.SHUFFLE)
     )
-    with adapter_dropout(models.actor_critic.policy, config.model.lora.dropout > 0):
+    with models.actor_critic.updating():
         metrics.update(
             ppo_update(
                 models.update_model,

@@ -5,20 +5,19 @@ Hu et al. (2021), "LoRA: Low-Rank Adaptation of Large Language Models": each tar
 layer computes ``W x + (alpha / r) B A x`` with ``W`` frozen and only ``A`` (``r x in``) and ``B``
 (``out x r``, initialised to zero) trained, so a fresh adapter starts as the base model exactly.
 
-An adapter folder is what ``peft`` writes (``adapter_config.json``, ``adapter_model.safetensors``)
-plus, when this project wrote it, ``adapter_base.json``: the base model folder it applies to,
-named as the project records paths, and the SHA-256 of that folder's config and weights
-(:func:`base_fingerprint`), so that an adapter is never applied to another base, a rebuilt base
-of the same shapes included.
+An adapter folder written here records the base it applies to, with that base's fingerprint
+(:mod:`ppo_core.modeling.adapter_folders`), so that an adapter is never applied to another base.
+
+:class:`LoraWeights` is the adapter as the policy's trained weights
+(:class:`ppo_core.modeling.weights.PolicyWeights`). ``peft`` is imported inside the functions
+that use it: importing it takes about 3 s, which a run without LoRA never pays.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
-import os
-import re
+import shutil
 import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -28,8 +27,22 @@ from typing import Any, cast
 import torch
 from torch import Tensor, nn
 
-from ppo_core.files import file_sha256, first_line
-from ppo_core.modeling.folders import ModelFolderError, check_model_folder
+from ppo_core.files import first_line
+from ppo_core.modeling.adapter_folders import (
+    ADAPTER_BASE_FILE,
+    ADAPTER_CONFIG_FILE,
+    AdapterError,
+    adapter_base_folder,
+    base_fingerprint,
+    base_record_path,
+    check_adapter_folder,
+    check_base_matches,
+    is_adapter_folder,
+    recorded_fingerprint,
+)
+from ppo_core.modeling.causal_lm import load_plain_causal_lm, unwrap_model
+from ppo_core.modeling.folders import check_model_folder
+from ppo_core.modeling.weights import PolicyWeights
 
 __all__ = [
     "ADAPTER_BASE_FILE",
@@ -37,6 +50,7 @@ __all__ = [
     "AdapterError",
     "AdapterReference",
     "LoraSettings",
+    "LoraWeights",
     "adapter_base_folder",
     "adapter_dropout",
     "add_lora",
@@ -50,19 +64,10 @@ __all__ = [
     "save_adapter",
 ]
 
-ADAPTER_CONFIG_FILE = "adapter_config.json"
-ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
-ADAPTER_BASE_FILE = "adapter_base.json"
-SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 POLICY_ADAPTER = "default"
 """The trained adapter's name in the ``peft`` model (``peft``'s own default)."""
 REFERENCE_ADAPTER = "reference"
 """The frozen copy of a starting adapter that serves as the KL reference."""
-
-
-class AdapterError(ModelFolderError):
-    """An adapter cannot be added or loaded: unknown target modules, another base, a damaged
-    folder. The message names the config key or the folder."""
 
 
 @dataclass(frozen=True)
@@ -73,11 +78,6 @@ class LoraSettings:
     alpha: float = 16.0
     dropout: float = 0.0
     target_modules: tuple[str, ...] = ("all-linear",)
-
-
-def is_adapter_folder(folder: str | Path) -> bool:
-    """Whether ``folder`` holds a ``peft`` adapter rather than a whole model."""
-    return (Path(folder) / ADAPTER_CONFIG_FILE).is_file()
 
 
 def add_lora(model: nn.Module, settings: LoraSettings) -> Any:
@@ -142,111 +142,6 @@ def _linear_names(model: nn.Module) -> list[str]:
     return sorted(names)
 
 
-_FINGERPRINTS: dict[tuple, str] = {}
-
-
-def base_fingerprint(base: str | Path) -> str:
-    """SHA-256 over a model folder's ``config.json`` and weight files (``*.safetensors``, by
-    name and content). Remembered per process while the files' sizes and times are unchanged:
-    checkpoints record it every few iterations, and the weights of an 8B model take a while."""
-    folder = Path(base).resolve()
-    files = sorted([folder / "config.json", *folder.glob("*.safetensors")])
-    stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
-    key = (str(folder), stats)
-    if key not in _FINGERPRINTS:
-        digest = hashlib.sha256()
-        for name, *_ in stats:
-            digest.update(f"\0{name}\0{file_sha256(folder / name)}".encode())
-        _FINGERPRINTS[key] = digest.hexdigest()
-    return _FINGERPRINTS[key]
-
-
-def adapter_base_folder(folder: str | Path) -> Path:
-    """The base model folder an adapter written by this project applies to (relative paths are
-    the project's, i.e. the working folder's), checked against its recorded fingerprint."""
-    folder = Path(folder)
-    record_file = folder / ADAPTER_BASE_FILE
-    if not record_file.is_file():
-        raise AdapterError(
-            f"adapter folder {str(folder)!r} has no {ADAPTER_BASE_FILE}, so the base it applies "
-            "to is unknown; load it on its base with model.policy=BASE model.lora.adapter=FOLDER"
-        )
-    try:
-        record = json.loads(record_file.read_text())
-        base, fingerprint = Path(record["base"]), _fingerprint_of(record, record_file)
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise AdapterError(f"{record_file} is damaged ({first_line(exc)})") from None
-    if is_adapter_folder(base):
-        # a base that is an adapter would name a base of its own, and so on
-        raise AdapterError(
-            f"{record_file} names {str(base)!r} as the base, which is itself an adapter "
-            "folder; an adapter's base is a whole model"
-        )
-    check_model_folder(base, f"the base model of adapter {str(folder)!r}")
-    check_base_matches(folder, base, fingerprint)
-    return base
-
-
-def _fingerprint_of(record: object, record_file: Path) -> str:
-    """The ``base_sha256`` of an ``adapter_base.json`` record: a SHA-256 in hex, never absent or
-    null (which would let the adapter load onto any base)."""
-    fingerprint = record.get("base_sha256") if isinstance(record, dict) else None
-    if not isinstance(fingerprint, str) or not SHA256_HEX.fullmatch(fingerprint):
-        raise AdapterError(
-            f"{record_file} is damaged (base_sha256 is {fingerprint!r}, not a SHA-256); the "
-            "base the adapter was trained on cannot be checked"
-        )
-    return fingerprint
-
-
-def check_base_matches(adapter: str | Path, base: str | Path, recorded: str | None) -> None:
-    """Raise :class:`AdapterError` when ``base``'s fingerprint is not the one the adapter was
-    trained on (``recorded``; nothing to compare for an adapter written elsewhere)."""
-    if recorded is None:
-        return
-    actual = base_fingerprint(base)
-    if actual != recorded:
-        raise AdapterError(
-            f"adapter folder {str(adapter)!r} was trained on a base with fingerprint "
-            f"{recorded[:12]}, but {str(base)!r} has {actual[:12]}: it is another model (or a "
-            "rebuilt one); give the base it was trained on"
-        )
-
-
-def _recorded_fingerprint(adapter: str | Path) -> str | None:
-    record_file = Path(adapter) / ADAPTER_BASE_FILE
-    if not record_file.is_file():
-        return None
-    try:
-        record = json.loads(record_file.read_text())
-    except json.JSONDecodeError:
-        raise AdapterError(f"{record_file} is damaged") from None
-    return _fingerprint_of(record, record_file)
-
-
-def _check_adapter_folder(folder: str | Path, role: str) -> Path:
-    folder = Path(folder)
-    if not folder.is_dir():
-        raise AdapterError(f"{role} folder {str(folder)!r} does not exist")
-    if not is_adapter_folder(folder):
-        raise AdapterError(
-            f"{role} folder {str(folder)!r} has no {ADAPTER_CONFIG_FILE}; it is not a peft "
-            "adapter folder"
-        )
-    if not (folder / ADAPTER_WEIGHTS_FILE).is_file():
-        raise AdapterError(
-            f"{role} folder {str(folder)!r} has no {ADAPTER_WEIGHTS_FILE} (adapters load from "
-            "safetensors only)"
-        )
-    try:
-        kind = json.loads((folder / ADAPTER_CONFIG_FILE).read_text()).get("peft_type")
-    except (json.JSONDecodeError, AttributeError):
-        raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE} is not valid JSON") from None
-    if kind != "LORA":
-        raise AdapterError(f"{role} folder {str(folder)!r} holds a {kind} adapter, not LoRA")
-    return folder
-
-
 def load_trainable_adapter(
     model: nn.Module, folder: str | Path, base: str | Path, role: str
 ) -> Any:
@@ -254,8 +149,8 @@ def load_trainable_adapter(
     adapter."""
     from peft import PeftModel
 
-    folder = _check_adapter_folder(folder, role)
-    check_base_matches(folder, base, _recorded_fingerprint(folder))
+    folder = check_adapter_folder(folder, role)
+    check_base_matches(folder, base, recorded_fingerprint(folder))
     try:
         with quiet_peft():
             return PeftModel.from_pretrained(
@@ -270,8 +165,8 @@ def load_trainable_adapter(
 def add_reference_adapter(peft_model: Any, folder: str | Path, base: str | Path) -> None:
     """Load the adapter in ``folder`` beside the trained one, frozen, as the KL reference
     (:class:`AdapterReference`); the trained adapter stays the active one."""
-    folder = _check_adapter_folder(folder, "model.lora.adapter")
-    check_base_matches(folder, base, _recorded_fingerprint(folder))
+    folder = check_adapter_folder(folder, "model.lora.adapter")
+    check_base_matches(folder, base, recorded_fingerprint(folder))
     try:
         with quiet_peft():
             peft_model.load_adapter(folder, adapter_name=REFERENCE_ADAPTER, is_trainable=False)
@@ -283,14 +178,19 @@ def add_reference_adapter(peft_model: Any, folder: str | Path, base: str | Path)
     peft_model.set_adapter(POLICY_ADAPTER)
 
 
-def load_adapter_model(folder: str | Path, load_base, role: str) -> nn.Module:
+def load_adapter_model(
+    folder: str | Path,
+    role: str = "policy",
+    trust_remote_code: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> nn.Module:
     """An adapter folder written by this project as a plain causal LM for sampling and scoring:
-    its recorded base (``load_base(path)`` loads it) with the adapter merged in."""
+    its recorded base with the adapter merged in."""
     from peft import PeftModel
 
-    folder = _check_adapter_folder(folder, role)
+    folder = check_adapter_folder(folder, role)
     base_folder = adapter_base_folder(folder)
-    base = load_base(base_folder)
+    base = load_plain_causal_lm(base_folder, role, trust_remote_code, dtype)
     try:
         with quiet_peft():
             model = PeftModel.from_pretrained(base, folder, adapter_name=POLICY_ADAPTER)
@@ -329,20 +229,6 @@ def save_adapter(
             {"base": base_record_path(base), "base_sha256": base_fingerprint(base)}, indent=1
         )
     )
-
-
-def base_record_path(base: str | Path) -> str:
-    """How an adapter names its base: relative to the project (the working folder) when the
-    base lies inside it, as ``models/base`` does, so the project can move; else the absolute
-    path, because the adapter cannot be used without finding its base there."""
-    path = Path(base)
-    if not path.is_absolute():
-        return path.as_posix()
-    real = Path(os.path.realpath(path))
-    try:
-        return real.relative_to(os.path.realpath(os.getcwd())).as_posix()
-    except ValueError:
-        return str(real)
 
 
 def merged_model(peft_model: Any) -> Any:
@@ -467,3 +353,78 @@ def adapter_dropout(model: nn.Module, enabled: bool) -> Iterator[None]:
     finally:
         for module in dropouts:
             module.eval()
+
+
+class LoraWeights(PolicyWeights):
+    """A LoRA adapter on the frozen base ``base`` (``model.policy``) as the policy's trained
+    weights: a fresh one of the shape ``settings``, or the adapter of a start or checkpoint
+    folder; ``start_adapter`` (``model.lora.adapter``), when given, is the frozen KL reference
+    beside it."""
+
+    model_role = "model.policy"
+
+    def __init__(
+        self,
+        settings: LoraSettings,
+        base: str | Path,
+        start_adapter: str | Path | None = None,
+    ):
+        self.settings = settings
+        self.base = base
+        self.start_adapter = start_adapter
+
+    def model_folder(self, folder: Path) -> Path:
+        self.adapter_base = check_model_folder(self.base, "model.policy")
+        return self.adapter_base
+
+    def attach(self, model: nn.Module, folder: Path) -> nn.Module:
+        assert self.adapter_base is not None, "model_folder() names the base first"
+        if is_adapter_folder(folder):
+            return load_trainable_adapter(model, folder, self.adapter_base, "adapter").eval()
+        return add_lora(model, self.settings).eval()
+
+    @contextlib.contextmanager
+    def sampling_model(self, policy: nn.Module, merge: bool) -> Iterator[nn.Module]:
+        """With ``merge``, the adapter merged into copies of the weights
+        (:func:`merged_for_sampling`: plain-model speed, the weights untouched afterwards)."""
+        if not merge:
+            yield unwrap_model(policy)
+            return
+        with merged_for_sampling(getattr(policy, "module", policy)) as model:
+            yield model
+
+    def shared_reference(self, policy: nn.Module) -> nn.Module | None:
+        """The policy with the trained adapter off, or with a frozen copy of ``start_adapter``
+        in its place (:class:`AdapterReference`)."""
+        if self.start_adapter is not None:
+            add_reference_adapter(policy, self.start_adapter, self.base)
+        return AdapterReference(policy, self.start_adapter is not None)
+
+    def save(
+        self,
+        policy: nn.Module,
+        folder: Path,
+        merged: bool,
+        state_dict: dict[str, Tensor] | None = None,
+    ) -> nn.Module:
+        """The adapter (:func:`save_adapter`), or with ``merged`` a whole model with the adapter
+        merged in: in place, which takes the adapter out of ``policy`` (for the final save
+        only), or from ``state_dict`` through an adapter folder read back on its base."""
+        assert self.adapter_base is not None, "the policy was built with model_folder()"
+        if not merged:
+            save_adapter(policy, folder, self.adapter_base, state_dict=state_dict)
+            return policy
+        if state_dict is None:
+            whole = merged_model(policy)
+            whole.save_pretrained(folder, safe_serialization=True)
+            return whole
+        adapter = folder / ".adapter"
+        save_adapter(policy, adapter, self.adapter_base, state_dict=state_dict)
+        reloaded: Any = load_adapter_model(adapter)
+        reloaded.save_pretrained(folder, safe_serialization=True)
+        shutil.rmtree(adapter)
+        return policy
+
+    def updating(self, policy: nn.Module) -> contextlib.AbstractContextManager:
+        """The adapters' dropout on (:func:`adapter_dropout`) when ``model.lora.dropout`` > 0."""
+        return adapter_dropout(policy, self.settings.dropout > 0)

@@ -35,7 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_core.modeling.causal_lm import from_pretrained_checked, fuse_activations
 from ppo_core.modeling.data import Prompt
+from ppo_core.modeling.folders import check_model_folder
 from ppo_core.modeling.hub_cache import HUB_ID, snapshot_of
 
 __all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
@@ -215,12 +217,6 @@ class _RewardModel:
 
     def __init__(self, folder: str, device: torch.device | str, trust_remote_code: bool):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
-
-        from ppo_core.modeling.policy import (
-            check_model_folder,
-            from_pretrained_checked,
-            fuse_activations,
-        )
 
         path = check_model_folder(folder, "reward model")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)

@@ -11,12 +11,12 @@ import torch
 from torch import Tensor, nn
 
 from ppo_core.math.losses import logprobs_from_logits
-from ppo_core.modeling.policy import (
-    ActorCritic,
+from ppo_core.modeling.causal_lm import (
     logits_to_keep_kwargs,
     position_ids_from_mask,
     unwrap_model,
 )
+from ppo_core.modeling.policy import ActorCritic
 
 __all__ = ["ScoredBatch", "score_sequences"]
 

@@ -8,13 +8,10 @@ from typing import Any
 
 from ppo_core.config import Config
 from ppo_core.files import check_replaceable
+from ppo_core.modeling.causal_lm import load_tokenizer
 from ppo_core.modeling.data import Prompt, load_prompts, read_manifest_hash
+from ppo_core.modeling.folders import ModelFolderError, check_model_folder
 from ppo_core.modeling.generation import check_chat_template
-from ppo_core.modeling.policy import (
-    ModelFolderError,
-    check_model_folder,
-    load_tokenizer,
-)
 from ppo_core.modeling.reward_loading import RewardFn
 from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
 from ppo_core.rollout import build_reward

@@ -11,16 +11,9 @@ from pathlib import Path
 import torch
 
 from ppo_core.config import Config, OptimConfig
-from ppo_core.modeling.lora import (
-    AdapterReference,
-    LoraSettings,
-    add_reference_adapter,
-)
-from ppo_core.modeling.policy import (
-    ActorCritic,
-    checkpoint_blocks,
-    load_actor_critic,
-)
+from ppo_core.modeling.lora import LoraSettings, LoraWeights
+from ppo_core.modeling.policy import ActorCritic, checkpoint_blocks, load_actor_critic
+from ppo_core.modeling.weights import FullWeights, PolicyWeights
 from ppo_core.parallel import ParallelStrategy
 from ppo_core.rollout import load_reference
 from ppo_core.runtime import Runtime
@@ -52,25 +45,18 @@ def build_models(
     names a folder, the reference is the same weights with the trained adapter off (or with a
     frozen copy of ``model.lora.adapter`` in its place)."""
     torch.manual_seed(config.seed)
-    model, lora = config.model, config.model.lora
-    start_folder = checkpoint or (lora.adapter if lora.enabled and lora.adapter else model.policy)
+    model = config.model
+    weights = policy_weights(config)
+    start_folder = checkpoint or model.lora.adapter or model.policy
     actor_critic = strategy.load(
         lambda: load_actor_critic(
-            start_folder,
-            model.critic,
-            model.trust_remote_code,
-            lora=lora_settings(config) if lora.enabled else None,
-            lora_base=model.policy,
+            start_folder, model.critic, model.trust_remote_code, weights=weights
         )
     )
     if config.train.gradient_checkpointing:
         checkpoint_blocks(actor_critic)
-    reference: torch.nn.Module
-    if lora.enabled and model.reference is None:
-        if lora.adapter is not None:
-            add_reference_adapter(actor_critic.policy, lora.adapter, model.policy)
-        reference = AdapterReference(actor_critic.policy, lora.adapter is not None)
-    else:
+    reference = actor_critic.shared_reference() if model.reference is None else None
+    if reference is None:
         reference = strategy.wrap_reference(strategy.load(lambda: load_reference(model, None)))
     return Models(
         actor_critic=actor_critic,
@@ -80,14 +66,19 @@ def build_models(
     )
 
 
-def lora_settings(config: Config) -> LoraSettings:
+def policy_weights(config: Config) -> PolicyWeights:
+    """Which of the policy's weights the run trains: a LoRA adapter on ``model.policy`` with
+    ``model.lora.enabled``, else every weight."""
     lora = config.model.lora
-    return LoraSettings(
+    if not lora.enabled:
+        return FullWeights()
+    settings = LoraSettings(
         rank=lora.rank,
         alpha=lora.alpha,
         dropout=lora.dropout,
         target_modules=tuple(lora.target_modules),
     )
+    return LoraWeights(settings, config.model.policy, lora.adapter)
 
 
 def build_optimizer(

@@ -10,19 +10,14 @@ import warnings
 import pytest
 import torch
 
+from ppo_core.modeling.causal_lm import PadTokenWarning, load_tokenizer, position_ids_from_mask
 from ppo_core.modeling.generation import (
     encode_prompts,
     response_mask_from_ids,
     sample,
     sampling_config,
 )
-from ppo_core.modeling.policy import (
-    PadTokenWarning,
-    load_actor_critic,
-    load_causal_lm,
-    load_tokenizer,
-    position_ids_from_mask,
-)
+from ppo_core.modeling.policy import load_actor_critic, load_causal_lm
 from ppo_core.modeling.scoring import score_sequences
 from ppo_core.trainer import train
 from tests.helpers import (

@@ -18,6 +18,7 @@ from ppo_core.modeling.lora import (
     AdapterError,
     AdapterReference,
     LoraSettings,
+    LoraWeights,
     add_lora,
     save_adapter,
 )
@@ -85,7 +86,7 @@ def random_adapter(base, folder, seed=1):
 def test_a_fresh_adapter_starts_as_the_base_and_the_reference_shares_its_weights(llama):
     batch = batch_for(llama)
     base_logprobs = logprobs(load_causal_lm(llama), batch)
-    actor_critic = load_actor_critic(llama, lora=LoraSettings(rank=4), lora_base=llama)
+    actor_critic = load_actor_critic(llama, weights=LoraWeights(LoraSettings(rank=4), llama))
     reference = AdapterReference(actor_critic.policy, reference_adapter=False)
     # B starts at zero: the adapted policy is the base exactly
     assert torch.equal(logprobs(actor_critic.policy, batch), base_logprobs)
@@ -305,11 +306,13 @@ def test_gradient_checkpointing_gives_the_same_gradients(tmp_path, llama, lora):
     """float64, 1e-10: the same gradients, and each block's forward pass really runs again in
     the backward pass (so the memory saving is real)."""
     batch = batch_for(llama)
-    settings = LoraSettings(rank=4) if lora else None
+
+    def weights():
+        return LoraWeights(LoraSettings(rank=4), llama) if lora else None
 
     def gradients(checkpointed: bool):
         torch.manual_seed(0)
-        model = load_actor_critic(llama, dtype=torch.float64, lora=settings, lora_base=llama)
+        model = load_actor_critic(llama, dtype=torch.float64, weights=weights())
         with torch.no_grad():  # a non-zero B and value head, so every gradient is non-zero
             for name, parameter in model.named_parameters():
                 if "lora_B" in name or name.startswith("value_head."):
@@ -414,7 +417,7 @@ def test_sampling_merges_the_adapter_into_copies_and_gives_every_weight_back(
 ):
     """GPT-2's Conv1D layers store the weight transposed (peft's fan_in_fan_out)."""
     base = llama if family == "llama" else build_tiny_causal_lm(tmp_path / "gpt2", "gpt2")
-    actor_critic = load_actor_critic(base, lora=LoraSettings(rank=4), lora_base=base)
+    actor_critic = load_actor_critic(base, weights=LoraWeights(LoraSettings(rank=4), base))
     with torch.no_grad():
         for name, parameter in actor_critic.named_parameters():
             if "lora_B" in name:

@@ -1,0 +1,173 @@
+"""LoRA adapter folders (layer 2): what makes one, and the record of the base it applies to.
+
+An adapter folder is what ``peft`` writes (``adapter_config.json``, ``adapter_model.safetensors``)
+plus, when this project wrote it, ``adapter_base.json``: the base model folder it applies to,
+named as the project records paths, and the SHA-256 of that folder's config and weights
+(:func:`base_fingerprint`), so that an adapter is never applied to another base, a rebuilt base
+of the same shapes included. Reading these needs no ``peft``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+from pathlib import Path
+
+from ppo_core.files import file_sha256, first_line
+from ppo_core.modeling.folders import ADAPTER_CONFIG, ModelFolderError, check_model_folder
+
+__all__ = [
+    "ADAPTER_BASE_FILE",
+    "ADAPTER_CONFIG_FILE",
+    "ADAPTER_WEIGHTS_FILE",
+    "AdapterError",
+    "adapter_base_folder",
+    "base_fingerprint",
+    "base_record_path",
+    "check_adapter_folder",
+    "check_base_matches",
+    "is_adapter_folder",
+    "recorded_fingerprint",
+]
+
+ADAPTER_CONFIG_FILE = ADAPTER_CONFIG
+
+
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+ADAPTER_BASE_FILE = "adapter_base.json"
+
+
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+
+
+class AdapterError(ModelFolderError):
+    """An adapter cannot be added or loaded: unknown target modules, another base, a damaged
+    folder. The message names the config key or the folder."""
+
+
+def is_adapter_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a ``peft`` adapter rather than a whole model."""
+    return (Path(folder) / ADAPTER_CONFIG_FILE).is_file()
+
+
+_FINGERPRINTS: dict[tuple, str] = {}
+
+
+def base_fingerprint(base: str | Path) -> str:
+    """SHA-256 over a model folder's ``config.json`` and weight files (``*.safetensors``, by
+    name and content). Remembered per process while the files' sizes and times are unchanged:
+    checkpoints record it every few iterations, and the weights of an 8B model take a while."""
+    folder = Path(base).resolve()
+    files = sorted([folder / "config.json", *folder.glob("*.safetensors")])
+    stats = tuple((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+    key = (str(folder), stats)
+    if key not in _FINGERPRINTS:
+        digest = hashlib.sha256()
+        for name, *_ in stats:
+            digest.update(f"\0{name}\0{file_sha256(folder / name)}".encode())
+        _FINGERPRINTS[key] = digest.hexdigest()
+    return _FINGERPRINTS[key]
+
+
+def adapter_base_folder(folder: str | Path) -> Path:
+    """The base model folder an adapter written by this project applies to (relative paths are
+    the project's, i.e. the working folder's), checked against its recorded fingerprint."""
+    folder = Path(folder)
+    record_file = folder / ADAPTER_BASE_FILE
+    if not record_file.is_file():
+        raise AdapterError(
+            f"adapter folder {str(folder)!r} has no {ADAPTER_BASE_FILE}, so the base it applies "
+            "to is unknown; load it on its base with model.policy=BASE model.lora.adapter=FOLDER"
+        )
+    try:
+        record = json.loads(record_file.read_text())
+        base, fingerprint = Path(record["base"]), _fingerprint_of(record, record_file)
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise AdapterError(f"{record_file} is damaged ({first_line(exc)})") from None
+    if is_adapter_folder(base):
+        # a base that is an adapter would name a base of its own, and so on
+        raise AdapterError(
+            f"{record_file} names {str(base)!r} as the base, which is itself an adapter "
+            "folder; an adapter's base is a whole model"
+        )
+    check_model_folder(base, f"the base model of adapter {str(folder)!r}")
+    check_base_matches(folder, base, fingerprint)
+    return base
+
+
+def _fingerprint_of(record: object, record_file: Path) -> str:
+    """The ``base_sha256`` of an ``adapter_base.json`` record: a SHA-256 in hex, never absent or
+    null (which would let the adapter load onto any base)."""
+    fingerprint = record.get("base_sha256") if isinstance(record, dict) else None
+    if not isinstance(fingerprint, str) or not SHA256_HEX.fullmatch(fingerprint):
+        raise AdapterError(
+            f"{record_file} is damaged (base_sha256 is {fingerprint!r}, not a SHA-256); the "
+            "base the adapter was trained on cannot be checked"
+        )
+    return fingerprint
+
+
+def check_base_matches(adapter: str | Path, base: str | Path, recorded: str | None) -> None:
+    """Raise :class:`AdapterError` when ``base``'s fingerprint is not the one the adapter was
+    trained on (``recorded``; nothing to compare for an adapter written elsewhere)."""
+    if recorded is None:
+        return
+    actual = base_fingerprint(base)
+    if actual != recorded:
+        raise AdapterError(
+            f"adapter folder {str(adapter)!r} was trained on a base with fingerprint "
+            f"{recorded[:12]}, but {str(base)!r} has {actual[:12]}: it is another model (or a "
+            "rebuilt one); give the base it was trained on"
+        )
+
+
+def recorded_fingerprint(adapter: str | Path) -> str | None:
+    record_file = Path(adapter) / ADAPTER_BASE_FILE
+    if not record_file.is_file():
+        return None
+    try:
+        record = json.loads(record_file.read_text())
+    except json.JSONDecodeError:
+        raise AdapterError(f"{record_file} is damaged") from None
+    return _fingerprint_of(record, record_file)
+
+
+def check_adapter_folder(folder: str | Path, role: str) -> Path:
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise AdapterError(f"{role} folder {str(folder)!r} does not exist")
+    if not is_adapter_folder(folder):
+        raise AdapterError(
+            f"{role} folder {str(folder)!r} has no {ADAPTER_CONFIG_FILE}; it is not a peft "
+            "adapter folder"
+        )
+    if not (folder / ADAPTER_WEIGHTS_FILE).is_file():
+        raise AdapterError(
+            f"{role} folder {str(folder)!r} has no {ADAPTER_WEIGHTS_FILE} (adapters load from "
+            "safetensors only)"
+        )
+    try:
+        kind = json.loads((folder / ADAPTER_CONFIG_FILE).read_text()).get("peft_type")
+    except (json.JSONDecodeError, AttributeError):
+        raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE} is not valid JSON") from None
+    if kind != "LORA":
+        raise AdapterError(f"{role} folder {str(folder)!r} holds a {kind} adapter, not LoRA")
+    return folder
+
+
+def base_record_path(base: str | Path) -> str:
+    """How an adapter names its base: relative to the project (the working folder) when the
+    base lies inside it, as ``models/base`` does, so the project can move; else the absolute
+    path, because the adapter cannot be used without finding its base there."""
+    path = Path(base)
+    if not path.is_absolute():
+        return path.as_posix()
+    real = Path(os.path.realpath(path))
+    try:
+        return real.relative_to(os.path.realpath(os.getcwd())).as_posix()
+    except ValueError:
+        return str(real)
