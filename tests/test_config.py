@@ -442,6 +442,34 @@ def test_every_integer_key_has_an_upper_bound_above_its_default():
     assert all(defaults[key] is None or defaults[key] <= UPPER_BOUNDS[key] for key in UPPER_BOUNDS)
 
 
+def test_every_range_declared_beside_a_field_is_enforced_at_its_edges():
+    """Each field's bounds (``bounded(...)`` in schema.py) hold for its default, refuse a value
+    just outside naming the key and the range, and take the edge itself when it is closed."""
+    from ppo_core.config.schema import field_bounds
+
+    defaults = flatten(Config())
+    ranged = {
+        key: b for key, b in field_bounds().items() if b.low is not None or b.high is not None
+    }
+    assert len(ranged) == 48  # 48 keys with a range, of 60 with a bound of any kind
+    for key, bounds in ranged.items():
+        assert defaults[key] is None or bounds.holds(defaults[key]), key
+        edges = [(bounds.low, bounds.low_open, -0.5), (bounds.high, bounds.high_open, 0.5)]
+        for edge, is_open, step in edges:
+            if edge is None:
+                continue
+            outside = edge + step if isinstance(defaults[key], float) else int(edge + 2 * step)
+            with pytest.raises(
+                ConfigError, match=rf"^{re.escape(key)} must be {re.escape(bounds.rule())}"
+            ):
+                load_config(overrides=[f"{key}={outside}"])
+            if is_open:
+                with pytest.raises(ConfigError, match=rf"^{re.escape(key)} must be"):
+                    load_config(overrides=[f"{key}={edge}"])
+            else:
+                load_config(overrides=[f"{key}={edge}"])
+
+
 def test_the_objective_and_the_config_share_each_coefficient_and_default():
     import dataclasses
 

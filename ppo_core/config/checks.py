@@ -13,7 +13,7 @@ from dataclasses import fields
 from typing import Any, get_args
 
 from ppo_core.config.keys import MAX_VALUE_CHARS, ConfigError, flatten, shown_value
-from ppo_core.config.schema import CHOICES, Config, ModelConfig, PPOConfig
+from ppo_core.config.schema import CHOICES, Config, ModelConfig, PPOConfig, field_bounds
 from ppo_core.math.choices import (
     check_batch_sizes,
     needs_critic,
@@ -27,53 +27,28 @@ def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
         raise ConfigError(f"{key}={shown_value(value)} is not one of {', '.join(allowed)}")
 
 
-def _positive(key: str, value: float | int, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
-        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {value}")
+def _check_bounds(flat: dict[str, Any]) -> None:
+    """Each bounded key within its field's :class:`~ppo_core.config.schema.Bounds`; a null
+    one (where the schema allows null) passes."""
+    for key, bounds in field_bounds().items():
+        value = flat[key]
+        if value is None:
+            continue
+        if bounds.most is not None and value > bounds.most:
+            raise ConfigError(f"{key} must be at most {bounds.most}, got {value}")
+        if not bounds.holds(value):
+            nullable = " (or null)" if bounds.nullable else ""
+            raise ConfigError(f"{key} must be {bounds.rule()}{nullable}, got {value}")
 
 
-_BATCH_ROWS = 1_000_000
-_ITERATIONS = 100_000_000
-_TOKENS = 1_000_000
-_ROWS = 1_000_000_000
-# Seeds: torch takes 64-bit ones; a larger integer (a flow run's `params`, a YAML file) would
-# overflow in the middle of a run.
-_SEED = 2**63 - 1
-# Upper bounds of every integer key: sizes, counts and lengths far above any real run, so that
-# only a slip (a few zeros too many) meets them, and it fails here, naming the key, instead of
-# allocating for hours or running out of memory in the middle of a run; seeds within 64 bits.
+def _positive(key: str, value: float | int) -> None:
+    if value <= 0:
+        raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+# The slip guard of every integer key (``most`` in its field's bounds, ``schema.py``).
 UPPER_BOUNDS: dict[str, int] = {
-    "seed": _SEED,
-    "base.tiny_seed": _SEED,
-    "data.split_seed": _SEED,
-    "eval.seed": _SEED,
-    "threads": 4096,
-    "base.tiny_steps": 10_000_000,
-    "model.lora.rank": 65_536,
-    "data.max_rows_per_file": _ROWS,
-    "data.max_bytes_per_file": 1 << 40,
-    "validation.min_tokens": _TOKENS,
-    "validation.max_tokens": _TOKENS,
-    "validation.min_train_rows": _ROWS,
-    "validation.min_eval_rows": _ROWS,
-    "ppo.rollout_batch_size": _BATCH_ROWS,
-    "ppo.mini_batch_size": _BATCH_ROWS,
-    "ppo.micro_batch_size": _BATCH_ROWS,
-    "ppo.generation_batch_size": _BATCH_ROWS,
-    "ppo.scoring_batch_size": _BATCH_ROWS,
-    "ppo.samples_per_prompt": _BATCH_ROWS,
-    "ppo.epochs": 10_000,
-    "kl.horizon": 10**12,
-    "optim.warmup_iterations": _ITERATIONS,
-    "generation.max_new_tokens": _TOKENS,
-    "generation.top_k": 100_000_000,
-    "train.iterations": _ITERATIONS,
-    "train.checkpoint_every": _ITERATIONS,
-    "train.keep_checkpoints": 10_000,
-    "train.keep_set_aside": 10_000,
-    "eval.num_prompts": 10_000_000,
-    "eval.samples_per_prompt": 10_000,
-    "eval.num_examples": 1_000_000,
+    key: bounds.most for key, bounds in field_bounds().items() if bounds.most is not None
 }
 
 
@@ -183,9 +158,7 @@ def validate_config(config: Config) -> None:
                 f"{key} must not hold '${{' (got {shown_value(value)}): a saved config would read "
                 "it as a reference"
             )
-    for key, bound in UPPER_BOUNDS.items():
-        if flat[key] is not None and flat[key] > bound:
-            raise ConfigError(f"{key} must be at most {bound}, got {flat[key]}")
+    _check_bounds(flat)
     check_write_paths(flat)
     for key, choices in CHOICES.items():
         _choice(key, flat[key], get_args(choices))
@@ -206,52 +179,6 @@ def validate_config(config: Config) -> None:
         )
     except ValueError as exc:
         raise ConfigError(_PPO_KEY.sub(r"ppo.\1", str(exc))) from None
-    for key, value in {
-        "ppo.epochs": ppo.epochs,
-        "ppo.clip_eps": ppo.clip_eps,
-        "optim.lr": config.optim.lr,
-        "generation.max_new_tokens": config.generation.max_new_tokens,
-        "generation.temperature": config.generation.temperature,
-        "train.iterations": config.train.iterations,
-        "base.tiny_steps": config.base.tiny_steps,
-        "validation.max_tokens": config.validation.max_tokens,
-        "train.checkpoint_every": config.train.checkpoint_every,
-        "train.keep_checkpoints": config.train.keep_checkpoints,
-        "eval.num_prompts": config.eval.num_prompts,
-        "eval.samples_per_prompt": config.eval.samples_per_prompt,
-        "kl.target": config.kl.target,
-        "kl.horizon": config.kl.horizon,
-    }.items():
-        _positive(key, value)
-    for key, value in {
-        "ppo.vf_coef": ppo.vf_coef,
-        "ppo.entropy_coef": ppo.entropy_coef,
-        "kl.coef": config.kl.coef,
-        "optim.weight_decay": config.optim.weight_decay,
-        "optim.warmup_iterations": config.optim.warmup_iterations,
-        "generation.top_k": config.generation.top_k,
-        "threads": config.threads,
-        "eval.num_examples": config.eval.num_examples,
-        "train.keep_set_aside": config.train.keep_set_aside,
-        "validation.min_tokens": config.validation.min_tokens,
-        "validation.min_train_rows": config.validation.min_train_rows,
-        "validation.min_eval_rows": config.validation.min_eval_rows,
-        "model.reward_timeout": config.model.reward_timeout,
-        **{
-            f"flow.{name}": value
-            for name, value in vars(config.flow).items()
-            if name.endswith("_timeout")
-        },
-    }.items():
-        _positive(key, value, allow_zero=True)
-    for key, value in {
-        "ppo.clip_eps_high": ppo.clip_eps_high,
-        "ppo.clip_eps_value": ppo.clip_eps_value,
-        "ppo.target_kl": ppo.target_kl,
-        "ppo.max_grad_norm": ppo.max_grad_norm,
-    }.items():
-        if value is not None:
-            _positive(key, value)
     if ppo.generation_batch_size is not None and (
         ppo.generation_batch_size < 1 or ppo.rollout_batch_size % ppo.generation_batch_size
     ):
@@ -259,32 +186,6 @@ def validate_config(config: Config) -> None:
             f"ppo.generation_batch_size={ppo.generation_batch_size} must be a positive divisor of "
             f"ppo.rollout_batch_size={ppo.rollout_batch_size}"
         )
-    if ppo.scoring_batch_size is not None and ppo.scoring_batch_size < 1:
-        raise ConfigError(
-            f"ppo.scoring_batch_size must be >= 1 (or null), got {ppo.scoring_batch_size}"
-        )
-    if ppo.dual_clip is not None and ppo.dual_clip <= 1.0:
-        raise ConfigError(f"ppo.dual_clip must be > 1 (or null), got {ppo.dual_clip}")
-    if not 0.0 <= ppo.gamma <= 1.0:
-        raise ConfigError(f"ppo.gamma must be in [0, 1], got {ppo.gamma}")
-    if not 0.0 <= ppo.lam <= 1.0:
-        raise ConfigError(f"ppo.lam must be in [0, 1], got {ppo.lam}")
-    if not 0.0 <= config.promote.min_eos_rate <= 1.0:
-        raise ConfigError(
-            f"promote.min_eos_rate must be in [0, 1], got {config.promote.min_eos_rate}"
-        )
-    _positive("promote.max_kl", config.promote.max_kl)
-    for key, value in {
-        "promote.max_distinct_2_drop": config.promote.max_distinct_2_drop,
-        "promote.max_nll_increase": config.promote.max_nll_increase,
-        "promote.max_check_drop": config.promote.max_check_drop,
-    }.items():
-        if value is not None:
-            _positive(key, value, allow_zero=True)
-    if not 0.0 < config.data.eval_fraction < 1.0:
-        raise ConfigError(f"data.eval_fraction must be in (0, 1), got {config.data.eval_fraction}")
-    if not 0.0 < config.generation.top_p <= 1.0:
-        raise ConfigError(f"generation.top_p must be in (0, 1], got {config.generation.top_p}")
     if len(config.optim.betas) != 2 or not all(0.0 <= b < 1.0 for b in config.optim.betas):
         raise ConfigError(
             f"optim.betas must be two numbers in [0, 1), got {shown_value(config.optim.betas)}"

@@ -3,7 +3,8 @@ field documented by the string literal under it, and the named choices of string
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass, field, fields, is_dataclass, replace
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
 from ppo_core.math.choices import (
@@ -38,6 +39,74 @@ else:
 
     Choice = _ChoiceOfStr()
 
+_V = TypeVar("_V")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """A numeric key's range, declared beside its field (:func:`bounded`) and checked by
+    ``validate_config``: ``low`` and ``high`` (each open or closed; None: no limit), and
+    ``most``, the largest count or size that is not a slip (a few zeros too many fail naming
+    the key instead of allocating for hours or running out of memory in the middle of a run).
+    A key that may be null is not checked when it is."""
+
+    low: float | None = None
+    low_open: bool = False
+    high: float | None = None
+    high_open: bool = False
+    most: int | None = None
+    nullable: bool = False
+    """Whether the key may be null (its type says so), which the error message mentions."""
+
+    def rule(self) -> str:
+        """The range in words: ``> 0``, ``>= 1``, ``in [0, 1]``, ``in (0, 1]``."""
+        if self.low is not None and self.high is not None:
+            return (
+                f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
+                f"{')' if self.high_open else ']'}"
+            )
+        if self.low is not None:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        assert self.high is not None
+        return f"{'<' if self.high_open else '<='} {self.high:g}"
+
+    def holds(self, value: float) -> bool:
+        """Whether ``value`` lies within ``low`` and ``high`` (``most`` is checked apart)."""
+        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
+            return False
+        high = self.high
+        return high is None or not (value > high or (self.high_open and value == high))
+
+
+def bounded(
+    default: _V,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+    most: int | None = None,
+) -> _V:
+    """A dataclass field with ``default`` and its :class:`Bounds` (``gt``/``ge``: above,
+    ``lt``/``le``: below, ``most``: the slip guard of a count)."""
+    bounds = Bounds(
+        low=gt if gt is not None else ge,
+        low_open=gt is not None,
+        high=lt if lt is not None else le,
+        high_open=lt is not None,
+        most=most,
+    )
+    return field(default=default, metadata={"bounds": bounds})
+
+
+# The slip guards of counts and sizes: far above any real run. Seeds: torch takes 64-bit ones; a
+# larger integer (a flow run's `params`, a YAML file) would overflow in the middle of a run.
+_BATCH_ROWS = 1_000_000
+_ITERATIONS = 100_000_000
+_TOKENS = 1_000_000
+_ROWS = 1_000_000_000
+_SEED = 2**63 - 1
+
 # Every key whose value is one of a fixed set of strings, with the Literal that lists them.
 CHOICES: dict[str, Any] = {
     "device": Device,
@@ -62,7 +131,7 @@ class LoraConfig:
 
     enabled: bool = False
     """Train LoRA adapters (and the value head) instead of every weight of the policy."""
-    rank: int = 8
+    rank: int = bounded(8, most=65_536)
     """Rank ``r`` of each adapter's update ``B A`` (``A``: ``r x in``, ``B``: ``out x r``)."""
     alpha: float = 16.0
     """Scale: the update is ``(alpha / rank) B A``."""
@@ -93,7 +162,7 @@ class ModelConfig:
     """``builtin:sentiment`` (VADER), ``module:function`` (user code, called with lists of prompts
     and responses; it runs as Python), or a local folder of a sequence-classification reward
     model."""
-    reward_timeout: float = 600.0
+    reward_timeout: float = bounded(600.0, ge=0)
     """Seconds one call of the reward (one batch, in training or evaluation) may take before the
     run stops with an error naming the reward, so a hung reward cannot block scheduled runs; 0
     waits without limit."""
@@ -123,9 +192,9 @@ class BaseConfig:
     dtype: Choice[Precision] = "fp32"
     """Weights written by a GGUF import: ``fp32``, or ``bf16`` for half the disk and memory (a
     model folder is copied as it is and needs ``fp32`` here)."""
-    tiny_steps: int = 400
+    tiny_steps: int = bounded(400, gt=0, most=10_000_000)
     """Warm-start steps of the tiny default."""
-    tiny_seed: int = 0
+    tiny_seed: int = bounded(0, most=_SEED)
     """Seed of the tiny default's corpus, tokenizer and warm start."""
 
 
@@ -143,10 +212,10 @@ class DataConfig:
     prepared_dir: str = "data/prepared"
     """The validated version, published by ``ppo validate`` only when every expectation holds, so
     a failed validation leaves the previous version in place."""
-    eval_fraction: float = 0.15
+    eval_fraction: float = bounded(0.15, gt=0, lt=1)
     """Share of prompts held out for evaluation. The split hashes each prompt, so a prompt keeps
     its side when new raw data arrives."""
-    split_seed: int = 0
+    split_seed: int = bounded(0, most=_SEED)
     """Salt of the split hash."""
     train_file: str = "data/prepared/train.parquet"
     """Prompts the PPO loop samples from."""
@@ -154,11 +223,11 @@ class DataConfig:
     """Held-out prompts for ``ppo evaluate``."""
     prompt_field: str = "prompt"
     """Name of the field that holds the prompt in each raw record."""
-    max_rows_per_file: int = MAX_ROWS_PER_FILE
+    max_rows_per_file: int = bounded(MAX_ROWS_PER_FILE, most=_ROWS)
     """Most prompts one prompt file may hold (JSONL records, Parquet rows); a Parquet file is
     measured by its metadata before it is read, a JSONL file is read up to the first extra
     record. ``ppo prepare`` also refuses a split that would hold more."""
-    max_bytes_per_file: int = MAX_BYTES_PER_FILE
+    max_bytes_per_file: int = bounded(MAX_BYTES_PER_FILE, most=1 << 40)
     """Most bytes one prompt file may hold (1 GiB): a JSONL file's size; for Parquet, its data's
     uncompressed size in the metadata (all columns) and then the prompt column's text, measured
     before it is built (a compressed file of a few kB can hold gigabytes of repeated text)."""
@@ -168,13 +237,13 @@ class DataConfig:
 class ValidationConfig:
     """Great Expectations checks run by ``ppo validate`` on the candidate data version."""
 
-    min_tokens: int = 2
+    min_tokens: int = bounded(2, ge=0, most=_TOKENS)
     """Shortest allowed prompt, in tokens of the policy's tokenizer (BOS included)."""
-    max_tokens: int = 32
+    max_tokens: int = bounded(32, gt=0, most=_TOKENS)
     """Longest allowed prompt; prompt plus ``generation.max_new_tokens`` must fit the model."""
-    min_train_rows: int = 64
+    min_train_rows: int = bounded(64, ge=0, most=_ROWS)
     """Smallest acceptable train split."""
-    min_eval_rows: int = 16
+    min_eval_rows: int = bounded(16, ge=0, most=_ROWS)
     """Smallest acceptable eval split."""
     report_dir: str = "reports/validation"
     """Where the Data Docs HTML and ``summary.json`` go (written on failure too)."""
@@ -184,41 +253,41 @@ class ValidationConfig:
 class PPOConfig:
     """The PPO update (Schulman et al. 2017) and its batching."""
 
-    rollout_batch_size: int = 64
+    rollout_batch_size: int = bounded(64, most=_BATCH_ROWS)
     """Responses sampled per iteration (per data-parallel rank): ``rollout_batch_size /
     samples_per_prompt`` drawn prompts, each sampled ``samples_per_prompt`` times."""
-    mini_batch_size: int = 16
+    mini_batch_size: int = bounded(16, most=_BATCH_ROWS)
     """Rows per optimizer step; must divide ``rollout_batch_size`` (or set ``drop_last``)."""
-    micro_batch_size: int = 16
+    micro_batch_size: int = bounded(16, most=_BATCH_ROWS)
     """Rows per forward/backward pass; must divide ``mini_batch_size``. Changes memory, not the
     gradient (exact accumulation)."""
-    generation_batch_size: int | None = None
+    generation_batch_size: int | None = bounded(None, most=_BATCH_ROWS)
     """Rows sampled per ``generate`` call, each chunk with its own seed; ``None`` samples the whole
     per-rank batch at once. Rollouts depend only on the seed and the chunk, so runs on different
     numbers of ranks sample the same responses when this divides ``rollout_batch_size``."""
-    scoring_batch_size: int | None = None
+    scoring_batch_size: int | None = bounded(None, ge=1, most=_BATCH_ROWS)
     """Rows per gradient-free forward pass in the rollout (old logprobs, values, reference
     logprobs); ``None`` uses ``micro_batch_size``. Larger is faster where memory allows; the
     numbers are the same."""
-    epochs: int = 4
+    epochs: int = bounded(4, gt=0, most=10_000)
     """Passes over each rollout batch."""
     drop_last: bool = False
     """Drop rows that do not fill a last mini-batch (with a warning) instead of failing."""
-    clip_eps: float = ObjectiveCoefficients.clip_eps
+    clip_eps: float = bounded(ObjectiveCoefficients.clip_eps, gt=0)
     """Policy ratio clip range, ``rho`` in ``[1 - clip_eps, 1 + clip_eps_high]``."""
-    clip_eps_high: float | None = ObjectiveCoefficients.clip_eps_high
+    clip_eps_high: float | None = bounded(ObjectiveCoefficients.clip_eps_high, gt=0)
     """Upper clip range; ``None`` uses ``clip_eps``."""
-    dual_clip: float | None = ObjectiveCoefficients.dual_clip
+    dual_clip: float | None = bounded(ObjectiveCoefficients.dual_clip, gt=1)
     """Dual-clip constant ``c > 1`` bounding the loss of negative advantages; ``None`` is off."""
-    clip_eps_value: float | None = ObjectiveCoefficients.clip_eps_value
+    clip_eps_value: float | None = bounded(ObjectiveCoefficients.clip_eps_value, gt=0)
     """Value clip range around the rollout values; ``None`` is off."""
-    vf_coef: float = ObjectiveCoefficients.vf_coef
+    vf_coef: float = bounded(ObjectiveCoefficients.vf_coef, ge=0)
     """Weight of the value loss."""
-    entropy_coef: float = ObjectiveCoefficients.entropy_coef
+    entropy_coef: float = bounded(ObjectiveCoefficients.entropy_coef, ge=0)
     """Weight of the entropy bonus."""
-    gamma: float = 1.0
+    gamma: float = bounded(1.0, ge=0, le=1)
     """Discount factor."""
-    lam: float = 0.95
+    lam: float = bounded(0.95, ge=0, le=1)
     """GAE lambda."""
     advantage_estimator: Choice[AdvantageEstimator] = "gae"
     """``gae`` (with a critic, ``model.critic`` shared or separate) or a critic-free one
@@ -226,7 +295,7 @@ class PPOConfig:
     ``dr_grpo`` (the same without the division by their standard deviation), ``rloo``
     (leave-one-out baseline), ``reinforce_pp`` (returns normalised over the batch); see
     docs/training.md, "Advantage estimators"."""
-    samples_per_prompt: int = 1
+    samples_per_prompt: int = bounded(1, most=_BATCH_ROWS)
     """Responses sampled for each drawn prompt, in consecutive rows that stay on one rank; must
     divide ``rollout_batch_size`` (which counts responses). ``grpo``, ``dr_grpo`` and ``rloo``
     compare the samples of a prompt, so they need at least 2."""
@@ -235,9 +304,9 @@ class PPOConfig:
     whiten_advantages: bool = True
     """Whiten GAE advantages once per rollout batch (``reinforce_pp`` always normalises over the
     batch, ``grpo`` within groups, ``rloo`` not at all, as their papers do)."""
-    target_kl: float | None = None
+    target_kl: float | None = bounded(None, gt=0)
     """Stop the remaining updates of an iteration when a mini-batch's approximate KL exceeds it."""
-    max_grad_norm: float | None = 1.0
+    max_grad_norm: float | None = bounded(1.0, gt=0)
     """Clip the global gradient norm; ``None`` is off."""
     missing_eos_penalty: float | None = None
     """Subtract this from the score of a response that did not end with EOS; ``None`` is off."""
@@ -252,14 +321,14 @@ class KLConfig:
     in_loss: bool = False
     """Add ``coef * KL`` to each token's loss, as GRPO does, instead of ``-coef * KL`` to its
     reward (the reward then is the score alone; ``k3`` is the usual estimator there)."""
-    coef: float = 0.1
+    coef: float = bounded(0.1, ge=0)
     """Initial (or fixed) coefficient ``beta``. 0.1 holds the tiny default near 2.5 nats per
     sequence; 0.05 lets it drift past 4 and 0.01 breaks grammar (docs/training.md)."""
     adaptive: bool = False
     """Adapt ``beta`` towards ``target`` (Ziegler et al. 2019)."""
-    target: float = 6.0
+    target: float = bounded(6.0, gt=0)
     """Target KL per sequence, in nats, for the adaptive controller."""
-    horizon: int = 10000
+    horizon: int = bounded(10000, gt=0, most=10**12)
     """Horizon of the adaptive controller, in samples."""
 
 
@@ -269,9 +338,9 @@ class OptimConfig:
 
     name: Choice[OptimizerName] = "adamw"
     """``adamw`` or ``sgd``."""
-    lr: float = 1.5e-4
+    lr: float = bounded(1.5e-4, gt=0)
     """Learning rate (the peak one when a schedule warms up or decays)."""
-    weight_decay: float = 0.0
+    weight_decay: float = bounded(0.0, ge=0)
     """Decoupled weight decay (AdamW) or L2 penalty (SGD)."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.95])
     """AdamW betas."""
@@ -281,7 +350,7 @@ class OptimConfig:
     """SGD momentum."""
     scheduler: Choice[SchedulerName] = "constant"
     """``constant`` or ``linear`` (decay to 0 over ``train.iterations``)."""
-    warmup_iterations: int = 0
+    warmup_iterations: int = bounded(0, ge=0, most=_ITERATIONS)
     """Iterations over which the learning rate rises linearly to ``lr``; 0 starts at ``lr``."""
 
 
@@ -290,13 +359,13 @@ class GenerationConfig:
     """Sampling for rollouts and evaluation. Set explicitly: a model's own generation config can
     silently add top-k 50, and the logprobs must describe the distribution that was sampled."""
 
-    max_new_tokens: int = 16
+    max_new_tokens: int = bounded(16, gt=0, most=_TOKENS)
     """Longest response, in tokens; a response that reaches it ends without EOS."""
-    temperature: float = 1.0
+    temperature: float = bounded(1.0, gt=0)
     """Sampling temperature; 1.0 samples the policy's own distribution."""
-    top_k: int = 0
+    top_k: int = bounded(0, ge=0, most=100_000_000)
     """0 disables top-k."""
-    top_p: float = 1.0
+    top_p: float = bounded(1.0, gt=0, le=1)
     """1.0 disables nucleus sampling."""
 
 
@@ -304,17 +373,17 @@ class GenerationConfig:
 class TrainConfig:
     """The training run."""
 
-    iterations: int = 80
+    iterations: int = bounded(80, gt=0, most=_ITERATIONS)
     """PPO iterations (rollout + update)."""
     output_dir: str = "models/candidate"
     """Where the final policy is saved (``save_pretrained`` layout plus the value head)."""
     checkpoint_dir: str = "checkpoints"
     """Where resumable checkpoints go."""
-    checkpoint_every: int = 20
+    checkpoint_every: int = bounded(20, gt=0, most=_ITERATIONS)
     """Write a checkpoint every N iterations (and always at the end)."""
-    keep_checkpoints: int = 2
+    keep_checkpoints: int = bounded(2, gt=0, most=10_000)
     """How many checkpoints to keep."""
-    keep_set_aside: int = 2
+    keep_set_aside: int = bounded(2, ge=0, most=10_000)
     """How many runs' checkpoints to keep in ``checkpoint_dir/stale-*`` after a config or data
     change made training start over (oldest removed first); 0 removes them at once."""
     resume: bool = True
@@ -351,16 +420,16 @@ class ParallelConfig:
 class EvalConfig:
     """Held-out evaluation."""
 
-    num_prompts: int = 64
+    num_prompts: int = bounded(64, gt=0, most=10_000_000)
     """Held-out prompts scored (the first ones of ``data.eval_file``)."""
-    samples_per_prompt: int = 2
+    samples_per_prompt: int = bounded(2, gt=0, most=10_000)
     """Responses sampled per prompt and model."""
-    seed: int = 1234
+    seed: int = bounded(1234, most=_SEED)
     """Sampling seed; candidate and baseline use the same one."""
     output_dir: str = "reports/eval"
     """Where ``ppo evaluate`` writes ``metrics.json``, ``models.json``, ``samples.json`` and
     ``report.md``."""
-    num_examples: int = 8
+    num_examples: int = bounded(8, ge=0, most=1_000_000)
     """Sample generations written beside the metrics."""
     baseline: str | None = None
     """Model folder to compare against; ``None`` uses the current production version when the
@@ -378,15 +447,15 @@ class PromoteConfig:
     min_improvement: float = 0.02
     """The candidate's held-out score must beat the baseline's (production, or the base model
     while there is no production yet) by at least this much."""
-    max_kl: float = 4.0
+    max_kl: float = bounded(4.0, gt=0)
     """Largest KL to the reference (nats per sequence) a promoted model may have."""
-    min_eos_rate: float = 0.85
+    min_eos_rate: float = bounded(0.85, ge=0, le=1)
     """Smallest share of responses that end with EOS."""
-    max_distinct_2_drop: float | None = 0.25
+    max_distinct_2_drop: float | None = bounded(0.25, ge=0)
     """Guard against a reward bought with repetition: the candidate's distinct-2 (distinct word
     bigrams over all bigrams of its held-out responses) may fall below the baseline's by at most
     this much; ``None`` is off."""
-    max_nll_increase: float | None = 1.0
+    max_nll_increase: float | None = bounded(1.0, ge=0)
     """Fluency guard: the reference model's negative log-likelihood of the candidate's responses
     (nats per response token, ``reference_nll``) may exceed the baseline's by at most this much;
     ``None`` is off. Text the reference finds unlikely (broken words, another language, token
@@ -395,7 +464,7 @@ class PromoteConfig:
     """Guard against a reward that is gamed: a second scorer, independent of the training reward
     (same forms as ``model.reward``; ``builtin:afinn`` is the AFINN-165 lexicon), that
     ``ppo evaluate`` also runs on both models' responses (``check_score``); ``None`` is off."""
-    max_check_drop: float = 0.1
+    max_check_drop: float = bounded(0.1, ge=0)
     """The candidate's ``check_score`` may fall below the baseline's by at most this much."""
     production_dir: str = "models/production"
     """Promoted versions live here as ``v0001/``, ``v0002/``, ... (never overwritten)."""
@@ -438,17 +507,17 @@ class FlowConfig:
     is not retried, and fails the run with an error naming the key; the retraining lock is
     released, and a stopped ``train`` resumes from its last checkpoint on the next run."""
 
-    prepare_timeout: float = 3600.0
+    prepare_timeout: float = bounded(3600.0, ge=0)
     """Seconds ``prepare`` may run (reading and splitting the raw prompt files)."""
-    base_timeout: float = 3600.0
+    base_timeout: float = bounded(3600.0, ge=0)
     """Seconds ``base`` may run (building the tiny model, or copying ``base.source``)."""
-    validate_timeout: float = 3600.0
+    validate_timeout: float = bounded(3600.0, ge=0)
     """Seconds ``validate`` may run (the data checks)."""
-    train_timeout: float = 172800.0
+    train_timeout: float = bounded(172800.0, ge=0)
     """Seconds ``train`` may run, each attempt (the flow retries a failed one twice)."""
-    evaluate_timeout: float = 21600.0
+    evaluate_timeout: float = bounded(21600.0, ge=0)
     """Seconds ``evaluate`` may run."""
-    promote_timeout: float = 3600.0
+    promote_timeout: float = bounded(3600.0, ge=0)
     """Seconds ``promote`` may run (copying the candidate into a production version)."""
     gpu_limit: str = "ppo-gpu"
     """Name of a Prefect global concurrency limit that ``train`` and ``evaluate`` each hold a
@@ -461,14 +530,14 @@ class FlowConfig:
 class Config:
     """The whole configuration."""
 
-    seed: int = 0
+    seed: int = bounded(0, most=_SEED)
     """Seed of the training run: value-head initialisation, prompt draws, sampling and
     mini-batch shuffles."""
     device: Choice[Device] = "auto"
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
     precision: Choice[Precision] = "fp32"
     """``fp32`` or ``bf16`` (autocast on CUDA)."""
-    threads: int = 1
+    threads: int = bounded(1, ge=0, most=4096)
     """CPU threads for torch; 0 keeps torch's default. Tiny models run as fast on 1 thread, and a
     process that shares its cores with another slows down many times over with more."""
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -486,3 +555,21 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
+
+
+@functools.cache
+def field_bounds() -> dict[str, Bounds]:
+    """Every bounded key (dotted) of :class:`Config` with its :class:`Bounds`, in schema order."""
+    found: dict[str, Bounds] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for item in fields(cls):
+            default = item.default_factory() if callable(item.default_factory) else item.default
+            if is_dataclass(default):
+                walk(type(default), f"{prefix}{item.name}.")
+            elif "bounds" in item.metadata:
+                nullable = "None" in str(item.type)  # `float | None`, as the annotation reads
+                found[f"{prefix}{item.name}"] = replace(item.metadata["bounds"], nullable=nullable)
+
+    walk(Config, "")
+    return found
