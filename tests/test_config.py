@@ -445,7 +445,7 @@ def test_every_integer_key_has_an_upper_bound_above_its_default():
 def test_every_range_declared_beside_a_field_is_enforced_at_its_edges():
     """Each field's bounds (``bounded(...)`` in schema.py) hold for its default, refuse a value
     just outside naming the key and the range, and take the edge itself when it is closed."""
-    from ppo_core.config.schema import field_bounds
+    from ppo_core.config.checks import field_bounds
 
     defaults = flatten(Config())
     ranged = {

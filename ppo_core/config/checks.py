@@ -4,16 +4,18 @@ critic, LoRA and the reference)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import re
 import zoneinfo
 from collections.abc import Iterable, Sequence
-from dataclasses import fields
+from dataclasses import fields, is_dataclass, replace
 from typing import Any, get_args
 
+from ppo_core.config.bounds import Bounds
 from ppo_core.config.keys import MAX_VALUE_CHARS, ConfigError, flatten, shown_value
-from ppo_core.config.schema import CHOICES, Config, ModelConfig, PPOConfig, field_bounds
+from ppo_core.config.schema import CHOICES, Config, ModelConfig, PPOConfig
 from ppo_core.math.choices import (
     check_batch_sizes,
     needs_critic,
@@ -44,6 +46,24 @@ def _check_bounds(flat: dict[str, Any]) -> None:
 def _positive(key: str, value: float | int) -> None:
     if value <= 0:
         raise ConfigError(f"{key} must be > 0, got {value}")
+
+
+@functools.cache
+def field_bounds() -> dict[str, Bounds]:
+    """Every bounded key (dotted) of :class:`Config` with its :class:`Bounds`, in schema order."""
+    found: dict[str, Bounds] = {}
+
+    def walk(cls: type, prefix: str) -> None:
+        for item in fields(cls):
+            default = item.default_factory() if callable(item.default_factory) else item.default
+            if is_dataclass(default):
+                walk(type(default), f"{prefix}{item.name}.")
+            elif "bounds" in item.metadata:
+                nullable = "None" in str(item.type)  # `float | None`, as the annotation reads
+                found[f"{prefix}{item.name}"] = replace(item.metadata["bounds"], nullable=nullable)
+
+    walk(Config, "")
+    return found
 
 
 # The slip guard of every integer key (``most`` in its field's bounds, ``schema.py``).

@@ -3,10 +3,17 @@ field documented by the string literal under it, and the named choices of string
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass, field, fields, is_dataclass, replace
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
 
+from ppo_core.config.bounds import (
+    MAX_BATCH_ROWS,
+    MAX_ITERATIONS,
+    MAX_ROWS,
+    MAX_SEED,
+    MAX_TOKENS,
+    bounded,
+)
 from ppo_core.math.choices import (
     DEFAULT_KL_ESTIMATOR,
     AdvantageEstimator,
@@ -39,73 +46,6 @@ else:
 
     Choice = _ChoiceOfStr()
 
-_V = TypeVar("_V")
-
-
-@dataclass(frozen=True)
-class Bounds:
-    """A numeric key's range, declared beside its field (:func:`bounded`) and checked by
-    ``validate_config``: ``low`` and ``high`` (each open or closed; None: no limit), and
-    ``most``, the largest count or size that is not a slip (a few zeros too many fail naming
-    the key instead of allocating for hours or running out of memory in the middle of a run).
-    A key that may be null is not checked when it is."""
-
-    low: float | None = None
-    low_open: bool = False
-    high: float | None = None
-    high_open: bool = False
-    most: int | None = None
-    nullable: bool = False
-    """Whether the key may be null (its type says so), which the error message mentions."""
-
-    def rule(self) -> str:
-        """The range in words: ``> 0``, ``>= 1``, ``in [0, 1]``, ``in (0, 1]``."""
-        if self.low is not None and self.high is not None:
-            return (
-                f"in {'(' if self.low_open else '['}{self.low:g}, {self.high:g}"
-                f"{')' if self.high_open else ']'}"
-            )
-        if self.low is not None:
-            return f"{'>' if self.low_open else '>='} {self.low:g}"
-        assert self.high is not None
-        return f"{'<' if self.high_open else '<='} {self.high:g}"
-
-    def holds(self, value: float) -> bool:
-        """Whether ``value`` lies within ``low`` and ``high`` (``most`` is checked apart)."""
-        if self.low is not None and (value < self.low or (self.low_open and value == self.low)):
-            return False
-        high = self.high
-        return high is None or not (value > high or (self.high_open and value == high))
-
-
-def bounded(
-    default: _V,
-    *,
-    gt: float | None = None,
-    ge: float | None = None,
-    lt: float | None = None,
-    le: float | None = None,
-    most: int | None = None,
-) -> _V:
-    """A dataclass field with ``default`` and its :class:`Bounds` (``gt``/``ge``: above,
-    ``lt``/``le``: below, ``most``: the slip guard of a count)."""
-    bounds = Bounds(
-        low=gt if gt is not None else ge,
-        low_open=gt is not None,
-        high=lt if lt is not None else le,
-        high_open=lt is not None,
-        most=most,
-    )
-    return field(default=default, metadata={"bounds": bounds})
-
-
-# The slip guards of counts and sizes: far above any real run. Seeds: torch takes 64-bit ones; a
-# larger integer (a flow run's `params`, a YAML file) would overflow in the middle of a run.
-_BATCH_ROWS = 1_000_000
-_ITERATIONS = 100_000_000
-_TOKENS = 1_000_000
-_ROWS = 1_000_000_000
-_SEED = 2**63 - 1
 
 # Every key whose value is one of a fixed set of strings, with the Literal that lists them.
 CHOICES: dict[str, Any] = {
@@ -194,7 +134,7 @@ class BaseConfig:
     model folder is copied as it is and needs ``fp32`` here)."""
     tiny_steps: int = bounded(400, gt=0, most=10_000_000)
     """Warm-start steps of the tiny default."""
-    tiny_seed: int = bounded(0, most=_SEED)
+    tiny_seed: int = bounded(0, most=MAX_SEED)
     """Seed of the tiny default's corpus, tokenizer and warm start."""
 
 
@@ -215,7 +155,7 @@ class DataConfig:
     eval_fraction: float = bounded(0.15, gt=0, lt=1)
     """Share of prompts held out for evaluation. The split hashes each prompt, so a prompt keeps
     its side when new raw data arrives."""
-    split_seed: int = bounded(0, most=_SEED)
+    split_seed: int = bounded(0, most=MAX_SEED)
     """Salt of the split hash."""
     train_file: str = "data/prepared/train.parquet"
     """Prompts the PPO loop samples from."""
@@ -223,7 +163,7 @@ class DataConfig:
     """Held-out prompts for ``ppo evaluate``."""
     prompt_field: str = "prompt"
     """Name of the field that holds the prompt in each raw record."""
-    max_rows_per_file: int = bounded(MAX_ROWS_PER_FILE, most=_ROWS)
+    max_rows_per_file: int = bounded(MAX_ROWS_PER_FILE, most=MAX_ROWS)
     """Most prompts one prompt file may hold (JSONL records, Parquet rows); a Parquet file is
     measured by its metadata before it is read, a JSONL file is read up to the first extra
     record. ``ppo prepare`` also refuses a split that would hold more."""
@@ -237,13 +177,13 @@ class DataConfig:
 class ValidationConfig:
     """Great Expectations checks run by ``ppo validate`` on the candidate data version."""
 
-    min_tokens: int = bounded(2, ge=0, most=_TOKENS)
+    min_tokens: int = bounded(2, ge=0, most=MAX_TOKENS)
     """Shortest allowed prompt, in tokens of the policy's tokenizer (BOS included)."""
-    max_tokens: int = bounded(32, gt=0, most=_TOKENS)
+    max_tokens: int = bounded(32, gt=0, most=MAX_TOKENS)
     """Longest allowed prompt; prompt plus ``generation.max_new_tokens`` must fit the model."""
-    min_train_rows: int = bounded(64, ge=0, most=_ROWS)
+    min_train_rows: int = bounded(64, ge=0, most=MAX_ROWS)
     """Smallest acceptable train split."""
-    min_eval_rows: int = bounded(16, ge=0, most=_ROWS)
+    min_eval_rows: int = bounded(16, ge=0, most=MAX_ROWS)
     """Smallest acceptable eval split."""
     report_dir: str = "reports/validation"
     """Where the Data Docs HTML and ``summary.json`` go (written on failure too)."""
@@ -253,19 +193,19 @@ class ValidationConfig:
 class PPOConfig:
     """The PPO update (Schulman et al. 2017) and its batching."""
 
-    rollout_batch_size: int = bounded(64, most=_BATCH_ROWS)
+    rollout_batch_size: int = bounded(64, most=MAX_BATCH_ROWS)
     """Responses sampled per iteration (per data-parallel rank): ``rollout_batch_size /
     samples_per_prompt`` drawn prompts, each sampled ``samples_per_prompt`` times."""
-    mini_batch_size: int = bounded(16, most=_BATCH_ROWS)
+    mini_batch_size: int = bounded(16, most=MAX_BATCH_ROWS)
     """Rows per optimizer step; must divide ``rollout_batch_size`` (or set ``drop_last``)."""
-    micro_batch_size: int = bounded(16, most=_BATCH_ROWS)
+    micro_batch_size: int = bounded(16, most=MAX_BATCH_ROWS)
     """Rows per forward/backward pass; must divide ``mini_batch_size``. Changes memory, not the
     gradient (exact accumulation)."""
-    generation_batch_size: int | None = bounded(None, most=_BATCH_ROWS)
+    generation_batch_size: int | None = bounded(None, most=MAX_BATCH_ROWS)
     """Rows sampled per ``generate`` call, each chunk with its own seed; ``None`` samples the whole
     per-rank batch at once. Rollouts depend only on the seed and the chunk, so runs on different
     numbers of ranks sample the same responses when this divides ``rollout_batch_size``."""
-    scoring_batch_size: int | None = bounded(None, ge=1, most=_BATCH_ROWS)
+    scoring_batch_size: int | None = bounded(None, ge=1, most=MAX_BATCH_ROWS)
     """Rows per gradient-free forward pass in the rollout (old logprobs, values, reference
     logprobs); ``None`` uses ``micro_batch_size``. Larger is faster where memory allows; the
     numbers are the same."""
@@ -295,7 +235,7 @@ class PPOConfig:
     ``dr_grpo`` (the same without the division by their standard deviation), ``rloo``
     (leave-one-out baseline), ``reinforce_pp`` (returns normalised over the batch); see
     docs/training.md, "Advantage estimators"."""
-    samples_per_prompt: int = bounded(1, most=_BATCH_ROWS)
+    samples_per_prompt: int = bounded(1, most=MAX_BATCH_ROWS)
     """Responses sampled for each drawn prompt, in consecutive rows that stay on one rank; must
     divide ``rollout_batch_size`` (which counts responses). ``grpo``, ``dr_grpo`` and ``rloo``
     compare the samples of a prompt, so they need at least 2."""
@@ -350,7 +290,7 @@ class OptimConfig:
     """SGD momentum."""
     scheduler: Choice[SchedulerName] = "constant"
     """``constant`` or ``linear`` (decay to 0 over ``train.iterations``)."""
-    warmup_iterations: int = bounded(0, ge=0, most=_ITERATIONS)
+    warmup_iterations: int = bounded(0, ge=0, most=MAX_ITERATIONS)
     """Iterations over which the learning rate rises linearly to ``lr``; 0 starts at ``lr``."""
 
 
@@ -359,7 +299,7 @@ class GenerationConfig:
     """Sampling for rollouts and evaluation. Set explicitly: a model's own generation config can
     silently add top-k 50, and the logprobs must describe the distribution that was sampled."""
 
-    max_new_tokens: int = bounded(16, gt=0, most=_TOKENS)
+    max_new_tokens: int = bounded(16, gt=0, most=MAX_TOKENS)
     """Longest response, in tokens; a response that reaches it ends without EOS."""
     temperature: float = bounded(1.0, gt=0)
     """Sampling temperature; 1.0 samples the policy's own distribution."""
@@ -373,13 +313,13 @@ class GenerationConfig:
 class TrainConfig:
     """The training run."""
 
-    iterations: int = bounded(80, gt=0, most=_ITERATIONS)
+    iterations: int = bounded(80, gt=0, most=MAX_ITERATIONS)
     """PPO iterations (rollout + update)."""
     output_dir: str = "models/candidate"
     """Where the final policy is saved (``save_pretrained`` layout plus the value head)."""
     checkpoint_dir: str = "checkpoints"
     """Where resumable checkpoints go."""
-    checkpoint_every: int = bounded(20, gt=0, most=_ITERATIONS)
+    checkpoint_every: int = bounded(20, gt=0, most=MAX_ITERATIONS)
     """Write a checkpoint every N iterations (and always at the end)."""
     keep_checkpoints: int = bounded(2, gt=0, most=10_000)
     """How many checkpoints to keep."""
@@ -424,7 +364,7 @@ class EvalConfig:
     """Held-out prompts scored (the first ones of ``data.eval_file``)."""
     samples_per_prompt: int = bounded(2, gt=0, most=10_000)
     """Responses sampled per prompt and model."""
-    seed: int = bounded(1234, most=_SEED)
+    seed: int = bounded(1234, most=MAX_SEED)
     """Sampling seed; candidate and baseline use the same one."""
     output_dir: str = "reports/eval"
     """Where ``ppo evaluate`` writes ``metrics.json``, ``models.json``, ``samples.json`` and
@@ -530,7 +470,7 @@ class FlowConfig:
 class Config:
     """The whole configuration."""
 
-    seed: int = bounded(0, most=_SEED)
+    seed: int = bounded(0, most=MAX_SEED)
     """Seed of the training run: value-head initialisation, prompt draws, sampling and
     mini-batch shuffles."""
     device: Choice[Device] = "auto"
@@ -555,21 +495,3 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
-
-
-@functools.cache
-def field_bounds() -> dict[str, Bounds]:
-    """Every bounded key (dotted) of :class:`Config` with its :class:`Bounds`, in schema order."""
-    found: dict[str, Bounds] = {}
-
-    def walk(cls: type, prefix: str) -> None:
-        for item in fields(cls):
-            default = item.default_factory() if callable(item.default_factory) else item.default
-            if is_dataclass(default):
-                walk(type(default), f"{prefix}{item.name}.")
-            elif "bounds" in item.metadata:
-                nullable = "None" in str(item.type)  # `float | None`, as the annotation reads
-                found[f"{prefix}{item.name}"] = replace(item.metadata["bounds"], nullable=nullable)
-
-    walk(Config, "")
-    return found
