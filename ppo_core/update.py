@@ -7,6 +7,7 @@ objective is :class:`~ppo_core.math.objective.PPOObjective`, the one the tests p
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import fields
 
@@ -81,33 +82,13 @@ def ppo_update(
     runtime = runtime or Runtime()
     objective = objective or objective_from(ppo)
     world_size = runtime.parallel.world_size
-
-    def loss_fn(micro: RolloutBatch) -> tuple[LossParts, dict[str, RunningMean]]:
-        with runtime.autocast():
-            out = score_sequences(
-                model,
-                micro.prompt_ids,
-                micro.prompt_mask,
-                micro.response_ids,
-                micro.response_mask,
-                temperature=temperature,
-                with_values=micro.old_values is not None,
-                with_entropy=True,
-                entropy_grad=objective.entropy_coef > 0,
-            )
-        parts, stats = objective(
-            out.logprobs,
-            out.values,
-            out.entropy,
-            micro.old_logprobs,
-            micro.old_values,
-            micro.advantages,
-            micro.returns,
-            micro.response_mask,
-            ref_logprobs=micro.ref_logprobs,
-        )
-        return parts, {f"ppo/{name}": value for name, value in stats.items()}
-
+    loss_fn = functools.partial(
+        _micro_batch_loss,
+        model=model,
+        objective=objective,
+        temperature=temperature,
+        runtime=runtime,
+    )
     # Named once: a non-finite gradient is reported by the parameter's name.
     parameter_names = {id(p): name for name, p in model.named_parameters()}
     totals: dict[str, RunningMean] = {}
@@ -121,17 +102,7 @@ def ppo_update(
             drop_last=ppo.drop_last,
         ):
             mini_batch = _rows_of_this_rank(batch, indices, runtime.parallel.rank)
-            micro_batches = [
-                mini_batch.rows(rows).trimmed()
-                for rows in micro_batch_slices(len(mini_batch), ppo.micro_batch_size)
-            ]
-            # Every rank runs as many micro-batches as the rank holding the most rows: a sharded
-            # model (FSDP) gathers parameters for each forward pass and reduces gradients after
-            # each backward pass, collectives every rank must join. The extra ones are all-masked
-            # and add exactly zero.
-            most = int(torch.bincount(indices // len(batch), minlength=world_size).max())
-            while len(micro_batches) < -(-most // ppo.micro_batch_size):
-                micro_batches.append(_all_masked(micro_batches[0]))
+            micro_batches = _micro_batches(mini_batch, indices, len(batch), world_size, ppo)
             stats = _optimizer_step(
                 model,
                 optimizer,
@@ -155,6 +126,66 @@ def ppo_update(
     metrics["ppo/optimizer_steps"] = float(steps)
     metrics["ppo/early_stopped"] = float(early_stopped)
     return metrics
+
+
+def _micro_batch_loss(
+    micro: RolloutBatch,
+    *,
+    model: torch.nn.Module,
+    objective: PPOObjective,
+    temperature: float,
+    runtime: Runtime,
+) -> tuple[LossParts, dict[str, RunningMean]]:
+    """The objective's loss parts and ``ppo/*`` statistics on one micro-batch, scored by
+    ``model`` under autocast."""
+    with runtime.autocast():
+        out = score_sequences(
+            model,
+            micro.prompt_ids,
+            micro.prompt_mask,
+            micro.response_ids,
+            micro.response_mask,
+            temperature=temperature,
+            with_values=micro.old_values is not None,
+            with_entropy=True,
+            entropy_grad=objective.entropy_coef > 0,
+        )
+    parts, stats = objective(
+        out.logprobs,
+        out.values,
+        out.entropy,
+        micro.old_logprobs,
+        micro.old_values,
+        micro.advantages,
+        micro.returns,
+        micro.response_mask,
+        ref_logprobs=micro.ref_logprobs,
+    )
+    return parts, {f"ppo/{name}": value for name, value in stats.items()}
+
+
+def _micro_batches(
+    mini_batch: RolloutBatch,
+    indices: torch.Tensor,
+    rows_per_rank: int,
+    world_size: int,
+    ppo: PPOConfig,
+) -> list[RolloutBatch]:
+    """This rank's rows of a global mini-batch (``indices``) in micro-batches of
+    ``ppo.micro_batch_size``, each trimmed to its longest response, plus all-masked ones up to
+    the count of the rank holding the most rows.
+
+    Every rank runs as many micro-batches as that rank: a sharded model (FSDP) gathers
+    parameters for each forward pass and reduces gradients after each backward pass,
+    collectives every rank must join. The extra ones add exactly zero."""
+    micro_batches = [
+        mini_batch.rows(rows).trimmed()
+        for rows in micro_batch_slices(len(mini_batch), ppo.micro_batch_size)
+    ]
+    most = int(torch.bincount(indices // rows_per_rank, minlength=world_size).max())
+    while len(micro_batches) < -(-most // ppo.micro_batch_size):
+        micro_batches.append(_all_masked(micro_batches[0]))
+    return micro_batches
 
 
 def _optimizer_step(
