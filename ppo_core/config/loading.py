@@ -11,8 +11,9 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, grammar_parser
 from omegaconf.errors import OmegaConfBaseException
+from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
 
 from ppo_core.config.checks import validate_config
 from ppo_core.config.keys import MAX_VALUE_CHARS, SHOWN_CHARS, ConfigError, flatten, shown_value
@@ -148,26 +149,47 @@ def _check_references(merged: DictConfig | ListConfig) -> None:
     so that references repeating a key (a string that doubles at every key) fail at once.
     Raises :class:`ConfigError` naming the key, with OmegaConf's words where it has them.
     """
-    from omegaconf import grammar_parser
-    from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
+    check = _References(OmegaConf.to_container(merged, resolve=False))
+    for path, value in _leaves(check.tree, ()):
+        if isinstance(value, str) and "${" in value:
+            check.measure(path)
 
-    tree: Any = OmegaConf.to_container(merged, resolve=False)
-    lengths: dict[tuple[Any, ...], int] = {}
-    measuring: list[tuple[Any, ...]] = []  # the values being measured, outermost first
 
+def _leaves(node: Any, path: tuple[Any, ...]) -> Iterable[tuple[tuple[Any, ...], Any]]:
+    """Each value of a plain tree of dicts and lists with its path."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            yield from _leaves(value, (*path, key))
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _leaves(value, (*path, index))
+    else:
+        yield path, node
+
+
+class _References:
+    """The references of one unresolved config tree, followed and measured (characters once
+    resolved) without resolving anything; :meth:`fail` names the key that holds one."""
+
+    def __init__(self, tree: Any):
+        self.tree = tree
+        self.lengths: dict[tuple[Any, ...], int] = {}
+        self.measuring: list[tuple[Any, ...]] = []  # the values being measured, outermost first
+
+    @staticmethod
     def fail(path: tuple[Any, ...], reason: str) -> NoReturn:
         key = ".".join(map(str, path))
         raise ConfigError(
             f"config key {shown_value(key)}: cannot resolve an ${{...}} reference: {reason}"
         )
 
-    def value_at(path: tuple[Any, ...]) -> Any:
-        node = tree
+    def value_at(self, path: tuple[Any, ...]) -> Any:
+        node = self.tree
         for part in path:
             node = node[part]
         return node
 
-    def target(path: tuple[Any, ...], reference: Any) -> tuple[Any, ...]:
+    def target(self, path: tuple[Any, ...], reference: Any) -> tuple[Any, ...]:
         """Where an interpolation node (``${a.b}``, ``${..c}``, ``${a[0]}``) held at ``path``
         points: leading dots count up from the folder holding it."""
         dots, parts = 0, []
@@ -177,79 +199,73 @@ def _check_references(merged: DictConfig | ListConfig) -> None:
             elif child.getText() == "." and not parts:
                 dots += 1
         where: tuple[Any, ...] = path[: len(path) - dots] if dots else ()
-        node = value_at(where) if dots <= len(path) else None
+        node = self.value_at(where) if dots <= len(path) else None
         for part in parts:
             if isinstance(node, dict) and part in node:
                 step: Any = part
             elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
                 step = int(part)
             elif isinstance(node, str) and "${" in node:
-                fail(path, f"{reference.getText()} goes through another reference; name the key")
+                self.fail(
+                    path, f"{reference.getText()} goes through another reference; name the key"
+                )
             else:
-                fail(path, f"Interpolation key {shown_value('.'.join(parts))} not found")
+                self.fail(path, f"Interpolation key {shown_value('.'.join(parts))} not found")
             where, node = (*where, step), node[step]
         return where
 
-    def measure(path: tuple[Any, ...]) -> int:
+    def measure(self, path: tuple[Any, ...]) -> int:
         """Characters of the value at ``path`` once resolved (a section or list as it prints)."""
-        if path in lengths:
-            return lengths[path]
-        if path in measuring:
-            fail(measuring[0], "Recursive interpolation detected")
-        measuring.append(path)
-        value = value_at(path)
+        if path in self.lengths:
+            return self.lengths[path]
+        if path in self.measuring:
+            self.fail(self.measuring[0], "Recursive interpolation detected")
+        self.measuring.append(path)
+        value = self.value_at(path)
         if isinstance(value, dict):
-            total = 2 + sum(len(repr(key)) + 4 + measure((*path, key)) for key in value)
+            total = 2 + sum(len(repr(key)) + 4 + self.measure((*path, key)) for key in value)
         elif isinstance(value, list):
-            total = 2 + sum(2 + measure((*path, index)) for index in range(len(value)))
+            total = 2 + sum(2 + self.measure((*path, index)) for index in range(len(value)))
         elif isinstance(value, str) and "${" in value:
-            try:
-                parsed = grammar_parser.parse(value)
-            except OmegaConfBaseException as exc:
-                fail(path, _shorten_quoted(first_line(exc)))
-            nodes = list(_parse_nodes(parsed))
-            for node in nodes:
-                if isinstance(node, Grammar.InterpolationResolverContext):
-                    fail(
-                        path,
-                        f"the resolver {shown_value(node.resolverName().getText())} is not allowed: a "
-                        "config may only refer to its own keys (${key}), as resolved values are "
-                        "saved with the run and shown in messages",
-                    )
-            for node in nodes:
-                if isinstance(node, Grammar.ConfigKeyContext) and node.interpolation():
-                    fail(path, "a key built from another reference (${a.${b}}) is not allowed")
-            total = 0
-            for piece in parsed.text().getChildren():
-                if isinstance(piece, Grammar.InterpolationContext):
-                    total += measure(target(path, piece.interpolationNode()))
-                else:  # text; an escape (\${) counts its backslash, an upper bound
-                    total += len(piece.getText())
-            if total > MAX_VALUE_CHARS:
-                fail(
-                    path,
-                    f"it would give a string of {total} characters, over the limit of "
-                    f"{MAX_VALUE_CHARS}",
-                )
+            total = self._measure_references(path, value)
         else:
             total = len(str(value))
-        measuring.pop()
-        lengths[path] = total
+        self.measuring.pop()
+        self.lengths[path] = total
         return total
 
-    def leaves(node: Any, path: tuple[Any, ...]) -> Iterable[tuple[tuple[Any, ...], Any]]:
-        if isinstance(node, dict):
-            for key, value in node.items():
-                yield from leaves(value, (*path, key))
-        elif isinstance(node, list):
-            for index, value in enumerate(node):
-                yield from leaves(value, (*path, index))
-        else:
-            yield path, node
-
-    for path, value in leaves(tree, ()):
-        if isinstance(value, str) and "${" in value:
-            measure(path)
+    def _measure_references(self, path: tuple[Any, ...], value: str) -> int:
+        """:meth:`measure` of a string holding references: each one checked (a key of this
+        config, no resolver, no nested reference) and its target measured."""
+        try:
+            parsed = grammar_parser.parse(value)
+        except OmegaConfBaseException as exc:
+            self.fail(path, _shorten_quoted(first_line(exc)))
+        nodes = list(_parse_nodes(parsed))
+        for node in nodes:
+            if isinstance(node, Grammar.InterpolationResolverContext):
+                self.fail(
+                    path,
+                    f"the resolver {shown_value(node.resolverName().getText())} is not allowed: a "
+                    "config may only refer to its own keys (${key}), as resolved values are "
+                    "saved with the run and shown in messages",
+                )
+        for node in nodes:
+            if isinstance(node, Grammar.ConfigKeyContext) and node.interpolation():
+                self.fail(path, "a key built from another reference (${a.${b}}) is not allowed")
+        total = 0
+        for piece in parsed.text().getChildren():
+            if isinstance(piece, Grammar.InterpolationContext):
+                total += self.measure(self.target(path, piece.interpolationNode()))
+            else:  # text; an escape (\${) counts its backslash, an upper bound
+                total += len(piece.getText())
+        if total > MAX_VALUE_CHARS:
+            self.fail(
+                path,
+                f"it would give a string of {total} characters, over the limit of "
+                f"{MAX_VALUE_CHARS}",
+            )
+        return total
 
 
 def _parse_nodes(node: Any) -> Iterable[Any]:
