@@ -19,11 +19,14 @@ Heavy imports (transformers, tokenizers) live in this module only; it is importe
 
 from __future__ import annotations
 
+import functools
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 
 from ppo_core.files import atomic_folder
 from ppo_core.modeling.review_grammar import generate_review_corpus
@@ -173,91 +176,123 @@ def build_tiny_default(
     process on a busy machine (tests or flows running beside it) slowed the build tenfold in
     measurement. The previous torch thread count is restored afterwards.
     """
-    from transformers import GPT2LMHeadModel
-
     output_dir = Path(output_dir).resolve()
     if output_dir.exists() and not overwrite:
         raise FileExistsError(f"{output_dir} exists; pass overwrite=True or remove it first.")
-
-    def write(tmp_dir: Path) -> None:
-        torch.manual_seed(seed)
-        texts = generate_review_corpus(n_sentences, seed)
-        tokenizer = train_tokenizer(texts, vocab_size=vocab_size, model_max_length=n_positions)
-        ids, mask, labels = _encode_corpus(tokenizer, texts, n_positions)
-
-        config = tiny_gpt2_config(len(tokenizer), n_layer, n_embd, n_head, n_positions)
-        model = GPT2LMHeadModel(config)
-        # transformers finds no loss for the class name GPT2LMHeadModel and logs that it falls
-        # back to the causal-LM loss; naming that loss says the same without the warning
-        model.loss_type = "ForCausalLM"
-        model.train()  # dropout is 0.0, so train and eval modes compute the same function
-        optimizer = torch.optim.AdamW(
-            model.parameters(), lr=lr, weight_decay=0.01, betas=(0.9, 0.98)
-        )
-
-        def lr_factor(step: int) -> float:
-            if step < warmup_steps:
-                return (step + 1) / warmup_steps
-            progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-            return 0.1 + 0.9 * 0.5 * (1.0 + torch.cos(torch.tensor(torch.pi * progress)).item())
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
-        data_gen = torch.Generator().manual_seed(seed)
-        order = torch.randperm(len(texts), generator=data_gen)
-        cursor, losses = 0, []
-        for _ in range(steps):
-            if cursor + batch_size > len(order):
-                order, cursor = torch.randperm(len(texts), generator=data_gen), 0
-            idx = order[cursor : cursor + batch_size]
-            cursor += batch_size
-            width = int(mask[idx].sum(dim=1).max())  # trim the batch to its longest row
-            out = model(
-                input_ids=ids[idx, :width],
-                attention_mask=mask[idx, :width],
-                labels=labels[idx, :width],
-            )
-            optimizer.zero_grad(set_to_none=True)
-            out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            losses.append(out.loss.item())
-        model.eval()
-
-        _write_generation_config(model, tokenizer)
-        model.save_pretrained(tmp_dir, safe_serialization=True)
-        tokenizer.save_pretrained(tmp_dir)
-        tail = losses[-20:] or [float("nan")]
-        record = {
-            "seed": seed,
-            "n_sentences": n_sentences,
-            "steps": steps,
-            "batch_size": batch_size,
-            "lr": lr,
-            "vocab_size": len(tokenizer),
-            "n_layer": n_layer,
-            "n_embd": n_embd,
-            "n_head": n_head,
-            "n_positions": n_positions,
-            "n_params": sum(p.numel() for p in model.parameters()),
-            "max_train_tokens": int(mask.sum(dim=1).max()),
-            "token_ids": {
-                "pad": tokenizer.pad_token_id,
-                "bos": tokenizer.bos_token_id,
-                "eos": tokenizer.eos_token_id,
-                "unk": tokenizer.unk_token_id,
-            },
-            "format": "bos + review + eos; tokenizer prepends bos, pads left",
-            "initial_loss": sum(losses[:5]) / len(losses[:5]) if losses else float("nan"),
-            "final_loss": sum(tail) / len(tail),
-            # no build time: the folder is a DVC output, the same bytes for the same inputs
-            "num_threads": torch.get_num_threads(),
-        }
-        (tmp_dir / "tiny_default.json").write_text(json.dumps(record, indent=2) + "\n")
-
+    settings = _TinySettings(
+        seed, n_sentences, steps, batch_size, lr, warmup_steps, vocab_size, n_layer, n_embd,
+        n_head, n_positions,
+    )  # fmt: skip
     previous_threads = torch.get_num_threads()
     torch.set_num_threads(num_threads or 1)
     try:
-        return atomic_folder(output_dir, write)
+        return atomic_folder(output_dir, functools.partial(_build_into, settings=settings))
     finally:
         torch.set_num_threads(previous_threads)
+
+
+@dataclass(frozen=True)
+class _TinySettings:
+    """The arguments of :func:`build_tiny_default` that shape the model and its warm start."""
+
+    seed: int
+    n_sentences: int
+    steps: int
+    batch_size: int
+    lr: float
+    warmup_steps: int
+    vocab_size: int
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_positions: int
+
+
+def _build_into(tmp_dir: Path, settings: _TinySettings) -> None:
+    """Corpus, tokenizer, model, warm start, then every file of the folder into ``tmp_dir``."""
+    from transformers import GPT2LMHeadModel
+
+    s = settings
+    torch.manual_seed(s.seed)
+    texts = generate_review_corpus(s.n_sentences, s.seed)
+    tokenizer = train_tokenizer(texts, vocab_size=s.vocab_size, model_max_length=s.n_positions)
+    ids, mask, labels = _encode_corpus(tokenizer, texts, s.n_positions)
+
+    config = tiny_gpt2_config(len(tokenizer), s.n_layer, s.n_embd, s.n_head, s.n_positions)
+    model = GPT2LMHeadModel(config)
+    # transformers finds no loss for the class name GPT2LMHeadModel and logs that it falls
+    # back to the causal-LM loss; naming that loss says the same without the warning
+    model.loss_type = "ForCausalLM"
+    losses = _warm_start(model, ids, mask, labels, s)
+
+    _write_generation_config(model, tokenizer)
+    model.save_pretrained(tmp_dir, safe_serialization=True)
+    tokenizer.save_pretrained(tmp_dir)
+    tail = losses[-20:] or [float("nan")]
+    record = {
+        "seed": s.seed,
+        "n_sentences": s.n_sentences,
+        "steps": s.steps,
+        "batch_size": s.batch_size,
+        "lr": s.lr,
+        "vocab_size": len(tokenizer),
+        "n_layer": s.n_layer,
+        "n_embd": s.n_embd,
+        "n_head": s.n_head,
+        "n_positions": s.n_positions,
+        "n_params": sum(p.numel() for p in model.parameters()),
+        "max_train_tokens": int(mask.sum(dim=1).max()),
+        "token_ids": {
+            "pad": tokenizer.pad_token_id,
+            "bos": tokenizer.bos_token_id,
+            "eos": tokenizer.eos_token_id,
+            "unk": tokenizer.unk_token_id,
+        },
+        "format": "bos + review + eos; tokenizer prepends bos, pads left",
+        "initial_loss": sum(losses[:5]) / len(losses[:5]) if losses else float("nan"),
+        "final_loss": sum(tail) / len(tail),
+        # no build time: the folder is a DVC output, the same bytes for the same inputs
+        "num_threads": torch.get_num_threads(),
+    }
+    (tmp_dir / "tiny_default.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def _warm_start(
+    model: torch.nn.Module, ids: Tensor, mask: Tensor, labels: Tensor, s: _TinySettings
+) -> list[float]:
+    """Causal-LM training on the encoded corpus: AdamW, linear warm-up then cosine decay to 10%,
+    batches drawn without replacement from seeded shuffles, each trimmed to its longest row.
+    Leaves ``model`` in eval mode; returns each step's loss."""
+    model.train()  # dropout is 0.0, so train and eval modes compute the same function
+    optimizer = torch.optim.AdamW(model.parameters(), lr=s.lr, weight_decay=0.01, betas=(0.9, 0.98))
+
+    def lr_factor(step: int) -> float:
+        if step < s.warmup_steps:
+            return (step + 1) / s.warmup_steps
+        progress = (step - s.warmup_steps) / max(1, s.steps - s.warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + torch.cos(torch.tensor(torch.pi * progress)).item())
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    data_gen = torch.Generator().manual_seed(s.seed)
+    rows = len(ids)
+    order = torch.randperm(rows, generator=data_gen)
+    cursor, losses = 0, []
+    for _ in range(s.steps):
+        if cursor + s.batch_size > len(order):
+            order, cursor = torch.randperm(rows, generator=data_gen), 0
+        idx = order[cursor : cursor + s.batch_size]
+        cursor += s.batch_size
+        width = int(mask[idx].sum(dim=1).max())  # trim the batch to its longest row
+        out = model(
+            input_ids=ids[idx, :width],
+            attention_mask=mask[idx, :width],
+            labels=labels[idx, :width],
+        )
+        optimizer.zero_grad(set_to_none=True)
+        out.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        losses.append(out.loss.item())
+    model.eval()
+    return losses
