@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flows.validation_results import read_result, token_stats
 from ppo_core.files import atomic_write_text, clear_output_folder
 
 if TYPE_CHECKING:
@@ -33,8 +34,6 @@ if TYPE_CHECKING:
 
 SPLITS = ("train", "eval")
 DOCS_SITE = "prompt_validation"
-EXAMPLE_CHARS = 80
-MAX_EXAMPLES = 3
 
 
 @dataclass
@@ -115,19 +114,9 @@ def validate_prompt_splits(
     if min_tokens > max_tokens:
         raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
     report_dir = Path(report_dir).resolve()
-    report_dir.mkdir(parents=True, exist_ok=True)
     docs_dir = report_dir / "data_docs"
-    # A rebuilt site would otherwise keep the pages of earlier runs beside this one's; a link at
-    # its place (or inside it) is removed, never followed, so the site is written here.
-    clear_output_folder(docs_dir)
-
-    gx = _import_gx()
-    from great_expectations.core.run_identifier import RunIdentifier
-
-    context = _ephemeral_context(gx, docs_dir)
+    gx, context, run_id = _fresh_context(docs_dir)
     source = context.data_sources.add_pandas("prompts")
-    run_id = RunIdentifier(run_name="prompt_validation")  # one run: both splits, one time stamp
-
     frames = {"train": train, "eval": eval}
     min_rows = {"train": min_train_rows, "eval": min_eval_rows}
     train_prompts = _string_values(train[prompt_field]) if prompt_field in train.columns else []
@@ -145,39 +134,28 @@ def validate_prompt_splits(
             min_rows[split],
             leak_set=[html.escape(p) for p in train_prompts] if split == "eval" else None,
         )
-        suite = context.suites.add(gx.ExpectationSuite(name=f"prompts_{split}"))
-        for expectation in expectations:
-            suite.add_expectation(expectation)
-        batch = source.add_dataframe_asset(split).add_batch_definition_whole_dataframe(split)
-        definition = context.validation_definitions.add(
-            gx.ValidationDefinition(name=f"prompts_{split}", data=batch, suite=suite)
-        )
-        checkpoint = context.checkpoints.add(
-            gx.Checkpoint(
-                name=f"prompts_{split}",
-                validation_definitions=[definition],
-                actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=[DOCS_SITE])],
-                result_format={"result_format": "SUMMARY"},
-            )
-        )
+        checkpoint = _checkpoint(gx, context, source, split, expectations)
         # Data Docs show the values that fail (and the leak set) as HTML: GE gets each prompt
         # HTML-escaped, which changes no outcome (escaping is one-to-one, lengths are counted
         # from the text itself); the summary's examples are read from the prompts as they are.
         shown = _escaped(frame, prompt_field)
         run = checkpoint.run(batch_parameters={"dataframe": shown}, run_id=run_id)
         (suite_result,) = run.run_results.values()
-        checks = []
-        for outcome in suite_result.results:
-            check = _read_result(outcome.to_json_dict(), split, frame, prompt_field, tokens_column)
-            checks.append(check)
-            if not check["success"]:
-                failures.append(FailedExpectation(**{k: check[k] for k in _FAILURE_FIELDS}))
+        checks = [
+            read_result(outcome.to_json_dict(), split, frame, prompt_field, tokens_column)
+            for outcome in suite_result.results
+        ]
+        failures += [
+            FailedExpectation(**{k: check[k] for k in _FAILURE_FIELDS})
+            for check in checks
+            if not check["success"]
+        ]
         evaluated += len(checks)
         split_reports[split] = {
             "rows": len(frame),
             "columns": [str(c) for c in frames[split].columns],
             "success": all(check["success"] for check in checks),
-            "n_tokens": _token_stats(frame[tokens_column]),
+            "n_tokens": token_stats(frame[tokens_column]),
             "expectations": checks,
         }
 
@@ -192,24 +170,68 @@ def validate_prompt_splits(
         summary_path=report_dir / "summary.json",
         splits={split: report["rows"] for split, report in split_reports.items()},
     )
+    settings = {
+        "prompt_field": prompt_field,
+        "min_tokens": min_tokens,
+        "max_tokens": max_tokens,
+        "min_train_rows": min_train_rows,
+        "min_eval_rows": min_eval_rows,
+    }
+    _write_summary(result, settings, split_reports, gx.__version__)
+    return result
+
+
+def _write_summary(
+    result: ValidationResult,
+    settings: dict[str, Any],
+    split_reports: dict[str, dict[str, Any]],
+    gx_version: str,
+) -> None:
+    """``summary.json``: the outcome, the settings, each split's report and every failure."""
     summary = {
         "success": result.success,
-        "evaluated": evaluated,
-        "failed": len(failures),
-        "settings": {
-            "prompt_field": prompt_field,
-            "min_tokens": min_tokens,
-            "max_tokens": max_tokens,
-            "min_train_rows": min_train_rows,
-            "min_eval_rows": min_eval_rows,
-        },
+        "evaluated": result.evaluated,
+        "failed": len(result.failures),
+        "settings": settings,
         "splits": split_reports,
-        "failures": [asdict(failure) for failure in failures],
-        "docs_index": _recorded_path(docs_index, report_dir),
-        "great_expectations_version": gx.__version__,
+        "failures": [asdict(failure) for failure in result.failures],
+        "docs_index": _recorded_path(result.docs_index, result.summary_path.parent),
+        "great_expectations_version": gx_version,
     }
     atomic_write_text(result.summary_path, json.dumps(summary, indent=2, default=str) + "\n")
-    return result
+
+
+def _fresh_context(docs_dir: Path) -> tuple[Any, Any, Any]:
+    """Great Expectations, an ephemeral context whose Data Docs site is ``docs_dir``, and the
+    run identifier of this validation (one run: both splits, one time stamp). The site is
+    emptied first: a rebuilt one would otherwise keep the pages of earlier runs beside this
+    one's; a link at its place (or inside it) is removed, never followed."""
+    docs_dir.parent.mkdir(parents=True, exist_ok=True)
+    clear_output_folder(docs_dir)
+    gx = _import_gx()
+    from great_expectations.core.run_identifier import RunIdentifier
+
+    return gx, _ephemeral_context(gx, docs_dir), RunIdentifier(run_name="prompt_validation")
+
+
+def _checkpoint(gx: Any, context: Any, source: Any, split: str, expectations: list[Any]) -> Any:
+    """A GE checkpoint that validates the dataframe of ``split`` against ``expectations`` and
+    updates the Data Docs, with its suite, batch definition and validation definition."""
+    suite = context.suites.add(gx.ExpectationSuite(name=f"prompts_{split}"))
+    for expectation in expectations:
+        suite.add_expectation(expectation)
+    batch = source.add_dataframe_asset(split).add_batch_definition_whole_dataframe(split)
+    definition = context.validation_definitions.add(
+        gx.ValidationDefinition(name=f"prompts_{split}", data=batch, suite=suite)
+    )
+    return context.checkpoints.add(
+        gx.Checkpoint(
+            name=f"prompts_{split}",
+            validation_definitions=[definition],
+            actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=[DOCS_SITE])],
+            result_format={"result_format": "SUMMARY"},
+        )
+    )
 
 
 _FAILURE_FIELDS = ("expectation", "split", "column", "unexpected_count", "examples", "details")
@@ -352,131 +374,3 @@ def _expectations(
             )
         )
     return suite
-
-
-def _read_result(
-    result: dict[str, Any],
-    split: str,
-    frame: pd.DataFrame,
-    prompt_field: str,
-    tokens_column: str,
-) -> dict[str, Any]:
-    """One expectation's GE result (its JSON form) as a flat record for the summary."""
-    config = result["expectation_config"]
-    kind = config["type"]
-    kwargs = config["kwargs"]
-    column = kwargs.get("column")
-    details = result.get("result") or {}
-    unexpected = int(details.get("unexpected_count") or 0)
-    error = _exception_message(result.get("exception_info") or {})
-    examples: list[Any]
-    if error is not None:
-        text, examples = f"could not be evaluated: {error}", []
-    elif kind == "expect_table_columns_to_match_set":
-        text, examples = _columns_details(details, kwargs["column_set"])
-    elif kind == "expect_table_row_count_to_be_between":
-        text = f"observed {details.get('observed_value')} rows, expected at least {kwargs['min_value']}"
-        examples = []
-    else:
-        text = _column_details(kind, details, kwargs, tokens_column)
-        examples = _examples(details, frame, prompt_field, tokens_column, column)
-    return {
-        "expectation": kind,
-        "split": split,
-        "column": column,
-        "success": bool(result["success"]),
-        "unexpected_count": unexpected,
-        "examples": [] if result["success"] else examples,
-        "details": text,
-    }
-
-
-def _exception_message(info: dict[str, Any]) -> str | None:
-    """The first line of the error GE caught while evaluating an expectation, if any."""
-    # Either {"raised_exception": ..., "exception_message": ...} or, when a metric failed,
-    # {<metric id>: {"exception_message": ...}}.
-    if "raised_exception" in info:
-        entries = [info] if info["raised_exception"] else []
-    else:
-        entries = [entry for entry in info.values() if isinstance(entry, dict)]
-    for entry in entries:
-        message = str(entry.get("exception_message") or "").strip()
-        return message.splitlines()[0] if message else "unknown error"
-    return None
-
-
-def _columns_details(details: dict[str, Any], expected: list[str]) -> tuple[str, list[str]]:
-    observed = details.get("observed_value")
-    mismatch = (details.get("details") or {}).get("mismatched") or {}
-    examples = [f"unexpected column {name!r}" for name in mismatch.get("unexpected", [])]
-    examples += [f"missing column {name!r}" for name in mismatch.get("missing", [])]
-    return f"observed columns {observed}, expected exactly {sorted(expected)}", examples[
-        :MAX_EXAMPLES
-    ]
-
-
-def _column_details(kind: str, details: dict[str, Any], kwargs: dict[str, Any], tokens: str) -> str:
-    count = int(details.get("unexpected_count") or 0)
-    rows = details.get("element_count")
-    if kind == "expect_column_values_to_be_of_type":
-        return f"{count} of {rows} prompts are not strings"
-    if kind == "expect_column_values_to_not_be_null":
-        return f"{count} of {rows} prompts are null"
-    if kind == "expect_column_values_to_be_between":
-        low, high = int(kwargs["min_value"]), int(kwargs["max_value"])
-        return f"{count} of {rows} prompts are not {low}..{high} tokens long ({tokens})"
-    if kind == "expect_column_values_to_be_unique":
-        return f"{count} of {rows} rows repeat a prompt of another row"
-    if kind == "expect_column_values_to_not_be_in_set":
-        return f"{count} of {rows} eval prompts also appear in train (leakage)"
-    return f"{count} of {rows} values unexpected"
-
-
-def _examples(
-    details: dict[str, Any],
-    frame: pd.DataFrame,
-    prompt_field: str,
-    tokens_column: str,
-    column: str | None,
-) -> list[str]:
-    """Up to three offending rows, as ``row <i>: <repr of the prompt>`` (plus its token count)."""
-    indices = details.get("partial_unexpected_index_list") or []
-    values = details.get("partial_unexpected_list") or []
-    examples: list[str] = []
-    for position, value in enumerate(values[: len(indices) or None]):
-        row = indices[position] if indices else None
-        if row is not None and prompt_field in frame.columns and 0 <= int(row) < len(frame):
-            prompt = frame.at[int(row), prompt_field]
-        else:
-            prompt = html.unescape(value) if isinstance(value, str) else value
-        text = _short_repr(prompt)
-        if column == tokens_column and row is not None:
-            n_tokens = int(frame.at[int(row), tokens_column])
-            if n_tokens >= 0:
-                text += f" ({n_tokens} tokens)"
-            elif text != "null":
-                text += " (not a string)"
-        examples.append(f"row {row}: {text}" if row is not None else text)
-        if len(examples) == MAX_EXAMPLES:
-            break
-    return examples
-
-
-def _short_repr(value: Any) -> str:
-    import pandas as pd
-
-    if pd.api.types.is_scalar(value) and pd.isna(value):
-        return "null"  # None, NaN or pd.NA, whichever the dtype made of a missing prompt
-    text = repr(value)
-    return text if len(text) <= EXAMPLE_CHARS else text[: EXAMPLE_CHARS - 3] + "..."
-
-
-def _token_stats(tokens: pd.Series) -> dict[str, float | int | None]:
-    counted = tokens[tokens >= 0]
-    if counted.empty:
-        return {"min": None, "max": None, "mean": None}
-    return {
-        "min": int(counted.min()),
-        "max": int(counted.max()),
-        "mean": round(float(counted.mean()), 2),
-    }
