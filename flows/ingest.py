@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from flows.raw_data import read_raw_prompts
 from ppo_core.config import Config
 from ppo_core.files import (
     UnsafeCopyError,
@@ -181,8 +182,6 @@ def _ingest_locked(config: Config, files: Sequence[str | Path], inbox: Path) -> 
 def _count_prompts(config: Config, copy: Path, original: Path) -> int:
     """The number of prompts in ``copy`` (of ``original``), read as ``prepare`` reads it; errors
     name the original."""
-    from flows.stages import read_raw_prompts
-
     try:
         prompts = read_raw_prompts(config, copy)
     except PromptFileError as exc:

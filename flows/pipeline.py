@@ -64,6 +64,7 @@ from flows.local_server import (
 )
 from flows.outcome import announce_decision, nothing_new, publish_results, reject_ingested, summary
 from flows.project import load_params, production_version, project_dir
+from flows.raw_data import raw_changes
 from flows.records import back_up_production, experiment_name, pointer_files, save_experiment
 from flows.relay import CommandTimedOut, StageRelay, stage_environment
 from flows.restarts import check_restart
@@ -74,7 +75,6 @@ from flows.run_params import (
     params_for_this_run,
     put_back_left_params,
 )
-from flows.stages import raw_changes
 from ppo_core.config import ConfigError
 from ppo_core.files import exclusive_run
 
@@ -263,7 +263,7 @@ def _waiting(holder: str) -> None:
 
 def _take_new_data(repo_dir: str) -> tuple[list[str], list[str]]:
     """Move the ingested files into the raw folder; returns their names and how the raw folder
-    now differs from the prepared version (``flows.stages.raw_changes``)."""
+    now differs from the prepared version (``flows.raw_data.raw_changes``)."""
     config = load_params(repo_dir)
     with contextlib.chdir(repo_dir):
         taken = take_inbox(config)

@@ -12,6 +12,13 @@ import os
 import time
 from pathlib import Path
 
+from flows.raw_data import (
+    check_raw_data_is_prepared,
+    in_eval_split,
+    normalise_prompt,
+    raw_sources,
+    read_raw_prompts,
+)
 from ppo_core.config import Config
 from ppo_core.files import (
     MAX_COPY_BYTES,
@@ -21,93 +28,14 @@ from ppo_core.files import (
     copy_regular_file,
     file_sha256,
 )
-from ppo_core.modeling.data import Prompt, PromptFileError, chat_json, load_prompts
-
-
-def _normalise(text: str) -> str:
-    return " ".join(text.split())
-
-
-def _normalise_prompt(prompt: Prompt) -> str:
-    """A prompt as a prepared split stores it: plain text with its whitespace normalised, a chat
-    as the canonical JSON of its turns with each content normalised; empty when nothing is left."""
-    if isinstance(prompt, str):
-        return _normalise(prompt)
-    turns = [{"role": turn["role"], "content": _normalise(turn["content"])} for turn in prompt]
-    return chat_json(turns) if any(turn["content"] for turn in turns) else ""
-
-
-def _in_eval_split(prompt: str, seed: int, fraction: float) -> bool:
-    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
-
-
-def raw_sources(raw_dir: Path) -> list[Path]:
-    """The raw prompt files ``prepare`` reads, in the order it reads them."""
-    return sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
-
-
-def read_raw_prompts(config: Config, path: Path) -> list[Prompt]:
-    """The prompts of one raw file as ``prepare`` reads them: ``data.prompt_field``, blank
-    prompts kept (``prepare`` counts and drops them), within ``data``'s size limits."""
-    data = config.data
-    return load_prompts(
-        path,
-        data.prompt_field,
-        allow_empty=True,
-        max_rows=data.max_rows_per_file,
-        max_bytes=data.max_bytes_per_file,
-    )
-
-
-class StaleDataError(PromptFileError):
-    """The raw prompts changed since the prepared version was made."""
-
-
-def raw_changes(config: Config) -> list[str]:
-    """How ``data.raw_dir`` differs from the manifest of the prepared version that
-    ``data.train_file`` belongs to, one entry a file (``new a.jsonl``, ``changed b.jsonl``,
-    ``removed c.jsonl``; compared by name and SHA-256); every file is new when there is no
-    prepared version yet, none when the raw folder does not exist."""
-    data = config.data
-    manifest_file = Path(data.train_file).parent / "manifest.json"
-    raw_dir = Path(data.raw_dir)
-    if not raw_dir.is_dir():
-        return []
-    recorded = (
-        {
-            Path(source["file"]).name: source["sha256"]
-            for source in json.loads(manifest_file.read_text()).get("sources", [])
-        }
-        if manifest_file.is_file()
-        else {}
-    )
-    current = {path.name: file_sha256(path) for path in raw_sources(raw_dir)}
-    changes = [f"new {name}" for name in current if name not in recorded]
-    changes += [f"changed {n}" for n in current if n in recorded and current[n] != recorded[n]]
-    changes += [f"removed {name}" for name in recorded if name not in current]
-    return changes
-
-
-def check_raw_data_is_prepared(config: Config) -> None:
-    """Refuse to train when ``data.raw_dir`` no longer matches the manifest of the prepared
-    version that ``data.train_file`` belongs to (:func:`raw_changes`): new prompts would be
-    silently ignored.
-
-    Nothing is checked when the train file is not part of a prepared version (a manifest beside
-    it) or the raw folder does not exist, or with ``train.allow_stale_data``.
-    """
-    manifest_file = Path(config.data.train_file).parent / "manifest.json"
-    if config.train.allow_stale_data or not manifest_file.is_file():
-        return
-    changes = raw_changes(config)
-    if changes:
-        raise StaleDataError(
-            f"{config.data.raw_dir} changed since {manifest_file.parent} was prepared "
-            f"({', '.join(changes)}); run `ppo prepare && ppo validate` (or `dvc repro "
-            "validate`) to train on it, or pass train.allow_stale_data=true to train on the "
-            "prepared version as it is"
-        )
+from ppo_core.modeling.data import (
+    CHAT_FIELD,
+    Prompt,
+    PromptFileError,
+    is_chat,
+    parquet_size,
+    project_path,
+)
 
 
 def prepare(config: Config) -> Path:
@@ -123,50 +51,13 @@ def prepare(config: Config) -> Path:
     (training and evaluation read the splits under the same caps). The manifest names each source
     as ``project_path`` does: relative to the working folder, or by its name alone outside it.
     """
-    import pandas as pd
-
-    from ppo_core.modeling.data import (
-        CHAT_FIELD,
-        is_chat,
-        parquet_size,
-        project_path,
-    )
+    import pandas as pd  # here: importing pandas takes a while, and most stages need none
 
     data = config.data
-    raw_dir = Path(data.raw_dir)
-    sources = raw_sources(raw_dir)
-    if not sources:
-        raise PromptFileError(f"no .jsonl or .parquet prompt files in {str(raw_dir)!r}")
-    seen: set[str] = set()
-    prompts: list[str] = []
-    counts = {"raw": 0, "empty": 0, "duplicates": 0}
-    source_info = []
-    first_of_kind: dict[bool, str] = {}  # is_chat -> the first source file of that kind
-    for source in sources:
-        rows = read_raw_prompts(config, source)
-        source_info.append(
-            {"file": project_path(source), "sha256": file_sha256(source), "rows": len(rows)}
-        )
-        for raw in rows:
-            first_of_kind.setdefault(is_chat(raw), project_path(source))
-            counts["raw"] += 1
-            prompt = _normalise_prompt(raw)
-            if not prompt:
-                counts["empty"] += 1
-            elif prompt in seen:
-                counts["duplicates"] += 1
-            else:
-                seen.add(prompt)
-                prompts.append(prompt)
-    if len(first_of_kind) > 1:
-        raise PromptFileError(
-            f"{first_of_kind[False]} holds plain {data.prompt_field!r} rows and "
-            f"{first_of_kind[True]} chat {CHAT_FIELD!r} rows; a data version holds one kind "
-            "(write a plain prompt as a chat with one user turn to mix them)"
-        )
-    column = CHAT_FIELD if first_of_kind.get(True) else data.prompt_field
-    evals = [p for p in prompts if _in_eval_split(p, data.split_seed, data.eval_fraction)]
-    trains = [p for p in prompts if not _in_eval_split(p, data.split_seed, data.eval_fraction)]
+    prompts, counts, source_info, chat = _distinct_prompts(config)
+    column = CHAT_FIELD if chat else data.prompt_field
+    evals = [p for p in prompts if in_eval_split(p, data.split_seed, data.eval_fraction)]
+    trains = [p for p in prompts if not in_eval_split(p, data.split_seed, data.eval_fraction)]
     if not trains or not evals:
         raise PromptFileError(
             f"{len(prompts)} distinct prompts give {len(trains)} train and {len(evals)} eval "
@@ -207,6 +98,44 @@ def prepare(config: Config) -> Path:
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
 
     return atomic_folder(data.interim_dir, write)
+
+
+def _distinct_prompts(config: Config) -> tuple[list[str], dict[str, int], list[dict], bool]:
+    """The normalised, distinct prompts of every raw file in order (first occurrence wins),
+    with the counts of raw, empty and duplicate rows, each source file's record, and whether
+    they are chats; a mix of plain and chat files is refused naming one of each."""
+    data = config.data
+    sources = raw_sources(Path(data.raw_dir))
+    if not sources:
+        raise PromptFileError(f"no .jsonl or .parquet prompt files in {str(Path(data.raw_dir))!r}")
+    seen: set[str] = set()
+    prompts: list[str] = []
+    counts = {"raw": 0, "empty": 0, "duplicates": 0}
+    source_info = []
+    first_of_kind: dict[bool, str] = {}  # is_chat -> the first source file of that kind
+    for source in sources:
+        rows = read_raw_prompts(config, source)
+        source_info.append(
+            {"file": project_path(source), "sha256": file_sha256(source), "rows": len(rows)}
+        )
+        for raw in rows:
+            first_of_kind.setdefault(is_chat(raw), project_path(source))
+            counts["raw"] += 1
+            prompt = normalise_prompt(raw)
+            if not prompt:
+                counts["empty"] += 1
+            elif prompt in seen:
+                counts["duplicates"] += 1
+            else:
+                seen.add(prompt)
+                prompts.append(prompt)
+    if len(first_of_kind) > 1:
+        raise PromptFileError(
+            f"{first_of_kind[False]} holds plain {data.prompt_field!r} rows and "
+            f"{first_of_kind[True]} chat {CHAT_FIELD!r} rows; a data version holds one kind "
+            "(write a plain prompt as a chat with one user turn to mix them)"
+        )
+    return prompts, counts, source_info, bool(first_of_kind.get(True))
 
 
 def base(config: Config) -> Path:
@@ -368,7 +297,7 @@ def validate(config: Config) -> Path:
     import pandas as pd
 
     from flows.validation import DataValidationError, validate_prompt_splits
-    from ppo_core.modeling.data import CHAT_FIELD, parse_messages
+    from ppo_core.modeling.data import parse_messages
     from ppo_core.modeling.generation import prompt_token_ids, require_chat_template
     from ppo_core.modeling.policy import load_tokenizer
 

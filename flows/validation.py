@@ -115,18 +115,15 @@ def validate_prompt_splits(
         raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
     report_dir = Path(report_dir).resolve()
     docs_dir = report_dir / "data_docs"
-    gx, context, run_id = _fresh_context(docs_dir)
-    source = context.data_sources.add_pandas("prompts")
+    ge = _fresh_context(docs_dir)
     frames = {"train": train, "eval": eval}
     min_rows = {"train": min_train_rows, "eval": min_eval_rows}
     train_prompts = _string_values(train[prompt_field]) if prompt_field in train.columns else []
     split_reports: dict[str, dict[str, Any]] = {}
-    failures: list[FailedExpectation] = []
-    evaluated = 0
     for split in SPLITS:
         frame, tokens_column = _frame_for_ge(frames[split], prompt_field, count_tokens, split)
         expectations = _expectations(
-            gx,
+            ge.gx,
             prompt_field,
             tokens_column,
             min_tokens,
@@ -134,23 +131,13 @@ def validate_prompt_splits(
             min_rows[split],
             leak_set=[html.escape(p) for p in train_prompts] if split == "eval" else None,
         )
-        checkpoint = _checkpoint(gx, context, source, split, expectations)
         # Data Docs show the values that fail (and the leak set) as HTML: GE gets each prompt
         # HTML-escaped, which changes no outcome (escaping is one-to-one, lengths are counted
         # from the text itself); the summary's examples are read from the prompts as they are.
-        shown = _escaped(frame, prompt_field)
-        run = checkpoint.run(batch_parameters={"dataframe": shown}, run_id=run_id)
-        (suite_result,) = run.run_results.values()
         checks = [
-            read_result(outcome.to_json_dict(), split, frame, prompt_field, tokens_column)
-            for outcome in suite_result.results
+            read_result(outcome, split, frame, prompt_field, tokens_column)
+            for outcome in ge.check(split, expectations, _escaped(frame, prompt_field))
         ]
-        failures += [
-            FailedExpectation(**{k: check[k] for k in _FAILURE_FIELDS})
-            for check in checks
-            if not check["success"]
-        ]
-        evaluated += len(checks)
         split_reports[split] = {
             "rows": len(frame),
             "columns": [str(c) for c in frames[split].columns],
@@ -159,13 +146,19 @@ def validate_prompt_splits(
             "expectations": checks,
         }
 
+    checks = [check for report in split_reports.values() for check in report["expectations"]]
+    failures = [
+        FailedExpectation(**{k: check[k] for k in _FAILURE_FIELDS})
+        for check in checks
+        if not check["success"]
+    ]
     docs_index = docs_dir / "index.html"
     if not docs_index.is_file():
         raise RuntimeError(f"Great Expectations did not write its Data Docs index at {docs_index}")
     result = ValidationResult(
         success=not failures,
         failures=failures,
-        evaluated=evaluated,
+        evaluated=len(checks),
         docs_index=docs_index,
         summary_path=report_dir / "summary.json",
         splits={split: report["rows"] for split, report in split_reports.items()},
@@ -177,7 +170,7 @@ def validate_prompt_splits(
         "min_train_rows": min_train_rows,
         "min_eval_rows": min_eval_rows,
     }
-    _write_summary(result, settings, split_reports, gx.__version__)
+    _write_summary(result, settings, split_reports, ge.gx.__version__)
     return result
 
 
@@ -201,36 +194,55 @@ def _write_summary(
     atomic_write_text(result.summary_path, json.dumps(summary, indent=2, default=str) + "\n")
 
 
-def _fresh_context(docs_dir: Path) -> tuple[Any, Any, Any]:
-    """Great Expectations, an ephemeral context whose Data Docs site is ``docs_dir``, and the
-    run identifier of this validation (one run: both splits, one time stamp). The site is
-    emptied first: a rebuilt one would otherwise keep the pages of earlier runs beside this
+@dataclass
+class _GreatExpectations:
+    """One validation's Great Expectations: the module, an ephemeral context, its pandas data
+    source, and the run identifier both splits share (one run, one time stamp)."""
+
+    gx: Any
+    context: Any
+    source: Any
+    run_id: Any
+
+    def check(self, split: str, expectations: list[Any], frame: pd.DataFrame) -> list[dict]:
+        """Each expectation's outcome (as JSON) on ``frame``, through a checkpoint of ``split``
+        (suite, batch definition, validation definition) that also updates the Data Docs."""
+        gx, context = self.gx, self.context
+        suite = context.suites.add(gx.ExpectationSuite(name=f"prompts_{split}"))
+        for expectation in expectations:
+            suite.add_expectation(expectation)
+        batch = self.source.add_dataframe_asset(split).add_batch_definition_whole_dataframe(split)
+        definition = context.validation_definitions.add(
+            gx.ValidationDefinition(name=f"prompts_{split}", data=batch, suite=suite)
+        )
+        checkpoint = context.checkpoints.add(
+            gx.Checkpoint(
+                name=f"prompts_{split}",
+                validation_definitions=[definition],
+                actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=[DOCS_SITE])],
+                result_format={"result_format": "SUMMARY"},
+            )
+        )
+        run = checkpoint.run(batch_parameters={"dataframe": frame}, run_id=self.run_id)
+        (suite_result,) = run.run_results.values()
+        return [outcome.to_json_dict() for outcome in suite_result.results]
+
+
+def _fresh_context(docs_dir: Path) -> _GreatExpectations:
+    """Great Expectations with an ephemeral context whose Data Docs site is ``docs_dir``,
+    emptied first: a rebuilt site would otherwise keep the pages of earlier runs beside this
     one's; a link at its place (or inside it) is removed, never followed."""
     docs_dir.parent.mkdir(parents=True, exist_ok=True)
     clear_output_folder(docs_dir)
     gx = _import_gx()
-    from great_expectations.core.run_identifier import RunIdentifier
+    from great_expectations.core.run_identifier import RunIdentifier  # after _import_gx's setup
 
-    return gx, _ephemeral_context(gx, docs_dir), RunIdentifier(run_name="prompt_validation")
-
-
-def _checkpoint(gx: Any, context: Any, source: Any, split: str, expectations: list[Any]) -> Any:
-    """A GE checkpoint that validates the dataframe of ``split`` against ``expectations`` and
-    updates the Data Docs, with its suite, batch definition and validation definition."""
-    suite = context.suites.add(gx.ExpectationSuite(name=f"prompts_{split}"))
-    for expectation in expectations:
-        suite.add_expectation(expectation)
-    batch = source.add_dataframe_asset(split).add_batch_definition_whole_dataframe(split)
-    definition = context.validation_definitions.add(
-        gx.ValidationDefinition(name=f"prompts_{split}", data=batch, suite=suite)
-    )
-    return context.checkpoints.add(
-        gx.Checkpoint(
-            name=f"prompts_{split}",
-            validation_definitions=[definition],
-            actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=[DOCS_SITE])],
-            result_format={"result_format": "SUMMARY"},
-        )
+    context = _ephemeral_context(gx, docs_dir)
+    return _GreatExpectations(
+        gx,
+        context,
+        context.data_sources.add_pandas("prompts"),
+        RunIdentifier(run_name="prompt_validation"),
     )
 
 

@@ -22,7 +22,7 @@ from flows.ingest import (
     set_aside_rejected,
     take_inbox,
 )
-from flows.stages import raw_changes
+from flows.raw_data import raw_changes
 from ppo_core.config import Config
 from ppo_core.files import exclusive_run
 from ppo_core.modeling.data import PromptFileError

@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from flows.stages import StaleDataError, check_raw_data_is_prepared, prepare
+from flows.raw_data import StaleDataError, check_raw_data_is_prepared
+from flows.stages import prepare
 from ppo_core.config import load_config
 
 

@@ -1,0 +1,100 @@
+"""The raw prompt files and the prepared version made from them: which files ``ppo prepare``
+reads and how, how a prompt is normalised and which split it falls in, and whether the raw
+folder still matches the prepared version (``ppo train`` refuses stale data; the flow takes new
+files when it does not)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+from ppo_core.config import Config
+from ppo_core.files import file_sha256
+from ppo_core.modeling.data import Prompt, PromptFileError, chat_json, load_prompts
+
+
+def _normalise(text: str) -> str:
+    return " ".join(text.split())
+
+
+def normalise_prompt(prompt: Prompt) -> str:
+    """A prompt as a prepared split stores it: plain text with its whitespace normalised, a chat
+    as the canonical JSON of its turns with each content normalised; empty when nothing is left."""
+    if isinstance(prompt, str):
+        return _normalise(prompt)
+    turns = [{"role": turn["role"], "content": _normalise(turn["content"])} for turn in prompt]
+    return chat_json(turns) if any(turn["content"] for turn in turns) else ""
+
+
+def in_eval_split(prompt: str, seed: int, fraction: float) -> bool:
+    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") / 2**64 < fraction
+
+
+def raw_sources(raw_dir: Path) -> list[Path]:
+    """The raw prompt files ``prepare`` reads, in the order it reads them."""
+    return sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
+
+
+def read_raw_prompts(config: Config, path: Path) -> list[Prompt]:
+    """The prompts of one raw file as ``prepare`` reads them: ``data.prompt_field``, blank
+    prompts kept (``prepare`` counts and drops them), within ``data``'s size limits."""
+    data = config.data
+    return load_prompts(
+        path,
+        data.prompt_field,
+        allow_empty=True,
+        max_rows=data.max_rows_per_file,
+        max_bytes=data.max_bytes_per_file,
+    )
+
+
+class StaleDataError(PromptFileError):
+    """The raw prompts changed since the prepared version was made."""
+
+
+def raw_changes(config: Config) -> list[str]:
+    """How ``data.raw_dir`` differs from the manifest of the prepared version that
+    ``data.train_file`` belongs to, one entry a file (``new a.jsonl``, ``changed b.jsonl``,
+    ``removed c.jsonl``; compared by name and SHA-256); every file is new when there is no
+    prepared version yet, none when the raw folder does not exist."""
+    data = config.data
+    manifest_file = Path(data.train_file).parent / "manifest.json"
+    raw_dir = Path(data.raw_dir)
+    if not raw_dir.is_dir():
+        return []
+    recorded = (
+        {
+            Path(source["file"]).name: source["sha256"]
+            for source in json.loads(manifest_file.read_text()).get("sources", [])
+        }
+        if manifest_file.is_file()
+        else {}
+    )
+    current = {path.name: file_sha256(path) for path in raw_sources(raw_dir)}
+    changes = [f"new {name}" for name in current if name not in recorded]
+    changes += [f"changed {n}" for n in current if n in recorded and current[n] != recorded[n]]
+    changes += [f"removed {name}" for name in recorded if name not in current]
+    return changes
+
+
+def check_raw_data_is_prepared(config: Config) -> None:
+    """Refuse to train when ``data.raw_dir`` no longer matches the manifest of the prepared
+    version that ``data.train_file`` belongs to (:func:`raw_changes`): new prompts would be
+    silently ignored.
+
+    Nothing is checked when the train file is not part of a prepared version (a manifest beside
+    it) or the raw folder does not exist, or with ``train.allow_stale_data``.
+    """
+    manifest_file = Path(config.data.train_file).parent / "manifest.json"
+    if config.train.allow_stale_data or not manifest_file.is_file():
+        return
+    changes = raw_changes(config)
+    if changes:
+        raise StaleDataError(
+            f"{config.data.raw_dir} changed since {manifest_file.parent} was prepared "
+            f"({', '.join(changes)}); run `ppo prepare && ppo validate` (or `dvc repro "
+            "validate`) to train on it, or pass train.allow_stale_data=true to train on the "
+            "prepared version as it is"
+        )
