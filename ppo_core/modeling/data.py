@@ -263,6 +263,43 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> tu
     column read as a dictionary a row group at a time (its distinct values once, an index a row)
     and the length of its text added up from those, and only under every cap the values built.
     """
+    import pyarrow.parquet as pq  # here, as in the helpers: only a Parquet file needs pyarrow
+
+    field, text = _parquet_column(path, field)
+    try:
+        # read_dictionary applies to text (byte-array) columns only
+        file = pq.ParquetFile(path, read_dictionary=[field] if text else None)
+        rows, declared = _metadata_size(file.metadata, field)
+    except Exception as exc:
+        raise PromptFileError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
+    if rows > max_rows:
+        raise PromptFileError(
+            f"{path}: {rows} rows, more than data.max_rows_per_file={max_rows}{_RAISE}"
+        )
+    if declared > max_bytes:
+        raise PromptFileError(
+            f"{path}: its data is {declared} bytes uncompressed, more than "
+            f"data.max_bytes_per_file={max_bytes}{_RAISE}"
+        )
+    if not text:
+        # numbers, bytes, lists, nulls...: no row holds a string, so the first one is the error
+        # (the caller names it), and nothing needs to be read
+        return field, [None] * min(rows, 1)
+    chunks = _measured_chunks(file, path, field, max_rows, max_bytes)
+    values: list[Any] = []
+    for offset, chunk in enumerate(chunks):
+        try:
+            distinct = chunk.dictionary.to_pylist()  # strings are decoded only here
+        except UnicodeDecodeError:
+            start = sum(len(earlier) for earlier in chunks[:offset])
+            raise PromptFileError(_invalid_utf8(path, field, chunk, start)) from None
+        values.extend(None if i is None else distinct[i] for i in chunk.indices.to_pylist())
+    return field, values
+
+
+def _parquet_column(path: Path, field: str) -> tuple[str, bool]:
+    """The column to read (``field``, else ``messages`` when only that one is there), checked
+    to be one column, from the schema alone; and whether it holds text."""
     import pyarrow as pa
     import pyarrow.compute as pc
     import pyarrow.parquet as pq
@@ -289,26 +326,16 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> tu
     kind = schema.field(field).type
     if pa.types.is_dictionary(kind):
         kind = kind.value_type
-    text = pa.types.is_string(kind) or pa.types.is_large_string(kind)
-    try:
-        # read_dictionary applies to text (byte-array) columns only
-        file = pq.ParquetFile(path, read_dictionary=[field] if text else None)
-        rows, declared = _metadata_size(file.metadata, field)
-    except Exception as exc:
-        raise PromptFileError(f"{path}: not a readable parquet file ({_one_line(exc)})") from None
-    if rows > max_rows:
-        raise PromptFileError(
-            f"{path}: {rows} rows, more than data.max_rows_per_file={max_rows}{_RAISE}"
-        )
-    if declared > max_bytes:
-        raise PromptFileError(
-            f"{path}: its data is {declared} bytes uncompressed, more than "
-            f"data.max_bytes_per_file={max_bytes}{_RAISE}"
-        )
-    if not text:
-        # numbers, bytes, lists, nulls...: no row holds a string, so the first one is the error
-        # (the caller names it), and nothing needs to be read
-        return field, [None] * min(rows, 1)
+    return field, pa.types.is_string(kind) or pa.types.is_large_string(kind)
+
+
+def _measured_chunks(file: Any, path: Path, field: str, max_rows: int, max_bytes: int) -> list:
+    """The dictionary chunks of a text column, a row group at a time, refused as soon as the
+    rows or their text's length (added up from the dictionary, no row's text copied) pass a
+    cap."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
     chunks = []
     read = measured = 0
     for group in range(file.num_row_groups):
@@ -338,15 +365,7 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> tu
                 f"{path}: the prompts of column {field!r} are at least {measured} bytes of text, "
                 f"more than data.max_bytes_per_file={max_bytes}{_RAISE}"
             )
-    values: list[Any] = []
-    for offset, chunk in enumerate(chunks):
-        try:
-            distinct = chunk.dictionary.to_pylist()  # strings are decoded only here
-        except UnicodeDecodeError:
-            start = sum(len(earlier) for earlier in chunks[:offset])
-            raise PromptFileError(_invalid_utf8(path, field, chunk, start)) from None
-        values.extend(None if i is None else distinct[i] for i in chunk.indices.to_pylist())
-    return field, values
+    return chunks
 
 
 def _invalid_utf8(path: Path, field: str, chunk: Any, start: int) -> str:
