@@ -24,6 +24,7 @@ import json
 import warnings
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -271,26 +272,7 @@ def evaluate(
     }
     for name, path in models.items():
         check_chat_template(tokenizers[name], prompts, path, f"the {name}")
-    reference_vocab = reference_vocabulary(
-        config.model.policy, config.model.reference, config.model.trust_remote_code
-    )
-    candidate_vocab = vocabulary_of(candidate, tokenizers["candidate"])
-    mismatch = vocabulary_mismatch(candidate_vocab, reference_vocab)
-    if mismatch is not None:
-        raise _refusal(config, candidate, candidate_vocab, reference_vocab, mismatch)
-    measure_kl = {"candidate": True}
-    if baseline is not None:
-        baseline_vocab = vocabulary_of(baseline, tokenizers["baseline"])
-        mismatch = vocabulary_mismatch(baseline_vocab, reference_vocab)
-        measure_kl["baseline"] = mismatch is None
-        if mismatch is not None:
-            _warn(
-                f"the baseline {baseline_vocab.describe()} has another tokenizer than the KL "
-                f"reference {reference_vocab.describe()}: {mismatch}. It is sampled and decoded "
-                f"with its own tokenizer and scored with the same reward, but its KL to the "
-                "reference is not measured (n/a in report.md, absent from metrics.json), and its "
-                "response_length counts its own tokens"
-            )
+    reference_vocab, measure_kl = _kl_measurable(config, models, tokenizers)
     reward = evaluation_reward(config, candidate)
     try:
         reward_fn = build_reward(replace(config.model, reward=reward.spec), runtime.device)
@@ -324,6 +306,35 @@ def evaluate(
         reference=reference_vocab.folder,
     )
     return reports
+
+
+def _kl_measurable(
+    config: Config, models: dict[str, str | Path], tokenizers: dict[str, Any]
+) -> tuple[Vocabulary, dict[str, bool]]:
+    """The KL reference's vocabulary, and for each model whether its KL to the reference can be
+    measured (one vocabulary). A candidate with another one is refused; a baseline gets a
+    warning and no KL."""
+    reference_vocab = reference_vocabulary(
+        config.model.policy, config.model.reference, config.model.trust_remote_code
+    )
+    candidate_vocab = vocabulary_of(models["candidate"], tokenizers["candidate"])
+    mismatch = vocabulary_mismatch(candidate_vocab, reference_vocab)
+    if mismatch is not None:
+        raise _refusal(config, models["candidate"], candidate_vocab, reference_vocab, mismatch)
+    measure_kl = {"candidate": True}
+    if "baseline" in models:
+        baseline_vocab = vocabulary_of(models["baseline"], tokenizers["baseline"])
+        mismatch = vocabulary_mismatch(baseline_vocab, reference_vocab)
+        measure_kl["baseline"] = mismatch is None
+        if mismatch is not None:
+            _warn(
+                f"the baseline {baseline_vocab.describe()} has another tokenizer than the KL "
+                f"reference {reference_vocab.describe()}: {mismatch}. It is sampled and decoded "
+                f"with its own tokenizer and scored with the same reward, but its KL to the "
+                "reference is not measured (n/a in report.md, absent from metrics.json), and its "
+                "response_length counts its own tokens"
+            )
+    return reference_vocab, measure_kl
 
 
 def check_reward_fn(config: Config, runtime: Runtime) -> RewardFn | None:

@@ -264,17 +264,8 @@ def collect_rollout(
             chunk_seeds=chunk_seeds,
         )
     sampled = time.perf_counter()
-    scoring_size = ppo.scoring_batch_size or ppo.micro_batch_size
-    policy_scored = score_in_chunks(
-        actor_critic,
-        generated,
-        generation.temperature,
-        runtime,
-        scoring_size,
-        with_values=actor_critic.has_critic,
-    )
-    reference_scored = score_in_chunks(
-        reference, generated, generation.temperature, runtime, scoring_size, with_values=False
+    policy_scored, reference_scored = _score_with_both(
+        actor_critic, reference, generated, generation.temperature, runtime, ppo
     )
     mask = generated.response_mask
     scored = time.perf_counter()
@@ -311,6 +302,27 @@ def collect_rollout(
     metrics["perf/score_s"] = scored - sampled
     metrics["perf/reward_s"] = rewarded - scored
     return batch, metrics, responses
+
+
+def _score_with_both(
+    actor_critic: ActorCritic,
+    reference: torch.nn.Module,
+    generated: GeneratedBatch,
+    temperature: float,
+    runtime: Runtime,
+    ppo: PPOConfig,
+) -> tuple[ScoredBatch, ScoredBatch]:
+    """The sampled responses scored by the policy (log-probabilities, values when it has a
+    critic) and by the reference, in gradient-free passes of ``ppo.scoring_batch_size`` rows
+    (``ppo.micro_batch_size`` when unset)."""
+    size = ppo.scoring_batch_size or ppo.micro_batch_size
+    policy_scored = score_in_chunks(
+        actor_critic, generated, temperature, runtime, size, with_values=actor_critic.has_critic
+    )
+    reference_scored = score_in_chunks(
+        reference, generated, temperature, runtime, size, with_values=False
+    )
+    return policy_scored, reference_scored
 
 
 def _advantages(

@@ -8,7 +8,7 @@ objective is :class:`~ppo_core.math.objective.PPOObjective`, the one the tests p
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import fields
 
 import torch
@@ -94,38 +94,41 @@ def ppo_update(
     totals: dict[str, RunningMean] = {}
     steps = 0
     early_stopped = False
-    for _epoch in range(ppo.epochs):
-        for indices in minibatch_indices(
-            len(batch) * world_size,
-            ppo.mini_batch_size * world_size,
-            generator,
-            drop_last=ppo.drop_last,
-        ):
-            mini_batch = _rows_of_this_rank(batch, indices, runtime.parallel.rank)
-            micro_batches = _micro_batches(mini_batch, indices, len(batch), world_size, ppo)
-            stats = _optimizer_step(
-                model,
-                optimizer,
-                micro_batches,
-                loss_fn,
-                objective,
-                ppo.max_grad_norm,
-                mini_batch,
-                parameter_names,
-            )
-            steps += 1
-            for name, value in stats.items():
-                totals[name] = totals[name].merge(value) if name in totals else value
-            if ppo.target_kl is not None and stats["ppo/approx_kl"].item() > ppo.target_kl:
-                early_stopped = True
-                break
-        if early_stopped:
+    for indices in _epochs_of_mini_batches(len(batch) * world_size, ppo, world_size, generator):
+        mini_batch = _rows_of_this_rank(batch, indices, runtime.parallel.rank)
+        micro_batches = _micro_batches(mini_batch, indices, len(batch), world_size, ppo)
+        stats = _optimizer_step(
+            model,
+            optimizer,
+            micro_batches,
+            loss_fn,
+            objective,
+            ppo.max_grad_norm,
+            mini_batch,
+            parameter_names,
+        )
+        steps += 1
+        for name, value in stats.items():
+            totals[name] = totals[name].merge(value) if name in totals else value
+        if ppo.target_kl is not None and stats["ppo/approx_kl"].item() > ppo.target_kl:
+            early_stopped = True
             break
     optimizer.zero_grad(set_to_none=True)
     metrics = {name: value.item() for name, value in totals.items()}
     metrics["ppo/optimizer_steps"] = float(steps)
     metrics["ppo/early_stopped"] = float(early_stopped)
     return metrics
+
+
+def _epochs_of_mini_batches(
+    rows: int, ppo: PPOConfig, world_size: int, generator: torch.Generator
+) -> Iterator[torch.Tensor]:
+    """The global rows of each mini-batch of ``ppo.epochs`` epochs, each epoch a new shuffle
+    drawn from ``generator`` when it starts (so an early stop draws no further shuffle)."""
+    for _epoch in range(ppo.epochs):
+        yield from minibatch_indices(
+            rows, ppo.mini_batch_size * world_size, generator, drop_last=ppo.drop_last
+        )
 
 
 def _micro_batch_loss(
