@@ -7,11 +7,15 @@ every key with its current value, ``ppo config --docs`` to see what each one doe
 
 Help texts are Markdown (``rich_markup_mode="markdown"``): the terminal rewraps paragraphs to
 its width, so a docstring's own line breaks do not show, and a list keeps one item a line.
+
+Each subcommand imports what it runs when it runs, so that ``ppo --help`` and the light stages
+start without importing torch, transformers, Great Expectations or Prefect.
 """
 
 from __future__ import annotations
 
 import errno
+import json
 import os
 import sys
 import time
@@ -195,8 +199,6 @@ def prepare(config: ConfigOption = None, overrides: Overrides = None) -> None:
     cfg = _run(lambda: _load(config, overrides))
     path = _run(lambda: stages.prepare(cfg))
     manifest = (path / "manifest.json").read_text()
-    import json
-
     info = json.loads(manifest)
     c = info["counts"]
     console.print(

@@ -17,9 +17,11 @@ a new one.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import TracebackType
 
@@ -145,8 +147,6 @@ LATER_MODULES = (
 
 
 def _import_ahead(modules: tuple[str, ...]) -> None:
-    import importlib
-
     for module in modules:
         with contextlib.suppress(ImportError):
             importlib.import_module(module)
@@ -196,8 +196,6 @@ def run_folder(argv: list[str]) -> str | None:
 def serve() -> None:
     """The session's process: one JSON list of arguments a line on stdin, each run as
     ``dvc ARGS``; :data:`DONE` and the exit code after each."""
-    import threading
-
     from dvc.cli import main as dvc_main
 
     _import_ahead(FIRST_MODULES)

@@ -17,6 +17,7 @@ it, it looks at the inbox and the raw folder itself.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import stat
@@ -282,8 +283,6 @@ def emit_ingested(result: Ingested, project: Path) -> None:
     Raises:
         OSError (or Prefect's own error): the server cannot be reached.
     """
-    import asyncio
-
     from prefect.events import Event
     from prefect.events.clients import get_events_client
 

@@ -3,7 +3,8 @@
 A metric is named ``group/name`` (``rollout/score``, ``ppo/approx_kl``, ``candidate/score``).
 :func:`metric_file` says where DVCLive keeps one metric's series and :func:`metric_group` reads
 one group of a flat mapping; code that needs either goes through them (``dvc.yaml``'s plot
-paths are checked against :func:`metric_file` by the tests).
+paths are checked against :func:`metric_file` by the tests). DVCLive and the trainer's names
+are imported where a run logs, so that the stages that only read metrics import neither.
 """
 
 from __future__ import annotations

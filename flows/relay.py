@@ -201,7 +201,7 @@ def stop_process_tree(pid: int, grace: float = STOP_GRACE_S) -> None:
     The whole tree, because `dvc repro` runs the stage's command in a child of its own: stopping
     DVC alone would leave a training run going, holding its checkpoint lock.
     """
-    import psutil
+    import psutil  # here: this module is imported before a run's server starts (early start)
 
     # Frozen first, parents before their children, so that none can start a process between
     # the listing and the signal: it would be left running.

@@ -7,6 +7,10 @@ written into ``params.yaml`` only for the length of the run (DVC reads its param
 there, and ``dvc.lock`` then records what the outputs were made with). The file is put back as
 it was when the run ends, failed or not; a copy beside it (:data:`BACKUP_NAME`) lets the next
 run put it back after a run that was killed.
+
+OmegaConf, the config and ruamel.yaml are imported inside the functions that use them:
+``python -m flows.pipeline run`` imports this module before it starts its Prefect server
+(the early start), and nothing heavy may come first.
 """
 
 from __future__ import annotations

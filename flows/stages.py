@@ -2,6 +2,10 @@
 
 ``dvc.yaml`` runs them as ``ppo <stage>``; the Prefect flow calls the same commands. Each reads
 and writes files only, and writes its outputs atomically.
+
+Torch, transformers, pandas and Great Expectations (seconds each to import) are imported inside
+the stages that use them, so that ``ppo --help``, ``ppo prepare`` and ``ppo promote`` start at
+once; everything else is imported here.
 """
 
 from __future__ import annotations
@@ -9,9 +13,12 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 import time
 from pathlib import Path
 
+from flows.loggers import ConsoleProgress, DVCLiveLogger, metric_group
+from flows.plots import plot_training_curves
 from flows.raw_data import (
     check_raw_data_is_prepared,
     in_eval_split,
@@ -19,14 +26,19 @@ from flows.raw_data import (
     raw_sources,
     read_raw_prompts,
 )
-from ppo_core.config import Config
+from ppo_core.config import WRITE_KEYS, Config, ConfigError, check_write_paths, flatten
 from ppo_core.files import (
     MAX_COPY_BYTES,
+    UnsafeCopyError,
     atomic_folder,
     atomic_write_text,
     check_replaceable_file,
     copy_regular_file,
+    copy_regular_tree,
     file_sha256,
+    folder_fingerprint,
+    printable,
+    regular_files,
 )
 from ppo_core.modeling.data import (
     CHAT_FIELD,
@@ -34,8 +46,13 @@ from ppo_core.modeling.data import (
     PromptFileError,
     is_chat,
     parquet_size,
+    parse_messages,
     project_path,
 )
+from ppo_core.modeling.hub_cache import resolve_model_source, snapshot_blobs
+from ppo_core.output_paths import inside, real_path
+from ppo_core.provenance import code_version
+from ppo_core.registry import current_production, gate, record_decision
 
 
 def prepare(config: Config) -> Path:
@@ -51,7 +68,7 @@ def prepare(config: Config) -> Path:
     (training and evaluation read the splits under the same caps). The manifest names each source
     as ``project_path`` does: relative to the working folder, or by its name alone outside it.
     """
-    import pandas as pd  # here: importing pandas takes a while, and most stages need none
+    import pandas as pd
 
     data = config.data
     prompts, counts, source_info, chat = _distinct_prompts(config)
@@ -155,10 +172,6 @@ def base(config: Config) -> Path:
     ``content_sha256`` (``ppo_core.files.folder_fingerprint``: its ``config.json`` and every
     file's name and size); a GGUF import adds the file's SHA-256 and its tensor types.
     """
-    from ppo_core.config import WRITE_KEYS, ConfigError, check_write_paths, flatten
-    from ppo_core.files import folder_fingerprint
-    from ppo_core.modeling.hub_cache import resolve_model_source, snapshot_blobs
-
     check_write_paths(flatten(config), (*WRITE_KEYS, "model.policy"))
     target = Path(config.model.policy)
     if config.base.source is None:
@@ -195,8 +208,6 @@ def base(config: Config) -> Path:
 def _shown_source(value: str, source: Path) -> dict[str, object]:
     """How ``imported_from.json`` names the source: a hub id as given, a path inside the project
     relative to it, any other path by its last name only (no user folders in the record)."""
-    from ppo_core.output_paths import inside, real_path
-
     if str(source) != value:
         return {"source": value, "inside_project": False}  # a hub id, resolved from the cache
     project, where = real_path("."), real_path(source)
@@ -208,7 +219,6 @@ def _shown_source(value: str, source: Path) -> dict[str, object]:
 def _folder_import(config: Config, source: Path, blobs: Path | None, record: dict):
     """Check the model folder ``source`` (loads as a tokenizer and a causal LM, only regular
     files or links into ``blobs``) and return the function that copies it."""
-    from ppo_core.files import copy_regular_tree, regular_files
     from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
 
     if source.is_dir():
@@ -224,9 +234,6 @@ def _folder_import(config: Config, source: Path, blobs: Path | None, record: dic
 def _gguf_import(config: Config, source: Path, blobs: Path | None, record: dict):
     """Check the GGUF file ``source`` (a regular file, or a link into ``blobs``; its header,
     architecture and tensor types) and return the function that converts it."""
-    import stat
-
-    from ppo_core.files import UnsafeCopyError, file_sha256, printable
     from ppo_core.modeling.gguf_import import import_gguf, read_gguf
 
     real = Path(os.path.realpath(source))
@@ -251,8 +258,6 @@ def _gguf_import(config: Config, source: Path, blobs: Path | None, record: dict)
 def train(config: Config, show_progress: bool = True):
     """The PPO loop with DVCLive metrics, a progress bar, and ``curves.png`` in the metrics
     folder."""
-    from flows.loggers import ConsoleProgress, DVCLiveLogger
-    from flows.plots import plot_training_curves
     from ppo_core.distributed import is_main_process
     from ppo_core.trainer import train as run_training
 
@@ -297,7 +302,6 @@ def validate(config: Config) -> Path:
     import pandas as pd
 
     from flows.validation import DataValidationError, validate_prompt_splits
-    from ppo_core.modeling.data import parse_messages
     from ppo_core.modeling.generation import prompt_token_ids, require_chat_template
     from ppo_core.modeling.policy import load_tokenizer
 
@@ -357,7 +361,6 @@ def validate(config: Config) -> Path:
 
 
 def _evaluation_baseline(config: Config) -> str:
-    from ppo_core.registry import current_production
 
     if config.eval.baseline is not None:
         return config.eval.baseline
@@ -377,10 +380,6 @@ def _is_report(content: bytes) -> bool:
 def promote(config: Config) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
     candidate as a new production version. Writes the decision to ``promote.report`` either way."""
-    from flows.loggers import metric_group
-    from ppo_core.provenance import code_version
-    from ppo_core.registry import gate, record_decision
-
     rules = config.promote
     # Checked before anything is decided or published: the decision must be writable.
     check_replaceable_file(rules.report, "promote.report", "a promotion report", _is_report)

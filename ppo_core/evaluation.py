@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 
 from ppo_core.config import Config, ConfigError
 from ppo_core.evaluation_report import ModelReport, RewardChoice, metric_table, write_reports
@@ -115,8 +116,6 @@ def recorded_reward(candidate: str | Path) -> tuple[str, Path] | None:
             return reward, summary
     config_file = folder / CONFIG_FILE
     if config_file.is_file():
-        import yaml
-
         # Plain YAML, not OmegaConf: a tampered file must not get its ${...} resolved here.
         try:
             saved = yaml.safe_load(config_file.read_text())

@@ -21,6 +21,7 @@ from ppo_core.math.choices import (
     needs_critic,
     needs_groups,
 )
+from ppo_core.output_paths import OutputPathError, check_output, overlap, real_path
 
 
 def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
@@ -113,8 +114,6 @@ def check_write_paths(flat: dict[str, Any], write_keys: Sequence[str] = WRITE_KE
     train and eval files) or the production folder, so that a run cannot replace its own
     inputs or a promoted version. ``flat`` is the config as ``flatten`` gives it.
     """
-    from ppo_core.output_paths import OutputPathError, check_output, overlap, real_path
-
     # Inputs an output holds by design: the prepared version holds the train and eval files,
     # scheduled retraining imports a production version, the reference defaults to the policy.
     by_design = {

@@ -11,6 +11,7 @@ from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import yaml
 from omegaconf import DictConfig, ListConfig, OmegaConf, grammar_parser
 from omegaconf.errors import OmegaConfBaseException
 from omegaconf.grammar.gen.OmegaConfGrammarParser import OmegaConfGrammarParser as Grammar
@@ -27,8 +28,6 @@ def load_config(path: str | Path | None = None, overrides: Sequence[str] = ()) -
     Raises:
         ConfigError: unknown key, wrong type, malformed override, or a value out of range.
     """
-    import yaml
-
     merged: DictConfig | ListConfig = OmegaConf.structured(Config)
     loaded: DictConfig | ListConfig | None = None
     try:
@@ -87,8 +86,6 @@ def _check_yaml_value(item: str) -> None:
     names the override and the key the user wrote instead. A value that is not valid YAML is
     left to the merge, which says so.
     """
-    import yaml
-
     key, _, value = item.partition("=")
     try:
         parsed = yaml.safe_load(value)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, TypeVar
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ppo_core.math.losses import LossParts
@@ -42,8 +43,6 @@ LossFn = Callable[[MicroBatch], tuple[LossParts, Mapping[str, RunningMean]]]
 
 def data_parallel_world_size(group: ProcessGroup | None = None) -> int:
     """Number of ranks in ``group`` (1 when torch.distributed is not initialised)."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_world_size(group)
     return 1
@@ -51,8 +50,6 @@ def data_parallel_world_size(group: ProcessGroup | None = None) -> int:
 
 def all_reduce_count(local_count: Tensor | int, group: ProcessGroup | None = None) -> Tensor:
     """Sum a unit count over all ranks of ``group``; int64 scalar, identity on one process."""
-    import torch.distributed as dist
-
     count = torch.as_tensor(local_count, dtype=torch.int64).clone()
     if dist.is_available() and dist.is_initialized():
         if dist.get_backend(group) == "nccl":

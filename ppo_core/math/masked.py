@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -109,8 +110,6 @@ def masked_moments(
     Raises:
         ValueError: fewer than 2 valid elements in all.
     """
-    import torch.distributed as dist
-
     mask = _as_bool(mask, values).expand_as(values)
     if not (all_ranks and dist.is_available() and dist.is_initialized()):
         return masked_mean(values, mask), masked_var(values, mask)

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 if TYPE_CHECKING:
@@ -94,8 +95,6 @@ class RunningMean:
         Reduces ``mean * count`` and ``count`` in float64; the sum form is fine here because it
         happens once per reduction, not once per element.
         """
-        import torch.distributed as dist
-
         if not (dist.is_available() and dist.is_initialized()):
             return self
         packed = torch.stack([self.mean * self.count, self.count])

@@ -10,7 +10,8 @@ A file is bounded before it is read whole: at most ``max_rows`` prompts and ``ma
 (``data.max_rows_per_file``, ``data.max_bytes_per_file``). A Parquet file is measured first by
 its metadata (rows, the prompt column's uncompressed size) and then by the length of its text,
 read as a dictionary so that repeated strings are counted without being built: a file of a few
-hundred bytes can hold gigabytes of one string repeated.
+hundred bytes can hold gigabytes of one string repeated. pyarrow is imported where a Parquet
+file is read, so that the config (which imports this module for its size limits) loads quickly.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ top-p, so that the logprobs computed later describe the distribution that was ac
 (docs/design.md section 8). ``generate`` fills every setting left unset from the model's own
 ``generation_config.json`` and then from transformers' defaults (a top-k of 50 among them), so
 :func:`sampling_config` sets each setting that shapes the distribution, and :func:`sample` runs
-``generate`` with the model's own generation settings out of the way.
+``generate`` with the model's own generation settings out of the way. transformers is imported
+where a generation config is built (its import takes seconds).
 """
 
 from __future__ import annotations

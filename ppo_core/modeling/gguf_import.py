@@ -6,7 +6,9 @@ header, an architecture transformers maps to a causal LM, tensor types ``gguf`` 
 so that a file that cannot be imported is refused by name before anything is written; then it
 loads the model and the tokenizer, moves the weights into a plain model of the same config and
 writes a ``save_pretrained`` folder: safetensors weights (fp32, or bf16), the tokenizer with its
-chat template, and the generation config with the tokenizer's EOS and pad tokens.
+chat template, and the generation config with the tokenizer's EOS and pad tokens. ``gguf``,
+numpy and transformers are imported where a file is read: only ``ppo base`` of a GGUF file needs
+them.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import warnings
 from collections import Counter
 from dataclasses import dataclass
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +126,6 @@ def read_gguf(path: str | Path, given: str | None = None) -> GGUFSummary:
 
 
 def _version(package: str) -> str:
-    from importlib.metadata import version
-
     return version(package)
 
 

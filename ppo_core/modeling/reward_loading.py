@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_core.modeling import rewards
 from ppo_core.modeling.causal_lm import from_pretrained_checked, fuse_activations
 from ppo_core.modeling.data import Prompt
 from ppo_core.modeling.folders import check_model_folder
@@ -77,8 +78,6 @@ def _reward_callable(
 ) -> RewardFn:
     """The bare function named by ``spec``, before any check or time limit."""
     if spec in BUILTIN_REWARDS:
-        from ppo_core.modeling import rewards
-
         try:
             return getattr(rewards, BUILTIN_REWARDS[spec])()
         except ImportError as exc:  # a built-in scorer's optional package is missing

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from ppo_core.math.losses import logprobs_from_logits
+from ppo_core.math.losses import entropy_from_logits, logprobs_from_logits
 from ppo_core.modeling.causal_lm import (
     logits_to_keep_kwargs,
     position_ids_from_mask,
@@ -76,8 +76,6 @@ def score_sequences(
     logprobs = logprobs_from_logits(response_logits, response_ids, temperature)
     entropy = None
     if with_entropy:
-        from ppo_core.math.losses import entropy_from_logits
-
         # Entropy only enters the loss with an entropy bonus; as a metric it needs no graph.
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             entropy = entropy_from_logits(response_logits, temperature)

@@ -9,6 +9,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from omegaconf import OmegaConf
+
 from ppo_core.config import Config, flatten
 from ppo_core.files import discard
 from ppo_core.modeling.checkpoint import (
@@ -50,8 +52,6 @@ def resume_mismatch(
     """Why a checkpoint cannot continue this run (another config or data version), or None."""
     if state.get("data_hash") != data_hash:
         return f"it was trained on data version {state.get('data_hash')}, this run has {data_hash}"
-    from omegaconf import OmegaConf
-
     before = flatten(OmegaConf.create(state.get("config", "{}")))
     now = flatten(config)
     before_ranks = int(state.get("world_size", 1))
