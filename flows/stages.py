@@ -3,9 +3,9 @@
 ``dvc.yaml`` runs them as ``ppo <stage>``; the Prefect flow calls the same commands. Each reads
 and writes files only, and writes its outputs atomically.
 
-Torch, transformers, pandas and Great Expectations (seconds each to import) are imported inside
-the stages that use them, so that ``ppo --help``, ``ppo prepare`` and ``ppo promote`` start at
-once; everything else is imported here.
+Torch, transformers, pandas and Great Expectations (seconds each to import), and the loggers
+(rich's progress bars), are imported inside the stages that use them, so that ``ppo --help`` and
+the light stages start at once; everything else is imported here.
 """
 
 from __future__ import annotations
@@ -17,8 +17,6 @@ import stat
 import time
 from pathlib import Path
 
-from flows.loggers import ConsoleProgress, DVCLiveLogger, metric_group
-from flows.plots import plot_training_curves
 from flows.raw_data import (
     check_raw_data_is_prepared,
     in_eval_split,
@@ -258,6 +256,8 @@ def _gguf_import(config: Config, source: Path, blobs: Path | None, record: dict)
 def train(config: Config, show_progress: bool = True):
     """The PPO loop with DVCLive metrics, a progress bar, and ``curves.png`` in the metrics
     folder."""
+    from flows.loggers import ConsoleProgress, DVCLiveLogger
+    from flows.plots import plot_training_curves
     from ppo_core.distributed import is_main_process
     from ppo_core.trainer import train as run_training
 
@@ -380,6 +380,8 @@ def _is_report(content: bytes) -> bool:
 def promote(config: Config) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
     candidate as a new production version. Writes the decision to ``promote.report`` either way."""
+    from flows.loggers import metric_group  # rich's progress bars: only train and promote
+
     rules = config.promote
     # Checked before anything is decided or published: the decision must be writable.
     check_replaceable_file(rules.report, "promote.report", "a promotion report", _is_report)
