@@ -81,6 +81,21 @@ def sample_merged(actor_critic, ids, mask, config) -> None:
         sample(model, ids, mask, config)
 
 
+def time_interleaved(calls: list, repeats: int) -> list[list[float]]:
+    """Seconds of each call in each repeat, after one warm-up call each. Interleaved: each
+    repeat times every call once, so that a slower stretch of the machine falls on all alike."""
+    times: list[list[float]] = [[] for _ in calls]
+    for call in calls:
+        call()  # warm-up
+    for repeat in range(repeats):
+        for index, call in enumerate(calls):
+            torch.manual_seed(repeat)
+            started = time.perf_counter()
+            call()
+            times[index].append(time.perf_counter() - started)
+    return times
+
+
 def measure(args: argparse.Namespace) -> None:
     from ppo_core.modeling.generation import encode_prompts, sample, sampling_config
     from ppo_core.modeling.lora import LoraSettings, LoraWeights
@@ -126,17 +141,7 @@ def measure(args: argparse.Namespace) -> None:
                 functools.partial(sample_merged, actor_critic, ids, mask, config),
             )
         )
-    # Interleaved: each repeat times every side once, so that a slower stretch of the machine
-    # falls on all sides alike.
-    times: list[list[float]] = [[] for _ in sides]
-    for _, _, call in sides:
-        call()  # warm-up
-    for repeat in range(args.repeats):
-        for index, (_, _, call) in enumerate(sides):
-            torch.manual_seed(repeat)
-            started = time.perf_counter()
-            call()
-            times[index].append(time.perf_counter() - started)
+    times = time_interleaved([call for _, _, call in sides], args.repeats)
     tokens = args.batch * args.new_tokens
     rows = [
         {"side": side, "rank": rank, "seconds": statistics.median(seconds), "all_seconds": seconds}

@@ -25,6 +25,25 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def synthetic_batch(rows: int) -> dict:
+    """A rollout batch of ``rows`` rows for the tiny GPT-2 of :func:`child`: 8 prompt tokens,
+    16 response tokens (about 80% of them unmasked), seeded by ``rows``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(rows)
+    mask = torch.rand(rows, 16, generator=gen) < 0.8
+    return {
+        "prompt_ids": torch.randint(3, 942, (rows, 8), generator=gen),
+        "prompt_mask": torch.ones(rows, 8, dtype=torch.long),
+        "response_ids": torch.randint(3, 942, (rows, 16), generator=gen),
+        "response_mask": mask,
+        "old_logprobs": torch.full((rows, 16), -7.0),
+        "advantages": torch.randn(rows, 16, generator=gen),
+        "old_values": torch.zeros(rows, 16),
+        "returns": torch.randn(rows, 16, generator=gen),
+    }
+
+
 def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[str, float]:
     import torch
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -50,20 +69,6 @@ def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[s
     )
     model = ActorCritic(GPT2LMHeadModel(config), torch.nn.Linear(hidden, 1)).eval()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
-
-    def batch(rows: int) -> dict[str, torch.Tensor]:
-        gen = torch.Generator().manual_seed(rows)
-        mask = torch.rand(rows, 16, generator=gen) < 0.8
-        return {
-            "prompt_ids": torch.randint(3, 942, (rows, 8), generator=gen),
-            "prompt_mask": torch.ones(rows, 8, dtype=torch.long),
-            "response_ids": torch.randint(3, 942, (rows, 16), generator=gen),
-            "response_mask": mask,
-            "old_logprobs": torch.full((rows, 16), -7.0),
-            "advantages": torch.randn(rows, 16, generator=gen),
-            "old_values": torch.zeros(rows, 16),
-            "returns": torch.randn(rows, 16, generator=gen),
-        }
 
     objective = PPOObjective(clip_eps=0.2, clip_eps_value=0.2, vf_coef=0.1)  # the defaults
 
@@ -93,9 +98,9 @@ def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[s
         )
         optimizer.step()
 
-    update(batch(1), 1)  # warm-up: optimizer state and allocator at a one-row shape
+    update(synthetic_batch(1), 1)  # warm-up: optimizer state and allocator at a one-row shape
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    data = batch(mini)
+    data = synthetic_batch(mini)
     times = []
     for _ in range(steps):
         start = time.perf_counter()
