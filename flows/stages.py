@@ -38,6 +38,14 @@ from ppo_core.files import (
     printable,
     regular_files,
 )
+from ppo_core.lineage import Lineage, read_lineage
+from ppo_core.modeling.adapter_folders import (
+    ADAPTER_BASE_FILE,
+    ADAPTER_CONFIG_FILE,
+    ADAPTER_WEIGHTS_FILE,
+    is_adapter_folder,
+    recorded_fingerprint,
+)
 from ppo_core.modeling.data import (
     CHAT_FIELD,
     Prompt,
@@ -50,7 +58,13 @@ from ppo_core.modeling.data import (
 from ppo_core.modeling.hub_cache import resolve_model_source, snapshot_blobs
 from ppo_core.output_paths import inside, real_path
 from ppo_core.provenance import code_version
-from ppo_core.registry import current_production, gate, record_decision
+from ppo_core.registry import (
+    check_version,
+    current_production,
+    gate,
+    promoted_entry,
+    record_decision,
+)
 
 
 def prepare(config: Config) -> Path:
@@ -184,6 +198,9 @@ def base(config: Config) -> Path:
     source = resolve_model_source(config.base.source, "base.source")
     blobs = snapshot_blobs(source)
     record = _shown_source(config.base.source, source)
+    lineage = _production_lineage(config, source)
+    if lineage is not None:
+        record.update(lineage.as_record())
     if source.is_file() or (source.is_symlink() and not source.is_dir()):
         write = _gguf_import(config, source, blobs, record)
     else:
@@ -224,9 +241,45 @@ def _folder_import(config: Config, source: Path, blobs: Path | None, record: dic
         regular_files(source, link_root=blobs)
     # Load both first: a folder that cannot serve as a policy is refused before anything is written.
     load_tokenizer(source, config.model.trust_remote_code)
-    load_causal_lm(source, "base.source", config.model.trust_remote_code)
-    record["format"] = "folder"
-    return lambda tmp: copy_regular_tree(source, tmp, link_root=blobs)
+    model = load_causal_lm(source, "base.source", config.model.trust_remote_code)
+    if not is_adapter_folder(source):
+        record["format"] = "folder"
+        return lambda tmp: copy_regular_tree(source, tmp, link_root=blobs)
+    # An adapter (a LoRA production version) becomes the whole model it stands for: its base
+    # with the adapter merged in, so that the next generation trains, and is judged, on exactly
+    # the model in production (docs/design.md, "Generations").
+    record["format"] = "merged adapter"
+    record["adapter_base_sha256"] = recorded_fingerprint(source)
+
+    def write_merged(tmp: Path) -> None:
+        copy_regular_tree(source, tmp, link_root=blobs)  # tokenizer, value head, records
+        for name in (ADAPTER_CONFIG_FILE, ADAPTER_WEIGHTS_FILE, ADAPTER_BASE_FILE):
+            (tmp / name).unlink(missing_ok=True)
+        model.save_pretrained(tmp, safe_serialization=True)
+
+    return write_merged
+
+
+def _production_lineage(config: Config, source: Path) -> Lineage | None:
+    """The lineage of a base imported from a version of ``promote.production_dir``: the version
+    as the parent and the origin its registry entry names (None for any other source). The
+    version is checked against the content hash the registry recorded for it first."""
+    production = real_path(config.promote.production_dir)
+    where = real_path(source)
+    if os.path.dirname(where) != production:
+        return None
+    version = os.path.basename(where)
+    entry = promoted_entry(config.promote.registry, version)
+    if entry is None:
+        return None
+    check_version(config.promote.registry, config.promote.production_dir, version)
+    origin = entry.get("origin")
+    if origin is None:
+        print(
+            f"the registry records no origin for {version} (promoted before lineage was kept): "
+            f"drift is measured from {version} on"
+        )
+    return Lineage(parent=version, origin=origin)
 
 
 def _gguf_import(config: Config, source: Path, blobs: Path | None, record: dict):
@@ -408,7 +461,9 @@ def promote(config: Config) -> dict:
         production_dir=rules.production_dir,
         candidate_dir=config.train.output_dir,
         decision=decision,
+        base_dir=config.model.policy,
         lineage={
+            **read_lineage(config.model.policy).as_record(),
             "data_hash": summary.get("data_hash"),
             "base_model": summary.get("base_model"),
             "code_version": code_version(),

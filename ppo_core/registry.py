@@ -22,8 +22,22 @@ from ppo_core.files import (
     exclusive_run,
     tree_sha256,
 )
+from ppo_core.lineage import store_base
+from ppo_core.modeling.adapter_folders import (
+    adapter_base_folder,
+    is_adapter_folder,
+    point_adapter_at,
+)
 
-__all__ = ["GateDecision", "current_production", "gate", "load_registry", "record_decision"]
+__all__ = [
+    "GateDecision",
+    "check_version",
+    "current_production",
+    "gate",
+    "load_registry",
+    "promoted_entry",
+    "record_decision",
+]
 
 
 VERSION_PATTERN = re.compile(r"v\d{4,}")
@@ -163,40 +177,54 @@ def load_registry(path: str | Path) -> dict[str, Any]:
 
 
 def current_production(registry_path: str | Path, production_dir: str | Path) -> Path | None:
-    """Folder of the current production version, or None before the first promotion.
-
-    The folder's content is checked against the SHA-256 recorded when it was promoted: a
-    version changed on disk since is refused (:class:`RegistryError`) rather than used as the
-    baseline or replaced by the next promotion. An entry without a recorded hash (absent,
-    null, or not a SHA-256) is refused the same way: the check cannot be switched off by
-    editing the registry."""
-    registry = load_registry(registry_path)
-    current = registry.get("current")
+    """Folder of the current production version, or None before the first promotion, checked
+    as :func:`check_version` checks a version."""
+    current = load_registry(registry_path).get("current")
     if not current:
         return None
-    folder = Path(production_dir) / current
-    if not (folder / "config.json").is_file() and not (folder / "adapter_config.json").is_file():
+    return check_version(registry_path, production_dir, current)
+
+
+def promoted_entry(registry_path: str | Path, version: str) -> dict[str, Any] | None:
+    """The registry entry that promoted ``version``, or None when no entry did."""
+    entries = load_registry(registry_path)["entries"]
+    return next((e for e in entries if e.get("version") == version), None)
+
+
+def check_version(registry_path: str | Path, production_dir: str | Path, version: str) -> Path:
+    """The folder of production version ``version``, checked: it exists, its content is the
+    SHA-256 recorded when it was promoted, and an adapter version's base is there with the
+    fingerprint the adapter records. A version changed on disk since is refused
+    (:class:`RegistryError`) rather than used as a baseline, a base or the next production. An
+    entry without a recorded hash (absent, null, or not a SHA-256) is refused the same way: the
+    check cannot be switched off by editing the registry."""
+    if not VERSION_PATTERN.fullmatch(version):
+        raise RegistryError(f"{version!r} is not a version name (v0001, v0002, ...)")
+    folder = Path(production_dir) / version
+    if not (folder / "config.json").is_file() and not is_adapter_folder(folder):
         raise FileNotFoundError(
-            f"the registry names production version {current} but {folder} "
+            f"the registry names production version {version} but {folder} "
             "is missing; restore it (e.g. `dvc pull`) before going on"
         )
-    recorded = next(
-        (e.get("content_sha256") for e in registry["entries"] if e.get("version") == current),
-        None,
-    )
+    entry = promoted_entry(registry_path, version)
+    if entry is None:
+        raise RegistryError(f"the registry {registry_path} has no production version {version}")
+    recorded = entry.get("content_sha256")
     if not isinstance(recorded, str) or not re.fullmatch(r"[0-9a-f]{64}", recorded):
         raise RegistryError(
-            f"production version {current} has no content hash in the registry "
+            f"production version {version} has no content hash in the registry "
             f"(content_sha256 is {recorded!r}), so {folder} cannot be checked; restore the "
             "registry (e.g. `dvc pull`) or promote a version again"
         )
     if tree_sha256(folder) != recorded:
         raise RegistryError(
-            f"production version {current} in {folder} no longer matches the content hash the "
+            f"production version {version} in {folder} no longer matches the content hash the "
             f"registry recorded when it was promoted ({str(recorded)[:12]}...); a file in it "
             "was changed, added or removed. Restore it (e.g. `dvc pull` or "
             "`dvc checkout`) before evaluating or promoting"
         )
+    if is_adapter_folder(folder):
+        adapter_base_folder(folder)  # missing or changed: AdapterError naming it
     return folder
 
 
@@ -207,14 +235,22 @@ def record_decision(
     candidate_dir: str | Path,
     decision: GateDecision,
     lineage: dict[str, Any],
+    base_dir: str | Path | None = None,
 ) -> dict[str, Any]:
     """Append the decision to the registry; on promotion, first copy the candidate to a new
-    version folder. Returns the registry entry."""
+    version folder. Returns the registry entry.
+
+    ``lineage`` holds ``parent_version`` and ``origin`` (:class:`ppo_core.lineage.Lineage`) with
+    the rest of what the entry records. A promoted version is self-contained: the base of an
+    adapter version, and the origin of a chain that starts here (``base_dir``, the base the
+    candidate trained from), are stored under ``<production_dir>/bases/``
+    (:func:`ppo_core.lineage.store_base`) and the version names them there, so that no later
+    ``ppo base`` can take from a version what it needs to load."""
     registry_path = Path(registry_path)
     # Two promotions at once would pick the same version number or drop each other's entry.
     lock = registry_path.with_name(f".{registry_path.name}.lock")
     with exclusive_run(lock, f"promotion into {registry_path}"):
-        return _record(registry_path, production_dir, candidate_dir, decision, lineage)
+        return _record(registry_path, production_dir, candidate_dir, decision, lineage, base_dir)
 
 
 def _record(
@@ -223,6 +259,7 @@ def _record(
     candidate_dir: str | Path,
     decision: GateDecision,
     lineage: dict[str, Any],
+    base_dir: str | Path | None,
 ) -> dict[str, Any]:
     registry = load_registry(registry_path)
     promoted = [e for e in registry["entries"] if e.get("version")]
@@ -233,9 +270,6 @@ def _record(
         "candidate": str(candidate_dir),
         **lineage,
     }
-    adapter_base = Path(candidate_dir) / "adapter_base.json"
-    if adapter_base.is_file():  # a LoRA adapter: the version needs this base beside it
-        entry["adapter_base"] = json.loads(adapter_base.read_text())
     if decision.promote:
         version = f"v{len(promoted) + 1:04d}"
         target = Path(production_dir) / version
@@ -244,9 +278,13 @@ def _record(
                 f"{target} exists but the registry does not know it; refusing "
                 "to overwrite a production version"
             )
-        # Regular files only, within a size cap: a link in the candidate (to a private key, to
-        # /dev/zero) is refused by name instead of copied into production and pushed by DVC.
-        atomic_folder(target, lambda tmp: copy_regular_tree(candidate_dir, tmp))
+        stored_base = None
+        if is_adapter_folder(candidate_dir):  # the adapter's base, checked, kept with it
+            stored_base = store_base(production_dir, adapter_base_folder(candidate_dir))
+            entry["adapter_base"] = stored_base
+        if entry.get("origin") is None and base_dir is not None:
+            entry["origin"] = store_base(production_dir, base_dir)
+        atomic_folder(target, lambda tmp: _write_version(candidate_dir, tmp, stored_base))
         entry["version"] = version
         entry["path"] = str(target)
         entry["content_sha256"] = tree_sha256(target)
@@ -254,3 +292,12 @@ def _record(
     registry["entries"].append(entry)
     atomic_write_text(registry_path, json.dumps(registry, indent=1))
     return entry
+
+
+def _write_version(candidate_dir: str | Path, folder: Path, stored_base: dict | None) -> None:
+    """The candidate's files in ``folder``; an adapter is pointed at its stored base."""
+    # Regular files only, within a size cap: a link in the candidate (to a private key, to
+    # /dev/zero) is refused by name instead of copied into production and pushed by DVC.
+    copy_regular_tree(candidate_dir, folder)
+    if stored_base is not None:
+        point_adapter_at(folder, stored_base["path"], stored_base["base_sha256"])

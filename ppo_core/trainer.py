@@ -180,7 +180,7 @@ def _run(
         config.parallel.reference_offload,
     )
     inputs = check_inputs(config, runtime)
-    checkpoint = resolve_resume(config, runtime, inputs.data_hash)
+    checkpoint = resolve_resume(config, runtime, inputs.data_hash, inputs.base_sha256)
     models = build_models(
         config, runtime, strategy, checkpoint["model_dir"] if checkpoint else None
     )
@@ -193,7 +193,11 @@ def _run(
     for past in state.history:  # loggers see the whole run, not only its resumed part
         for logger in loggers:
             logger.log(int(past["iteration"]), {k: v for k, v in past.items() if k != "iteration"})
-    lineage = {**run_lineage(config, inputs.data_hash), "world_size": runtime.parallel.world_size}
+    lineage = {
+        **run_lineage(config, inputs.data_hash),
+        "base_sha256": inputs.base_sha256,
+        "world_size": runtime.parallel.world_size,
+    }
     metrics: dict[str, float] = state.history[-1] if state.history else {}
     while state.iteration < config.train.iterations:
         result = run_iteration(config, runtime, inputs, models, state)

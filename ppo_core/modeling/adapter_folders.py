@@ -29,6 +29,7 @@ __all__ = [
     "check_adapter_folder",
     "check_base_matches",
     "is_adapter_folder",
+    "point_adapter_at",
     "recorded_fingerprint",
 ]
 
@@ -171,3 +172,16 @@ def base_record_path(base: str | Path) -> str:
         return real.relative_to(os.path.realpath(os.getcwd())).as_posix()
     except ValueError:
         return str(real)
+
+
+def point_adapter_at(folder: str | Path, base: str | Path, fingerprint: str) -> None:
+    """Make the adapter in ``folder`` name ``base`` (with the fingerprint ``fingerprint``) as
+    the model it applies to: ``adapter_base.json`` and the ``base_model_name_or_path`` of
+    ``adapter_config.json``, both naming it as :func:`base_record_path` does."""
+    folder = Path(folder)
+    config_file = folder / ADAPTER_CONFIG_FILE
+    config = json.loads(config_file.read_text())
+    config["base_model_name_or_path"] = base_record_path(base)
+    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+    record = {"base": base_record_path(base), "base_sha256": fingerprint}
+    (folder / ADAPTER_BASE_FILE).write_text(json.dumps(record, indent=1))

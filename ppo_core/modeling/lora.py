@@ -16,7 +16,6 @@ that use it: importing it takes about 3 s, which a run without LoRA never pays.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import warnings
 from collections.abc import Iterator, Sequence
@@ -34,10 +33,10 @@ from ppo_core.modeling.adapter_folders import (
     AdapterError,
     adapter_base_folder,
     base_fingerprint,
-    base_record_path,
     check_adapter_folder,
     check_base_matches,
     is_adapter_folder,
+    point_adapter_at,
     recorded_fingerprint,
 )
 from ppo_core.modeling.causal_lm import load_plain_causal_lm, unwrap_model
@@ -217,18 +216,10 @@ def save_adapter(
         safe_serialization=True,
         **({"state_dict": state_dict} if state_dict is not None else {}),
     )
-    config_file = folder / ADAPTER_CONFIG_FILE
-    config = json.loads(config_file.read_text())
-    config["base_model_name_or_path"] = base_record_path(base)
-    config_file.write_text(json.dumps(config, indent=2, sort_keys=True))
+    point_adapter_at(folder, base, base_fingerprint(base))
     # peft's model card names the base by the absolute path it was loaded from: a shared file
     # must not record the user's folders, and adapter_base.json says what the card would
     (folder / "README.md").unlink(missing_ok=True)
-    (folder / ADAPTER_BASE_FILE).write_text(
-        json.dumps(
-            {"base": base_record_path(base), "base_sha256": base_fingerprint(base)}, indent=1
-        )
-    )
 
 
 def merged_model(peft_model: Any) -> Any:

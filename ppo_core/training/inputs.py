@@ -8,6 +8,7 @@ from typing import Any
 
 from ppo_core.config import Config
 from ppo_core.files import check_replaceable
+from ppo_core.modeling.adapter_folders import base_fingerprint
 from ppo_core.modeling.causal_lm import load_tokenizer
 from ppo_core.modeling.data import Prompt, load_prompts, read_manifest_hash
 from ppo_core.modeling.folders import ModelFolderError, check_model_folder
@@ -26,6 +27,9 @@ class RunInputs:
     tokenizer: Any
     data_hash: str | None
     reward_fn: RewardFn
+    base_sha256: str | None = None
+    """Fingerprint of ``model.policy`` (config and weights): a checkpoint continues a run only
+    on the base it started from (a new generation imports a new base under the same path)."""
 
 
 def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
@@ -63,6 +67,7 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
         tokenizer=tokenizer,
         data_hash=read_manifest_hash(config.data.train_file),
         reward_fn=build_reward(model, runtime.device),
+        base_sha256=base_fingerprint(model.policy),
     )
 
 

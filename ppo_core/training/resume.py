@@ -47,11 +47,24 @@ PER_RANK_KEYS = ("ppo.rollout_batch_size", "ppo.mini_batch_size")
 
 
 def resume_mismatch(
-    config: Config, state: dict[str, Any], data_hash: str | None, world_size: int = 1
+    config: Config,
+    state: dict[str, Any],
+    data_hash: str | None,
+    world_size: int = 1,
+    base_sha256: str | None = None,
 ) -> str | None:
-    """Why a checkpoint cannot continue this run (another config or data version), or None."""
+    """Why a checkpoint cannot continue this run (another config, data version or base model),
+    or None. A checkpoint that records no base fingerprint (written before it was recorded) is
+    compared on config and data only."""
     if state.get("data_hash") != data_hash:
         return f"it was trained on data version {state.get('data_hash')}, this run has {data_hash}"
+    recorded_base = state.get("base_sha256")
+    if recorded_base is not None and base_sha256 is not None and recorded_base != base_sha256:
+        return (
+            f"it was trained from another model.policy (fingerprint {str(recorded_base)[:12]}, "
+            f"{config.model.policy} now has {base_sha256[:12]}: a new base, e.g. the next "
+            "generation's)"
+        )
     before = flatten(OmegaConf.create(state.get("config", "{}")))
     now = flatten(config)
     before_ranks = int(state.get("world_size", 1))
@@ -118,7 +131,7 @@ def set_aside_checkpoints(checkpoint_dir: str | Path, keep: int) -> tuple[Path, 
 
 
 def resolve_resume(
-    config: Config, runtime: Runtime, data_hash: str | None
+    config: Config, runtime: Runtime, data_hash: str | None, base_sha256: str | None = None
 ) -> dict[str, Any] | None:
     """The newest good checkpoint that continues this run (same config and data), or None.
 
@@ -137,7 +150,9 @@ def resolve_resume(
         warnings.warn(f"skipping damaged checkpoint {problem}", stacklevel=3)
     if checkpoint is None:
         return None
-    reason = resume_mismatch(config, checkpoint["state"], data_hash, runtime.parallel.world_size)
+    reason = resume_mismatch(
+        config, checkpoint["state"], data_hash, runtime.parallel.world_size, base_sha256
+    )
     if reason is None:
         return checkpoint
     parallel.barrier()  # every rank has read the checkpoint list before it moves

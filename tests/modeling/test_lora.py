@@ -236,8 +236,11 @@ def test_adapter_and_merged_candidates_are_the_same_policy_and_promote(
         decision=GateDecision(True, []),
         lineage={},
     )
-    assert entry["adapter_base"] == record  # the registry says which base the version needs
+    # the registry says which base the version needs: a copy of it kept in production
+    stored = tmp_path / "production" / "bases" / record["base_sha256"]
+    assert entry["adapter_base"] == {"path": str(stored), "base_sha256": record["base_sha256"]}
     production = tmp_path / "production" / entry["version"]
+    assert json.loads((production / "adapter_base.json").read_text())["base"] == str(stored)
     assert load_registry(registry)["current"] == entry["version"]
     torch.testing.assert_close(logprobs(load_causal_lm(production), batch), from_adapter)
 
