@@ -451,7 +451,7 @@ def promote(config: Config) -> dict:
     candidate = side("candidate")
     if candidate is None:
         raise ValueError(f"{metrics_file} has no candidate metrics")
-    decision = gate(candidate, side("baseline"), rules)
+    decision = gate(candidate, side("baseline"), rules, config.generation.max_new_tokens)
     summary_file = Path(config.train.output_dir) / "training_summary.json"
     summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
     config_file = Path(config.train.output_dir) / "ppo_config.yaml"

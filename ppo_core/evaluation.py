@@ -32,6 +32,7 @@ import yaml
 from ppo_core.config import Config, ConfigError
 from ppo_core.evaluation_report import ModelReport, RewardChoice, metric_table, write_reports
 from ppo_core.files import first_line
+from ppo_core.lineage import origin_folder
 from ppo_core.markdown import escape_markdown
 from ppo_core.math.masked import masked_sum
 from ppo_core.modeling.causal_lm import load_tokenizer
@@ -45,6 +46,7 @@ from ppo_core.modeling.vocabulary import (
     vocabulary_mismatch,
     vocabulary_of,
 )
+from ppo_core.output_paths import real_path
 from ppo_core.rollout import (
     POSITIVE_SCORE,
     build_reward,
@@ -173,11 +175,15 @@ def evaluate_model(
     config: Config,
     runtime: Runtime,
     check_fn: RewardFn | None = None,
+    origin: torch.nn.Module | None = None,
 ) -> ModelReport:
     """Sample ``eval.samples_per_prompt`` responses per prompt from the model in ``path`` with
     its own ``tokenizer``, with the rollout's own sampling and scoring code, and measure them.
     ``reference`` is None when the model's tokenizer is not the reference's: no KL and no
-    reference NLL then. ``check_fn``, when given, scores the same responses as ``check_score``."""
+    reference NLL then. ``check_fn``, when given, scores the same responses as ``check_score``.
+    ``origin``, the first model of a chain of generations when it is not the reference, gives
+    ``kl_to_origin`` and ``origin_nll`` as the reference gives its two (without it they are the
+    reference's: the chain starts at the reference)."""
     model = load_causal_lm(path, name, config.model.trust_remote_code).to(runtime.device)
     expanded = [p for p in prompts for _ in range(config.eval.samples_per_prompt)]
     batch_size = config.ppo.rollout_batch_size
@@ -195,15 +201,14 @@ def evaluate_model(
                 scorer, generated, at_temperature, runtime, batch_size, with_values=False
             ).logprobs
 
-        ref_logprobs = logprobs_of(reference, temperature)
-        kl = masked_sum(logprobs_of(model, temperature) - ref_logprobs, mask, dim=1)
-        # Fluency is judged by the reference's own distribution, not the sampling temperature's.
-        plain = ref_logprobs if temperature == 1.0 else logprobs_of(reference, 1.0)
-        tokens = mask.sum().clamp(min=1)
-        guard_metrics = {
-            "kl_to_reference": kl.mean().item(),
-            "reference_nll": (-masked_sum(plain, mask) / tokens).item(),
-        }
+        own = logprobs_of(model, temperature)
+        kl, nll = _drift_from(reference, own, mask, logprobs_of, temperature)
+        guard_metrics = {"kl_to_reference": kl, "reference_nll": nll}
+        if origin is None:  # the chain's origin is the reference itself
+            guard_metrics.update(kl_to_origin=kl, origin_nll=nll)
+        else:
+            kl, nll = _drift_from(origin, own, mask, logprobs_of, temperature)
+            guard_metrics.update(kl_to_origin=kl, origin_nll=nll)
     del model
     responses, score = score_responses(reward_fn, tokenizer, expanded, generated)
     if check_fn is not None:
@@ -235,11 +240,31 @@ def evaluate_model(
         metrics=metrics,
         samples=samples,
         unmeasured=(
-            {}
-            if reference is not None
-            else {"kl_to_reference": OTHER_TOKENIZER, "reference_nll": OTHER_TOKENIZER}
+            {} if reference is not None else dict.fromkeys(REFERENCE_METRICS, OTHER_TOKENIZER)
         ),
     )
+
+
+REFERENCE_METRICS = ("kl_to_reference", "reference_nll", "kl_to_origin", "origin_nll")
+"""What a model whose tokenizer is not the reference's gets no value of."""
+
+
+def _drift_from(
+    scorer: torch.nn.Module,
+    own_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    logprobs_of,
+    temperature: float,
+) -> tuple[float, float]:
+    """The model's KL to ``scorer`` (nats per sequence: the k1 sum over response tokens, mean
+    over responses) and ``scorer``'s NLL of the responses (nats per token, at temperature 1).
+    ``own_logprobs`` and ``mask``: ``[B, T]``."""
+    scorer_logprobs = logprobs_of(scorer, temperature)
+    kl = masked_sum(own_logprobs - scorer_logprobs, mask, dim=1)
+    # Fluency is judged by the scorer's own distribution, not the sampling temperature's.
+    plain = scorer_logprobs if temperature == 1.0 else logprobs_of(scorer, 1.0)
+    tokens = mask.sum().clamp(min=1)
+    return kl.mean().item(), (-masked_sum(plain, mask) / tokens).item()
 
 
 def evaluate(
@@ -282,6 +307,7 @@ def evaluate(
         raise RewardError(f"{exc} (the reward set by eval.reward)") from None
     check_fn = check_reward_fn(config, runtime)
     reference = load_reference(config.model, runtime.device)
+    origin_path, origin = _origin_model(config, reference_vocab, runtime)
     reports = {
         name: evaluate_model(
             name,
@@ -293,6 +319,7 @@ def evaluate(
             config,
             runtime,
             check_fn,
+            origin,
         )
         for name, path in models.items()
     }
@@ -303,6 +330,7 @@ def evaluate(
         len(prompts),
         reward=reward,
         reference=reference_vocab.folder,
+        origin=str(origin_path),
     )
     return reports
 
@@ -334,6 +362,26 @@ def _kl_measurable(
                 "response_length counts its own tokens"
             )
     return reference_vocab, measure_kl
+
+
+def _origin_model(
+    config: Config, reference_vocab: Vocabulary, runtime: Runtime
+) -> tuple[Path, torch.nn.Module | None]:
+    """The chain's origin (:func:`ppo_core.lineage.origin_folder`) and the model loaded for
+    scoring, None when it is the KL reference's own folder (the first generation of a chain)."""
+    folder = origin_folder(config.model.policy)
+    reference = config.model.reference or config.model.policy
+    if real_path(folder) == real_path(reference):
+        return folder, None
+    tokenizer = load_tokenizer(folder, config.model.trust_remote_code)
+    mismatch = vocabulary_mismatch(vocabulary_of(folder, tokenizer), reference_vocab)
+    if mismatch is not None:
+        raise TokenizerMismatchError(
+            f"the chain's origin {str(folder)!r} has another tokenizer than the KL reference: "
+            f"{mismatch}; drift from the origin cannot be measured"
+        )
+    model = load_causal_lm(folder, "the chain's origin", config.model.trust_remote_code)
+    return folder, model.to(runtime.device)
 
 
 def check_reward_fn(config: Config, runtime: Runtime) -> RewardFn | None:

@@ -62,6 +62,7 @@ def write_reports(
     *,
     reward: RewardChoice,
     reference: str,
+    origin: str | None = None,
 ) -> None:
     """``metrics.json`` (flat, for ``dvc metrics``; a metric a model lacks is absent),
     ``models.json`` (which folders were compared, the KL reference and the reward),
@@ -82,6 +83,7 @@ def write_reports(
         described = {
             **{n: r.path for n, r in reports.items()},
             "reference": reference,
+            "origin": origin or reference,
             "reward": reward.spec,
             "reward_source": reward.source,
             **(
@@ -95,7 +97,9 @@ def write_reports(
             json.dumps({name: r.samples for name, r in reports.items()}, indent=1)
         )
         (tmp / "report.md").write_text(
-            markdown_report(reports, num_prompts, config, reward=reward, reference=reference)
+            markdown_report(
+                reports, num_prompts, config, reward=reward, reference=reference, origin=origin
+            )
         )
 
     atomic_folder(folder, write)
@@ -108,6 +112,7 @@ def markdown_report(
     *,
     reward: RewardChoice,
     reference: str,
+    origin: str | None = None,
 ) -> str:
     """The evaluation as Markdown. Every prompt, response, folder and reward name in it comes
     from users or models and goes through :func:`escape_markdown`."""
@@ -126,6 +131,11 @@ def markdown_report(
             if config.promote.check_reward is not None
             else "."
         ),
+        "",
+        "Drift across generations: kl_to_origin and origin_nll measure against the first "
+        f"model of the chain of production versions, {escape_markdown(origin or reference)}"
+        " (the reference itself in a chain's first generation); promote.max_kl_from_origin "
+        "bounds the first.",
         "",
         "| metric | " + " | ".join(names) + " |",
         "|---|" + "---:|" * len(names),

@@ -283,6 +283,13 @@ def test_promote_decides_on_a_baseline_without_kl(other_baseline_run):
     from flows import stages
 
     config, _, _ = other_baseline_run
+    # the fluency guard reads the baseline's reference NLL, which another tokenizer cannot have:
+    # the gate cannot judge it, refuses, and names the key that turns the guard off
+    entry = stages.promote(config)
+    assert entry["decision"] == "rejected"
+    [failed] = [r for r in entry["reasons"] if r.startswith("FAIL")]
+    assert "baseline reference_nll is missing" in failed and "promote.max_nll_increase" in failed
+    config.promote.max_nll_increase = None
     entry = stages.promote(config)
     assert entry["decision"] == "promoted" and entry["version"] == "v0001"
     assert "kl_to_reference" not in entry["baseline_metrics"]
@@ -357,7 +364,11 @@ def test_a_candidate_that_repeats_a_positive_word_gains_score_but_the_guards_ref
     from flows import stages
 
     candidate = build_repeating_model(tiny_model_dir, tmp_path / "candidate")  # train.output_dir
-    gate_keys = ["promote.max_kl=1000.0", "promote.min_eos_rate=0.0"]
+    gate_keys = [
+        "promote.max_kl=1000.0",
+        "promote.max_kl_from_origin=1000.0",
+        "promote.min_eos_rate=0.0",
+    ]
     config = evaluation_config(
         tmp_path,
         tiny_model_dir,
@@ -385,6 +396,7 @@ def test_a_candidate_that_repeats_a_positive_word_gains_score_but_the_guards_ref
     # the independent lexicon is gamed as well; repetition and fluency are what give it away
     assert verdicts == [
         "pass: score",
+        "pass: KL",
         "pass: KL",
         "pass: EOS",
         "FAIL: distinct-2",

@@ -19,7 +19,7 @@ from ppo_core.registry import (
     record_decision,
 )
 
-GOOD = {"score": 0.80, "kl_to_reference": 2.5, "eos_rate": 0.99}
+GOOD = {"score": 0.80, "kl_to_reference": 2.5, "kl_to_origin": 2.5, "eos_rate": 0.99}
 RULES = PromoteConfig(
     min_improvement=0.02,
     max_kl=4.0,
@@ -37,8 +37,29 @@ def test_gate_hand_computed():
     assert not worse.promote and any("FAIL: score" in r for r in worse.reasons)
     drifted = gate({**GOOD, "kl_to_reference": 4.5}, {"score": 0.1}, RULES)
     assert not drifted.promote and any("FAIL: KL" in r for r in drifted.reasons)
-    no_eos = gate({**GOOD, "eos_rate": 0.5}, None, RULES)
+    no_eos = gate({**GOOD, "eos_rate": 0.5}, {"score": 0.1}, RULES)
     assert not no_eos.promote and any("FAIL: EOS" in r for r in no_eos.reasons)
+
+
+def test_drift_from_the_origin_is_bounded():
+    # three generations of 3.5 nats each: every one within max_kl=4, 10.5 from the origin
+    chained = {**GOOD, "kl_to_reference": 3.5, "kl_to_origin": 10.5}
+    bounded = dataclasses.replace(RULES, max_kl_from_origin=10.0)
+    refused = gate(chained, {"score": 0.1}, bounded)
+    assert reasons_of(refused, "FAIL:") == [
+        "FAIL: KL to the chain's origin 10.500 nats (promote.max_kl_from_origin 10.0)"
+    ]
+    assert gate(chained, {"score": 0.1}, dataclasses.replace(bounded, max_kl_from_origin=11.0))
+    assert gate(chained, {"score": 0.1}, dataclasses.replace(RULES, max_kl_from_origin=None))
+
+
+def test_an_eos_failure_says_what_the_baseline_had_and_which_keys_change_it():
+    decision = gate({**GOOD, "eos_rate": 0.792}, {"score": 0.5, "eos_rate": 0.458}, RULES, 64)
+    assert reasons_of(decision, "FAIL:") == [
+        "FAIL: EOS rate 0.792 (needs >= 0.85); the baseline's is 0.458 (below the floor too); "
+        "responses without EOS were cut at generation.max_new_tokens=64: raise it, or lower "
+        "promote.min_eos_rate"
+    ]
 
 
 GUARDED = dataclasses.replace(RULES, max_distinct_2_drop=0.25, max_nll_increase=1.0)
@@ -77,16 +98,54 @@ def test_a_guard_whose_metric_is_missing():
     # not measured for the candidate: fails, naming the key that asked for it
     unmeasured = gate({k: v for k, v in FAIR.items() if k != "reference_nll"}, BASE, GUARDED)
     [reason] = reasons_of(unmeasured, "FAIL:")
-    assert "reference NLL" in reason and "promote.max_nll_increase" in reason
-    # not measurable for the baseline (another tokenizer): said, and not applied
+    assert "reference_nll" in reason and "promote.max_nll_increase" in reason
+    # not measurable for the baseline (another tokenizer): the gate cannot judge, and says
+    # which key turns the guard off
     other = {k: v for k, v in BASE.items() if k != "reference_nll"}
-    decision = gate(FAIR, other, GUARDED)
-    assert decision.promote
-    assert "pass: reference NLL (nats/token) not compared: the baseline has none" in " ".join(
-        decision.reasons
+    [reason] = reasons_of(gate(FAIR, other, GUARDED), "FAIL:")
+    assert reason == (
+        "FAIL: cannot judge: baseline reference_nll is missing from metrics.json "
+        "(promote.max_nll_increase asks for it; set it to null to promote without this guard)"
     )
-    # no baseline at all: no guard
-    assert [r.split()[1] for r in gate(GOOD, None, GUARDED).reasons] == ["KL", "EOS"]
+    # no baseline at all: nothing is compared, so nothing is promoted
+    alone = gate(FAIR, None, GUARDED)
+    assert not alone.promote
+    assert [r.split(":")[0] for r in alone.reasons if "no baseline metrics" in r] == ["FAIL"] * 3
+
+
+ALL_RULES = dataclasses.replace(
+    GUARDED, check_reward="builtin:afinn", max_check_drop=0.1, max_kl_from_origin=12.0
+)
+READ = {
+    "candidate": [
+        "score",
+        "kl_to_reference",
+        "kl_to_origin",
+        "eos_rate",
+        "distinct_2",
+        "reference_nll",
+        "check_score",
+    ],
+    "baseline": ["score", "distinct_2", "reference_nll", "check_score"],
+}
+"""Every metric a rule of :data:`ALL_RULES` reads, by side."""
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf"), None, "0.9"])
+@pytest.mark.parametrize(
+    ("side", "metric"), [(side, metric) for side, keys in READ.items() for metric in keys]
+)
+def test_a_metric_the_gate_cannot_judge_is_a_rejection_naming_it(side, metric, bad):
+    sides = {"candidate": dict(FAIR), "baseline": dict(BASE)}
+    assert gate(sides["candidate"], sides["baseline"], ALL_RULES).promote
+    if bad is None:
+        del sides[side][metric]
+    else:
+        sides[side][metric] = bad
+    decision = gate(sides["candidate"], sides["baseline"], ALL_RULES)
+    assert not decision.promote
+    [reason] = reasons_of(decision, "FAIL:")
+    assert reason.startswith(f"FAIL: cannot judge: {side} {metric} is "), reason
 
 
 def candidate(tmp_path, name: str, content: str):
@@ -186,7 +245,7 @@ def test_a_malformed_registry_is_one_registry_error(tmp_path, content):
             registry_path=registry,
             production_dir=tmp_path / "production",
             candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-            decision=gate(GOOD, None, RULES),
+            decision=gate(GOOD, {"score": 0.1}, RULES),
             lineage={},
         ),
     ):
@@ -216,7 +275,7 @@ def test_promotion_copies_no_link_and_changes_nothing(tmp_path):
             registry_path=registry,
             production_dir=production,
             candidate_dir=folder,
-            decision=gate(GOOD, None, RULES),
+            decision=gate(GOOD, {"score": 0.1}, RULES),
             lineage={},
         )
     assert not registry.exists()
@@ -226,7 +285,7 @@ def test_promotion_copies_no_link_and_changes_nothing(tmp_path):
         registry_path=registry,
         production_dir=production,
         candidate_dir=folder,
-        decision=gate(GOOD, None, RULES),
+        decision=gate(GOOD, {"score": 0.1}, RULES),
         lineage={},
     )
     promoted = production / entry["version"]
@@ -250,7 +309,7 @@ def test_a_production_version_changed_on_disk_is_refused_by_name(tmp_path, chang
         registry_path=registry,
         production_dir=production,
         candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-        decision=gate(GOOD, None, RULES),
+        decision=gate(GOOD, {"score": 0.1}, RULES),
         lineage={"data_hash": "abc"},
     )
     version = production / "v0001"
@@ -302,7 +361,7 @@ def test_a_registry_entry_cannot_switch_the_content_check_off(tmp_path, recorded
         registry_path=registry,
         production_dir=production,
         candidate_dir=candidate(tmp_path, "c1", "weights-1"),
-        decision=gate(GOOD, None, RULES),
+        decision=gate(GOOD, {"score": 0.1}, RULES),
         lineage={"data_hash": "abc"},
     )
     (production / "v0001" / "model.safetensors").write_text("weights-X")

@@ -389,8 +389,16 @@ class PromoteConfig:
     while there is no production yet) by at least this much."""
     max_kl: float = bounded(4.0, gt=0)
     """Largest KL to the reference (nats per sequence) a promoted model may have."""
+    max_kl_from_origin: float | None = bounded(12.0, gt=0)
+    """Largest KL (nats per sequence) a promoted model may have to the first model of its chain
+    of generations (the origin: the base the first production version trained from). Each
+    generation's ``max_kl`` is against its own baseline, so a chain can drift ``max_kl`` per
+    generation; this bounds the sum (default: three generations at the full budget). ``None``
+    is off."""
     min_eos_rate: float = bounded(0.85, ge=0, le=1)
-    """Smallest share of responses that end with EOS."""
+    """Smallest share of held-out responses that end with EOS; the others were cut at
+    ``generation.max_new_tokens``. An absolute floor: a candidate below it is refused even when
+    its baseline is lower still (the reason shows both)."""
     max_distinct_2_drop: float | None = bounded(0.25, ge=0)
     """Guard against a reward bought with repetition: the candidate's distinct-2 (distinct word
     bigrams over all bigrams of its held-out responses) may fall below the baseline's by at most

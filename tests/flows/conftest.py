@@ -37,6 +37,7 @@ TINY_PARAMS = {
     # against a gamed reward included; tests/test_evaluation.py tests those).
     "promote.min_improvement": -10.0,
     "promote.max_kl": 100.0,
+    "promote.max_kl_from_origin": None,
     "promote.min_eos_rate": 0.0,
     "promote.max_distinct_2_drop": None,
     "promote.max_nll_increase": None,
