@@ -118,6 +118,7 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 USER_ERRORS = (
     ("ppo_core.config", "ConfigError"),
     ("ppo_core.files", "RunLockedError"),
+    ("ppo_core.lineage", "LineageError"),
     ("ppo_core.modeling.checkpoint", "CheckpointError"),
     ("ppo_core.modeling.data", "PromptFileError"),
     ("ppo_core.modeling.policy", "ModelFolderError"),
@@ -344,6 +345,66 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
     console.print(f"candidate {verdict}", soft_wrap=True)
     for reason in entry["reasons"]:
         console.print(f"  {reason}", soft_wrap=True)
+
+
+@app.command()
+def rollback(
+    version: Annotated[
+        str, typer.Argument(help="The earlier production version, e.g. v0002.", show_default=False)
+    ],
+    reason: Annotated[
+        str,
+        typer.Option("--reason", "-m", help="Why: the registry records it.", show_default=False),
+    ],
+    by: Annotated[
+        str | None,
+        typer.Option(help="Who rolls back (default: the user running the command)."),
+    ] = None,
+    backup: Annotated[
+        bool,
+        typer.Option(
+            help="Back production and the registry up in the DVC remote afterwards, as a "
+            "deployment run does (only where they are backed up already: a .dvc pointer exists)."
+        ),
+    ] = True,
+    config: ConfigOption = None,
+    overrides: Overrides = None,
+) -> None:
+    """Make an earlier production version current again.
+
+    The version is checked against the content hash the registry recorded when it was promoted
+    (and an adapter version's stored base against its fingerprint) before anything changes;
+    nothing is copied or deleted. The registry records who rolled back, when, why, and from
+    which version; the next `from_production` run (scheduled retraining) starts from it.
+    """
+    import getpass
+
+    from flows.records import back_up_production, pointer_files
+    from ppo_core.registry import roll_back
+
+    cfg = _run(lambda: _load(config, overrides))
+    entry = _run(
+        lambda: roll_back(
+            registry_path=cfg.promote.registry,
+            production_dir=cfg.promote.production_dir,
+            version=version,
+            reason=reason,
+            by=by or getpass.getuser(),
+        )
+    )
+    console.print(
+        f"production is [bold]{version}[/] again (was {entry['previous']}); recorded in "
+        f"{cfg.promote.registry}",
+        soft_wrap=True,
+    )
+    if backup and all(Path(p).is_file() for p in pointer_files(cfg)):
+        console.print(back_up_production(".", cfg).message, soft_wrap=True)
+    elif backup:
+        console.print(
+            "not backed up: production has no DVC pointer yet (a deployment run with backup "
+            "makes one)",
+            soft_wrap=True,
+        )
 
 
 @app.command()

@@ -23,6 +23,7 @@ HEADLINE = (
     ("candidate/score", "score"),
     ("candidate/positive_rate", "positive"),
     ("candidate/kl_to_reference", "KL"),
+    ("candidate/kl_to_origin", "KL origin"),
     ("candidate/eos_rate", "EOS"),
     ("candidate/distinct_2", "distinct-2"),
     ("perf.tokens_per_s", "tokens/s"),

@@ -38,6 +38,7 @@ __all__ = [
     "load_registry",
     "promoted_entry",
     "record_decision",
+    "roll_back",
 ]
 
 
@@ -367,3 +368,40 @@ def _write_version(candidate_dir: str | Path, folder: Path, stored_base: dict | 
     copy_regular_tree(candidate_dir, folder)
     if stored_base is not None:
         point_adapter_at(folder, stored_base["path"], stored_base["base_sha256"])
+
+
+def roll_back(
+    *,
+    registry_path: str | Path,
+    production_dir: str | Path,
+    version: str,
+    reason: str,
+    by: str,
+) -> dict[str, Any]:
+    """Make the earlier production version ``version`` current again and record who did it,
+    when and why (an entry ``{"decision": "rolled back", "rolled_back_to": ..., "previous":
+    ..., "reason": ..., "by": ..., "date": ...}``). The version is checked first as
+    :func:`check_version` checks it (its content hash, an adapter's stored base); nothing is
+    copied or removed, so a later promotion or rollback can return to any version."""
+    registry_path = Path(registry_path)
+    if not reason.strip():
+        raise RegistryError("a rollback needs a reason (--reason): the registry records it")
+    lock = registry_path.with_name(f".{registry_path.name}.lock")
+    with exclusive_run(lock, f"rollback in {registry_path}"):
+        registry = load_registry(registry_path)
+        check_version(registry_path, production_dir, version)
+        previous = registry.get("current")
+        if previous == version:
+            raise RegistryError(f"{version} is already the current production version")
+        entry = {
+            "decision": "rolled back",
+            "rolled_back_to": version,
+            "previous": previous,
+            "reason": reason,
+            "by": by,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        registry["current"] = version
+        registry["entries"].append(entry)
+        atomic_write_text(registry_path, json.dumps(registry, indent=1))
+    return entry
