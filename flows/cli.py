@@ -408,6 +408,56 @@ def rollback(
 
 
 @app.command()
+def notify(
+    webhook: Annotated[
+        str,
+        typer.Option(
+            "--webhook",
+            help="The URL that receives a JSON POST {subject, body} for each notification.",
+            show_default=False,
+        ),
+    ],
+    header: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--header",
+            metavar="NAME=VALUE",
+            help="A header to send with each notification (e.g. Authorization=Bearer ...).",
+        ),
+    ] = None,
+) -> None:
+    """Tell someone when a retraining run needs a person: a rejected candidate, a failed run, a
+    crashed run.
+
+    Saves a Prefect Custom Webhook notification block and creates the server automations
+    `retrain-notify-rejected` and `retrain-notify-failed` (replacing earlier ones) on the server
+    of PREFECT_API_URL; the server sends the notifications itself. Run it once per server.
+    """
+    if not os.environ.get("PREFECT_API_URL"):
+        console.print(
+            "[bold red]error:[/] PREFECT_API_URL is not set: notifications are kept by a Prefect "
+            "server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api)",
+            soft_wrap=True,
+        )
+        raise typer.Exit(code=2)
+    headers = {}
+    for item in header or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            console.print(f"[bold red]error:[/] --header {item!r} is not NAME=VALUE")
+            raise typer.Exit(code=2)
+        headers[name] = value
+    from flows.notifications import BLOCK_NAME, set_up_notifications
+
+    created = set_up_notifications(webhook, headers)
+    console.print(
+        f"notification block {BLOCK_NAME} and automations {', '.join(created)} created: "
+        "a rejected candidate, a failed and a crashed run of retrain are sent to the webhook",
+        soft_wrap=True,
+    )
+
+
+@app.command()
 def ingest(
     files: Annotated[
         list[Path],

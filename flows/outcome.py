@@ -121,7 +121,8 @@ def announce_decision(outputs: dict[str, Any]) -> None:
             "prefect.resource.name": outputs["message"],
         },
         payload={
-            key: outputs[key] for key in ("decision", "decided", "version", "production", "reasons")
+            key: outputs.get(key)
+            for key in ("decision", "decided", "version", "production", "reasons", "report")
         },
     )
 

@@ -7,6 +7,7 @@ version. A rejected or failed run never touches a version or the ``current`` poi
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import re
@@ -116,7 +117,7 @@ def gate(
         "check_score": None if rules.check_reward is None else rules.max_check_drop,
     }
     checks += [
-        (lambda metric=metric, margin=margin: _guard(candidate, baseline, metric, margin))
+        functools.partial(_guard, candidate, baseline, metric, margin)
         for metric, margin in margins.items()
         if margin is not None
     ]

@@ -120,3 +120,37 @@ def flow_runs(env: dict[str, str], *state_types: str) -> list[dict]:
 def state_message(env: dict[str, str], run: dict) -> str:
     """The message of ``run``'s current state, read afresh from the server."""
     return (api(env, f"flow_runs/{run['id']}")["state"] or {}).get("message") or ""
+
+
+class WebhookReceiver:
+    """A small HTTP server on 127.0.0.1 that records the JSON body of every POST it is sent
+    (what a Prefect Custom Webhook notification block delivers), in a thread of its own."""
+
+    def __init__(self):
+        import http.server
+        import threading
+
+        received: list[dict] = []
+        self.received = received
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", 0))
+                received.append(json.loads(self.rfile.read(length) or b"{}"))
+                self.send_response(200)
+                self.end_headers()
+
+            def log_message(self, *args):  # no request lines on stderr
+                pass
+
+        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def with_subject(self, text: str) -> list[dict]:
+        return [message for message in self.received if text in message.get("subject", "")]
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()

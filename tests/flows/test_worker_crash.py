@@ -14,7 +14,14 @@ import yaml
 
 from flows.run_params import set_params
 from tests.flows.conftest import BIN, ROOT
-from tests.flows.servers import flow_runs, prefect, start_server, stop, wait_for
+from tests.flows.servers import (
+    WebhookReceiver,
+    flow_runs,
+    prefect,
+    start_server,
+    stop,
+    wait_for,
+)
 
 # Heartbeats every 30 s (the least Prefect allows), and a run without one for 45 s is Crashed.
 HEARTBEAT_S = 30
@@ -63,7 +70,17 @@ def test_a_run_whose_worker_died_is_started_again_and_resumes(tiny_project, tmp_
         },
     )
     worker = None
+    receiver = WebhookReceiver()
     try:
+        notified = subprocess.run(
+            [str(BIN / "ppo"), "notify", "--webhook", receiver.url],
+            cwd=project,
+            env=env,
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert notified.returncode == 0, notified.stdout + notified.stderr
         automations = yaml.safe_load((ROOT / "automations.yaml").read_text())
         for automation in automations["automations"]:
             automation["trigger"]["within"] = UNRESPONSIVE_S
@@ -110,7 +127,13 @@ def test_a_run_whose_worker_died_is_started_again_and_resumes(tiny_project, tmp_
         # The new run's training picked up where the checkpoints end, not at iteration 0.
         assert "(resumed at 0)" not in text
         assert "resumed at " in text, text[-3000:]
+        # someone heard about the crash (flows/notifications.py)
+        wait_for(lambda: receiver.with_subject("Crashed"), 60, "the crash notification")
+        [message] = receiver.with_subject("Crashed")
+        assert f"run {dead['name']} Crashed" in message["subject"]
+        assert "No heartbeat from this run" in message["body"]
     finally:
+        receiver.close()
         if worker is not None:
             stop(worker)
         stop(server)

@@ -1,0 +1,98 @@
+"""Someone hears about it: `ppo notify` on a real Prefect server sends a rejected candidate, a
+failed run and a crashed run of the flow to a webhook (a receiver on 127.0.0.1 records what it
+was sent). The crash of a run whose worker really died is in test_worker_crash.py."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from flows.run_params import set_params
+from tests.flows.conftest import BIN, git_commit
+from tests.flows.servers import WebhookReceiver, api, start_server, stop, wait_for
+
+
+def run_flow(env, project) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "flows.pipeline", "run"],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+
+
+def notify(env, project, url) -> None:
+    done = subprocess.run(
+        [str(BIN / "ppo"), "notify", "--webhook", url],
+        cwd=project,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "retrain-notify-rejected, retrain-notify-failed" in done.stderr
+
+
+@pytest.mark.slow
+def test_a_rejected_a_failed_and_a_crashed_run_reach_the_webhook(tiny_project, tmp_path):
+    project = tiny_project
+    env, _, server = start_server(tmp_path)
+    receiver = WebhookReceiver()
+    try:
+        notify(env, project, "http://127.0.0.1:9/replaced")
+        notify(env, project, receiver.url)  # again: replaces the block and both automations
+        automations = api(env, "automations/filter", {})
+        assert sorted(a["name"] for a in automations) == [
+            "retrain-notify-failed",
+            "retrain-notify-rejected",
+        ]
+
+        # rejected: no candidate gains 10 in score
+        set_params(str(project), {"promote.min_improvement": 10.0})
+        git_commit(project, "a gate no candidate passes")
+        done = run_flow(env, project)
+        assert done.returncode == 0 and "decision:   rejected" in done.stdout, done.stdout
+        wait_for(lambda: receiver.with_subject("candidate rejected"), 120, "the rejection")
+        [message] = receiver.with_subject("candidate rejected")
+        assert message["body"].startswith("rejected (score ")
+        assert "FAIL: score" in message["body"] and "needs >= +10.0000" in message["body"]
+        assert message["body"].endswith(str(project / "reports" / "eval" / "report.md"))
+
+        # failed: a malformed prompt file fails the prepare stage, and the run
+        with (project / "data" / "raw" / "prompts.jsonl").open("a") as raw:
+            raw.write("{not json\n")
+        done = run_flow(env, project)
+        assert done.returncode != 0
+        wait_for(lambda: receiver.with_subject("Failed"), 120, "the failure")
+        [message] = receiver.with_subject("Failed")
+        assert message["subject"].startswith("retrain: run ")
+        assert "ended Failed" in message["body"] and "stage prepare failed" in message["body"]
+
+        # crashed: what the heartbeat automation of automations.yaml does to a run whose worker
+        # died (test_worker_crash.py kills one for real)
+        flow = api(env, "flows/name/retrain")
+        run = api(
+            env,
+            "flow_runs/",
+            {"flow_id": flow["id"], "name": "dead-worker", "state": {"type": "RUNNING"}},
+        )
+        api(
+            env,
+            f"flow_runs/{run['id']}/set_state",
+            {"state": {"type": "CRASHED", "message": "No heartbeat from this run"}, "force": True},
+        )
+        wait_for(lambda: receiver.with_subject("Crashed"), 120, "the crash")
+        [message] = receiver.with_subject("Crashed")
+        assert message["subject"] == "retrain: run dead-worker Crashed"
+        assert "ended Crashed: No heartbeat from this run" in message["body"]
+        assert len(receiver.received) == 3  # one each, nothing for the replaced URL
+    finally:
+        receiver.close()
+        stop(server)
