@@ -48,9 +48,7 @@ def generation(project: Path, *overrides: str) -> dict:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["lora", "full"])
-def test_two_generations_chain_and_every_version_stays_loadable(
-    tiny_project, weights, monkeypatch
-):
+def test_two_generations_chain_and_every_version_stays_loadable(tiny_project, weights, monkeypatch):
     from ppo_core.modeling.policy import load_causal_lm
 
     project = tiny_project
@@ -102,3 +100,106 @@ def test_two_generations_chain_and_every_version_stays_loadable(
     assert read_json(project / "models" / "base" / "imported_from.json")["parent_version"] == (
         "v0001"
     )
+
+
+def deployment_run(env, project, name: str) -> dict:
+    """Start a run of deployment ``retrain/<name>`` and wait for it to end; returns it."""
+    from tests.flows.servers import api, prefect, wait_for
+
+    started = prefect(env, project, "deployment", "run", f"retrain/{name}")
+    assert started.returncode == 0, started.stdout + started.stderr
+    run_id = next(line.split()[-1] for line in started.stdout.splitlines() if "UUID" in line)
+
+    def ended() -> bool:
+        return api(env, f"flow_runs/{run_id}")["state_type"] in {"COMPLETED", "FAILED", "CRASHED"}
+
+    wait_for(ended, 900, f"the run of retrain/{name}")
+    return api(env, f"flow_runs/{run_id}")
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
+    tiny_project, tmp_path, weights, monkeypatch
+):
+    """`make soak` only (PPO_SOAK=1): three runs of 'retrain/scheduled' by a worker of the
+    process pool, new prompts ingested before each of the later two; then a restore drill of
+    every version from the DVC remote into an empty clone."""
+    import os
+
+    from flows.run_params import set_params
+    from ppo_core.modeling.policy import load_causal_lm
+    from tests.flows.conftest import git_commit
+    from tests.flows.servers import prefect, start_server, stop
+    from tests.flows.test_work_pool import start_worker, write_prompts
+
+    if os.environ.get("PPO_SOAK") != "1":
+        pytest.skip("make soak runs it (PPO_SOAK=1); make test runs the two-generation chain")
+    project = tiny_project
+    if weights == "lora":
+        set_params(str(project), {"model.lora.enabled": True})
+        git_commit(project, "LoRA")
+    env, logs, server = start_server(tmp_path, {"PREFECT_WORKER_QUERY_SECONDS": "2"})
+    worker = None
+    try:
+        for args in (
+            ("work-pool", "create", "ppo", "--type", "process"),
+            ("--no-prompt", "deploy", "--all"),
+        ):
+            done = prefect(env, project, *args)
+            assert done.returncode == 0, done.stdout + done.stderr
+        worker = start_worker(env, tmp_path, logs / "worker.log")
+        for generation in (1, 2, 3):
+            if generation > 1:
+                new = write_prompts(
+                    tmp_path / f"new-{generation}.jsonl",
+                    [f"Generation {generation} asks about film number {i}." for i in range(12)],
+                )
+                done = subprocess.run(
+                    [str(BIN / "ppo"), "ingest", "--no-event", str(new)],
+                    cwd=project,
+                    env=env,
+                    capture_output=True,
+                    text=True,
+                    check=False,
+                )
+                assert done.returncode == 0, done.stdout + done.stderr
+            run = deployment_run(env, project, "scheduled")
+            assert run["state_type"] == "COMPLETED", (logs / "worker.log").read_text()[-3000:]
+            assert f"promoted as v000{generation}" in run["state"]["message"]
+            git_commit(project, f"generation {generation}")  # dvc.lock and the backup pointers
+
+        registry = load_registry(project / "models" / "registry.json")
+        entries = registry["entries"]
+        assert [e["parent_version"] for e in entries] == [None, "v0001", "v0002"]
+        assert len({json.dumps(e["origin"]) for e in entries}) == 1
+        assert all(math.isfinite(e["metrics"]["kl_to_origin"]) for e in entries)
+        assert len(list((project / "data" / "raw").iterdir())) == 3  # two files ingested
+
+        # restore drill: an empty clone of the project's git history, the remote only
+        clone = tmp_path / "clone"
+        subprocess.run(["git", "clone", "-q", str(project), str(clone)], check=True)
+        dvc = [str(BIN / "dvc")]
+        subprocess.run(
+            [*dvc, "remote", "modify", "--local", "local", "url", str(project / ".dvc-storage")],
+            cwd=clone,
+            check=True,
+        )
+        pulled = subprocess.run(
+            [*dvc, "pull", "models/production.dvc", "models/registry.json.dvc"],
+            cwd=clone,
+            env=environment(),
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        assert pulled.returncode == 0, pulled.stdout + pulled.stderr
+        monkeypatch.chdir(clone)
+        for version in ("v0001", "v0002", "v0003"):
+            folder = check_version("models/registry.json", "models/production", version)
+            load_causal_lm(folder)
+    finally:
+        if worker is not None:
+            stop(worker)
+        stop(server)
