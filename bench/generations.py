@@ -33,7 +33,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main() -> None:
     import _smoke
-    from real_model import TRAINING, chat_prompts, smollm2_gguf
+    from real_model import (
+        SMOKE_TRAINING,
+        TRAINING,
+        chat_prompts,
+        smoke_chat_model,
+        smollm2_gguf,
+    )
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/ppo-generations"))
@@ -52,20 +58,9 @@ def main() -> None:
         smoke = _smoke.output_folder("generations")
         args.work, args.out, args.plot = smoke / "project", smoke / "g.json", smoke / "g.png"
         args.generations, args.first_prompts, args.new_prompts = 2, 160, 40
-        tiny = _smoke.tiny_model(smoke / "tiny")
-        (tiny / "chat_template.jinja").write_text(
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}"
-        )
-        source = str(tiny)
+        source = str(smoke_chat_model(smoke / "tiny"))
         overrides += [
-            "train.iterations=1",
-            "ppo.rollout_batch_size=8",
-            "ppo.mini_batch_size=8",
-            "ppo.micro_batch_size=4",
-            "generation.max_new_tokens=4",
-            "eval.num_prompts=4",
-            "validation.max_tokens=256",
+            *SMOKE_TRAINING,
             # a tiny model trained for one iteration passes no real gate: promote it anyway,
             # so that the smoke run chains
             "promote.min_improvement=-10",

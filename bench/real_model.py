@@ -124,24 +124,35 @@ def main() -> None:
     if args.smoke:
         smoke = _smoke.output_folder("real_model")
         args.work, args.out, args.prompts = smoke / "project", smoke / "real_model.json", 200
-        tiny = _smoke.tiny_model(smoke / "tiny")
-        (tiny / "chat_template.jinja").write_text(  # the tiny default has no chat template
-            "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}assistant:{% endif %}"
-        )
-        source = str(tiny)
-        overrides += [
-            "train.iterations=1",
-            "ppo.rollout_batch_size=8",
-            "ppo.mini_batch_size=8",
-            "ppo.micro_batch_size=4",
-            "generation.max_new_tokens=4",
-            "eval.num_prompts=4",
-            "validation.max_tokens=256",
-        ]
+        source = str(smoke_chat_model(smoke / "tiny"))
+        overrides += SMOKE_TRAINING
     else:
         source = str(smollm2_gguf())
     run(args, source, [*overrides, *args.set])
+
+
+SMOKE_TRAINING = [
+    "train.iterations=1",
+    "ppo.rollout_batch_size=8",
+    "ppo.mini_batch_size=8",
+    "ppo.micro_batch_size=4",
+    "generation.max_new_tokens=4",
+    "eval.num_prompts=4",
+    "validation.max_tokens=256",
+]
+"""The smallest sizes of a ``--smoke`` run (with :func:`smoke_chat_model`)."""
+
+
+def smoke_chat_model(folder: Path) -> Path:
+    """The tiny default in ``folder`` with a chat template of its own (it has none)."""
+    import _smoke
+
+    tiny = _smoke.tiny_model(folder)
+    (tiny / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    return tiny
 
 
 def smollm2_gguf() -> Path:

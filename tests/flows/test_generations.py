@@ -132,7 +132,9 @@ def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
     from ppo_core.modeling.policy import load_causal_lm
     from tests.flows.conftest import git_commit
     from tests.flows.servers import prefect, start_server, stop
-    from tests.flows.test_work_pool import start_worker, write_prompts
+    from tests.flows.test_notifications import command
+    from tests.flows.test_work_pool import write_prompts
+    from tests.flows.test_worker_crash import start_worker
 
     if os.environ.get("PPO_SOAK") != "1":
         pytest.skip("make soak runs it (PPO_SOAK=1); make test runs the two-generation chain")
@@ -156,14 +158,7 @@ def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
                     tmp_path / f"new-{generation}.jsonl",
                     [f"Generation {generation} asks about film number {i}." for i in range(12)],
                 )
-                done = subprocess.run(
-                    [str(BIN / "ppo"), "ingest", "--no-event", str(new)],
-                    cwd=project,
-                    env=env,
-                    capture_output=True,
-                    text=True,
-                    check=False,
-                )
+                done = command(env, project, str(BIN / "ppo"), "ingest", "--no-event", str(new))
                 assert done.returncode == 0, done.stdout + done.stderr
             run = deployment_run(env, project, "scheduled")
             assert run["state_type"] == "COMPLETED", (logs / "worker.log").read_text()[-3000:]

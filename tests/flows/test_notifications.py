@@ -14,28 +14,19 @@ from tests.flows.conftest import BIN, git_commit
 from tests.flows.servers import WebhookReceiver, api, start_server, stop, wait_for
 
 
-def run_flow(env, project) -> subprocess.CompletedProcess:
+def command(env, project, *args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "flows.pipeline", "run"],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
+        list(args), cwd=project, env=env, capture_output=True, text=True, timeout=600, check=False
     )
+
+
+def run_flow(env, project) -> subprocess.CompletedProcess:
+    return command(env, project, sys.executable, "-m", "flows.pipeline", "run")
 
 
 def notify(env, project, url) -> None:
-    done = subprocess.run(
-        [str(BIN / "ppo"), "notify", "--webhook", url],
-        cwd=project,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    """`ppo notify --webhook URL`, checked to have created both automations."""
+    done = command(env, project, str(BIN / "ppo"), "notify", "--webhook", url)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "retrain-notify-rejected, retrain-notify-failed" in done.stderr
 

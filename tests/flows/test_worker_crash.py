@@ -22,6 +22,7 @@ from tests.flows.servers import (
     stop,
     wait_for,
 )
+from tests.flows.test_notifications import notify
 
 # Heartbeats every 30 s (the least Prefect allows), and a run without one for 45 s is Crashed.
 HEARTBEAT_S = 30
@@ -72,15 +73,7 @@ def test_a_run_whose_worker_died_is_started_again_and_resumes(tiny_project, tmp_
     worker = None
     receiver = WebhookReceiver()
     try:
-        notified = subprocess.run(
-            [str(BIN / "ppo"), "notify", "--webhook", receiver.url],
-            cwd=project,
-            env=env,
-            capture_output=True,
-            text=True,
-            check=False,
-        )
-        assert notified.returncode == 0, notified.stdout + notified.stderr
+        notify(env, project, receiver.url)
         automations = yaml.safe_load((ROOT / "automations.yaml").read_text())
         for automation in automations["automations"]:
             automation["trigger"]["within"] = UNRESPONSIVE_S
