@@ -322,12 +322,16 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
     """Promote the evaluated candidate to production if it passes the gate (`promote.*`).
 
     The candidate must beat the baseline's held-out score by promote.min_improvement, stay
-    within promote.max_kl and end responses with EOS often enough.
+    within promote.max_kl of its reference and promote.max_kl_from_origin of the first model of
+    its chain of generations, and end responses with EOS often enough (promote.min_eos_rate).
 
     Guards against a gamed reward compare it with the baseline: distinct-2 may fall by at most
     promote.max_distinct_2_drop, the reference's NLL of its responses may rise by at most
     promote.max_nll_increase, and with promote.check_reward its check score may fall by at most
     promote.max_check_drop.
+
+    A metric any rule reads that is missing, NaN or infinite fails that rule ("cannot judge"),
+    naming it.
 
     A pass copies it to a new version under promote.production_dir; either way the decision,
     each rule's verdict and the lineage go to promote.registry and promote.report. A rejection

@@ -90,6 +90,14 @@ def test_two_generations_chain_and_every_version_stays_loadable(tiny_project, we
             assert named.startswith("models/production/bases/")
     assert len(bases) == (2 if weights == "lora" else 1), bases  # origin (+ merged v0001)
 
+    # the cumulative drift is bounded: the same evaluation, judged with a smaller
+    # promote.max_kl_from_origin, is refused naming the key (and production stays v0002)
+    limit = second["candidate/kl_to_origin"] / 2
+    refused = ppo(project, "promote", *overrides, f"promote.max_kl_from_origin={limit}")
+    assert "candidate rejected" in refused
+    assert "FAIL: KL to the chain's origin" in refused and "promote.max_kl_from_origin" in refused
+    assert load_registry(project / "models" / "registry.json")["current"] == "v0002"
+
     # a rollback makes v0001 current again, and the next generation starts from it
     ppo(project, "rollback", "v0001", "--reason", "v0002 regressed on support chats")
     registry = load_registry(project / "models" / "registry.json")
@@ -172,6 +180,14 @@ def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
         assert all(math.isfinite(e["metrics"]["kl_to_origin"]) for e in entries)
         assert len(list((project / "data" / "raw").iterdir())) == 3  # two files ingested
 
+        # a rollback is recorded and backed up like a decision
+        rolled = command(
+            env, project, str(BIN / "ppo"), "rollback", "v0002", "--reason", "drill", "--by", "ops"
+        )
+        assert rolled.returncode == 0, rolled.stdout + rolled.stderr
+        assert "backed up in the DVC remote" in rolled.stderr
+        git_commit(project, "rollback to v0002")
+
         # restore drill: an empty clone of the project's git history, the remote only
         clone = tmp_path / "clone"
         subprocess.run(["git", "clone", "-q", str(project), str(clone)], check=True)
@@ -191,6 +207,8 @@ def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
         )
         assert pulled.returncode == 0, pulled.stdout + pulled.stderr
         monkeypatch.chdir(clone)
+        restored = load_registry("models/registry.json")
+        assert restored["current"] == "v0002" and restored["entries"][-1]["by"] == "ops"
         for version in ("v0001", "v0002", "v0003"):
             folder = check_version("models/registry.json", "models/production", version)
             load_causal_lm(folder)
