@@ -124,6 +124,7 @@ USER_ERRORS = (
     ("ppo_core.modeling.policy", "ModelFolderError"),
     ("ppo_core.modeling.reward_loading", "RewardError"),
     ("ppo_core.registry", "RegistryError"),
+    ("flows.stages", "StaleEvaluationError"),
 )
 
 

@@ -430,6 +430,47 @@ def _is_report(content: bytes) -> bool:
     return isinstance(report, dict) and report.get("decision") in ("promoted", "rejected")
 
 
+class StaleEvaluationError(ValueError):
+    """The evaluation in ``eval.output_dir`` is not one of this candidate with these settings."""
+
+
+def _evaluation_of_this_candidate(config: Config, metrics_file: Path) -> tuple[dict, dict]:
+    """``metrics.json`` and ``models.json`` of the evaluation in ``eval.output_dir``, checked to
+    be an evaluation of ``train.output_dir``, scored by ``promote.check_reward`` when that guard
+    is on: the gate decides on nothing else (an evaluation of another folder, or one whose check
+    score came from another scorer, is :class:`StaleEvaluationError`)."""
+    again = "; run `ppo evaluate` again with the same settings"
+    read = {}
+    for name in ("metrics.json", "models.json"):
+        path = metrics_file.with_name(name)
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing; run `ppo evaluate` first")
+        try:
+            read[name] = json.loads(path.read_text())
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise StaleEvaluationError(f"{path} is not valid JSON{again}") from None
+        if not isinstance(read[name], dict):
+            raise StaleEvaluationError(f"{path} is not a JSON object{again}")
+    models = read["models.json"]
+    evaluated = models.get("candidate")
+    if not isinstance(evaluated, str) or real_path(evaluated) != real_path(
+        config.train.output_dir
+    ):
+        raise StaleEvaluationError(
+            f"{metrics_file.with_name('models.json')} is an evaluation of "
+            f"{printable(str(evaluated))!r}, not of train.output_dir="
+            f"{config.train.output_dir!r}{again}"
+        )
+    wanted = config.promote.check_reward
+    if wanted is not None and models.get("check_reward") != wanted:
+        raise StaleEvaluationError(
+            f"the evaluation was scored with check_reward "
+            f"{printable(str(models.get('check_reward')))!r}, but promote.check_reward is "
+            f"{config.promote.check_reward!r}{again}"
+        )
+    return read["metrics.json"], models
+
+
 def promote(config: Config) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
     candidate as a new production version. Writes the decision to ``promote.report`` either way."""
@@ -439,11 +480,7 @@ def promote(config: Config) -> dict:
     # Checked before anything is decided or published: the decision must be writable.
     check_replaceable_file(rules.report, "promote.report", "a promotion report", _is_report)
     metrics_file = Path(config.eval.output_dir) / "metrics.json"
-    if not metrics_file.is_file():
-        raise FileNotFoundError(f"{metrics_file} is missing; run `ppo evaluate` first")
-    flat = json.loads(metrics_file.read_text())
-    models_file = metrics_file.with_name("models.json")
-    models = json.loads(models_file.read_text()) if models_file.is_file() else {}
+    flat, models = _evaluation_of_this_candidate(config, metrics_file)
 
     def side(name: str) -> dict[str, float] | None:
         return metric_group(flat, name) or None
