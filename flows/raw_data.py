@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import stat
 from pathlib import Path
 
 from ppo_core.config import Config
-from ppo_core.files import file_sha256
+from ppo_core.files import file_sha256, printable
 from ppo_core.modeling.data import Prompt, PromptFileError, chat_json, load_prompts
 
 
@@ -33,8 +35,39 @@ def in_eval_split(prompt: str, seed: int, fraction: float) -> bool:
 
 
 def raw_sources(raw_dir: Path) -> list[Path]:
-    """The raw prompt files ``prepare`` reads, in the order it reads them."""
-    return sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
+    """The raw prompt files ``prepare`` reads, in the order it reads them: regular files, or
+    links to regular files (DVC's symlink cache makes those). Any other entry with a prompt
+    file's suffix (a FIFO, a device such as a link to ``/dev/zero``, a folder, a dangling
+    link) is a :class:`PromptFileError` saying what it is, before anything reads it: reading
+    one would block, or never end."""
+    sources = sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
+    for path in sources:
+        kind = _entry_kind(path)
+        if kind is not None:
+            raise PromptFileError(
+                f"{printable(str(path))} is {kind}, not a prompt file; prompt files in "
+                "data.raw_dir are regular files (or links to them)"
+            )
+    return sources
+
+
+def _entry_kind(path: Path) -> str | None:
+    """What ``path`` is when it is not a regular file (links followed), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a link to nothing"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"{kind} (through a link)" if path.is_symlink() else kind
 
 
 def read_raw_prompts(config: Config, path: Path) -> list[Prompt]:
