@@ -18,12 +18,13 @@ from collections import Counter
 from dataclasses import dataclass
 from importlib.metadata import version
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from ppo_core.files import printable
 from ppo_core.modeling.folders import ModelFolderError
+from ppo_core.modeling.gguf_header import check_gguf_header
 
 __all__ = [
     "GGUF_MAGIC",
@@ -96,20 +97,28 @@ def read_gguf(path: str | Path, given: str | None = None) -> GGUFSummary:
     if not is_gguf_file(path):
         raise GGUFImportError(f"{shown} is not a GGUF file (it does not start with 'GGUF')")
     try:
+        # every declared count and length within the file's size, before gguf's reader
+        # builds Python objects for them (gguf_header)
+        header = check_gguf_header(path)
         reader = GGUFReader(path)
         types = Counter(tensor.tensor_type for tensor in reader.tensors)
         parameters = sum(int(tensor.n_elements) for tensor in reader.tensors)
     except Exception as exc:  # a damaged file fails in numpy, struct or gguf in many ways
+        # the reason may quote the file's bytes (a tensor name): escaped, on one line
         raise GGUFImportError(
-            f"{shown}: not a readable GGUF file ({type(exc).__name__}: {exc})"
+            f"{shown}: not a readable GGUF file ({type(exc).__name__}: {printable(str(exc))})"
         ) from None
+    if "general.architecture" not in header.keys:
+        raise GGUFImportError(
+            f"{shown}: its header has no general.architecture, so the model it holds is unknown"
+        )
     refused = sorted(qtype.name for qtype in types if not _dequantizable(qtype))
     if refused:
         raise GGUFImportError(
             f"{shown}: tensor type {', '.join(refused)} cannot be dequantized by gguf "
             f"{_version('gguf')}; export the model with another quantisation (e.g. Q8_0, F16)"
         )
-    architecture = str(reader.fields["general.architecture"].contents())
+    architecture = printable(str(reader.fields["general.architecture"].contents()))
     model_type = ARCHITECTURE_NAMES.get(architecture, architecture.replace("-", "_"))
     if model_type not in GGUF_SUPPORTED_ARCHITECTURES or model_type in ("general", "tokenizer"):
         raise GGUFImportError(
@@ -117,12 +126,41 @@ def read_gguf(path: str | Path, given: str | None = None) -> GGUFSummary:
             f"{_version('transformers')} (it reads GGUF files of "
             f"{', '.join(sorted(set(GGUF_SUPPORTED_ARCHITECTURES) - {'general', 'tokenizer'}))})"
         )
-    return GGUFSummary(
+    summary = GGUFSummary(
         architecture=architecture,
         model_type=model_type,
         tensor_types={qtype.name: count for qtype, count in sorted(types.items())},
         parameters=parameters,
     )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        _check_weights_present(str(Path(path).parent), Path(path).name, summary, shown)
+    return summary
+
+
+def _check_weights_present(folder: str, name: str, summary: GGUFSummary, shown: str) -> None:
+    """Refuse, before any weight is allocated, a file whose tensors hold fewer weights than the
+    model its metadata describes: weights left out (they would be initialised at random), or
+    metadata declaring a model far larger than the file (a 5 kB file made ``ppo base`` allocate
+    1.2 GB). The model is built on the meta device, which allocates nothing."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    try:
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+    except Exception as exc:  # transformers validates a config in many ways
+        raise GGUFImportError(
+            f"{shown}: its metadata does not describe a model transformers can build "
+            f"({type(exc).__name__}: {printable(str(exc).splitlines()[-1].strip())})"
+        ) from None
+    needed = sum(p.numel() for p in model.parameters())
+    if summary.parameters < needed:
+        raise GGUFImportError(
+            f"{shown}: its tensors hold {summary.parameters:,} weights, but the "
+            f"{summary.architecture} model its metadata describes needs {needed:,}: weights are "
+            "missing, or the metadata declares a larger model than the file holds"
+        )
 
 
 def _version(package: str) -> str:
@@ -143,19 +181,32 @@ def import_gguf(
 
     path, dest = Path(path), Path(dest)
     summary = read_gguf(path, given)
+    shown = f"base.source={printable(given or str(path))!r}"
     folder, name = str(path.parent), path.name
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-            loaded = AutoModelForCausalLM.from_pretrained(
-                folder, gguf_file=name, dtype=torch.float32
+            loaded, loading = cast(
+                "tuple[Any, dict[str, Any]]",
+                AutoModelForCausalLM.from_pretrained(
+                    folder, gguf_file=name, dtype=torch.float32, output_loading_info=True
+                ),
             )
     except (ValueError, KeyError, OSError) as exc:  # e.g. an encoder-only architecture
+        if isinstance(exc, GGUFImportError):
+            raise
         raise GGUFImportError(
-            f"base.source={printable(given or str(path))!r}: transformers {_version('transformers')} "
-            f"cannot load it as a causal language model: {exc}"
+            f"{shown}: transformers {_version('transformers')} cannot load it as a causal "
+            f"language model: {printable(str(exc))}"
         ) from None
+    missing = sorted(loading["missing_keys"])
+    if missing:  # never a model with weights initialised at random
+        raise GGUFImportError(
+            f"{shown}: {len(missing)} weights the {summary.architecture} model needs are not in "
+            f"the file (e.g. {', '.join(printable(k) for k in missing[:3])}); it is not a "
+            "complete model"
+        )
     config = loaded.config
     # A model loaded from GGUF carries a quantization config that makes save_pretrained refuse;
     # the weights are plain tensors by now, so a fresh model of the same config takes them over.
