@@ -74,6 +74,12 @@ def snapshot_of(hub_id: str, key: str, revision: str = "main") -> Path:
                 f"refs/{revision}; {fetch}"
             )
     snapshot = repo / "snapshots" / commit
+    if snapshot.is_symlink() or not _inside(snapshot, repo):
+        # a snapshot is a folder of the entry; a link could make any folder "the model"
+        raise HubCacheError(
+            f"{key}={hub_id!r}: {printable(str(snapshot))!r} is a link, not a folder of the "
+            "cache entry; refusing it"
+        )
     if not snapshot.is_dir():
         raise HubCacheError(
             f"{key}={hub_id!r}: refs/{revision} names commit {commit}, which has no snapshot in "
@@ -96,8 +102,21 @@ def snapshot_blobs(path: str | Path) -> Path | None:
     for folder in (real, *real.parents):
         if folder.parent.name == "snapshots" and folder.parent.parent.name.startswith("models--"):
             blobs = folder.parent.parent / "blobs"
+            if blobs.is_symlink() or (blobs.exists() and not _inside(blobs, blobs.parent)):
+                # links are followed into blobs/ only: a blobs/ that is itself a link would let
+                # a snapshot's links reach any folder (a private key into models/base)
+                raise HubCacheError(
+                    f"{printable(str(blobs))!r} is a link, not a folder of its cache entry; "
+                    "refusing the snapshot's links into it"
+                )
             return blobs if blobs.is_dir() else None
     return None
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    """Whether ``path``'s real path lies inside ``folder``'s real path."""
+    real, root = os.path.realpath(path), os.path.realpath(folder)
+    return real.startswith(root.rstrip(os.sep) + os.sep)
 
 
 def resolve_model_source(value: str, key: str) -> Path:

@@ -127,3 +127,49 @@ def test_a_reward_model_by_hub_id_loads_from_the_cache(tmp_path, monkeypatch, ti
     lay_out_hub_cache(tmp_path / "cache", "example-org/reward", folder)
     scores = build_reward_fn("example-org/reward", "cpu")(["a film"], ["it was great"])
     assert scores.shape == (1,)
+
+
+def private_folder_as_blobs(tmp_path, snapshot) -> None:
+    """Make the entry's `blobs/` a link to a private folder holding a key, and a snapshot file
+    a link to the key through it (the attack: the snapshot's links pass a check made against
+    the real path of `blobs/`)."""
+    private = tmp_path / "private"
+    private.mkdir()
+    (private / "id_rsa").write_text("PRIVATE KEY")
+    repo = snapshot.parent.parent
+    shutil.rmtree(repo / "blobs")
+    # the model's files stay reachable: they move into the private folder too
+    for link in snapshot.iterdir():
+        target = os.path.realpath(link)
+        if os.path.exists(target):
+            shutil.copyfile(target, private / os.path.basename(target))
+    (repo / "blobs").symlink_to(private)
+    (snapshot / "vocab.txt").symlink_to(os.path.relpath(repo / "blobs" / "id_rsa", snapshot))
+
+
+@pytest.mark.parametrize("given", ["path", "hub id"])
+def test_a_cache_entry_whose_blobs_are_a_link_is_refused(tmp_path, cache, given):
+    _, snapshot = cache
+    private_folder_as_blobs(tmp_path, snapshot)
+    source = str(snapshot) if given == "path" else "example-org/tiny-reviews"
+    config = load_config(overrides=[f"base.source={source}", f"model.policy={tmp_path / 'b'}"])
+    with pytest.raises(HubCacheError, match="blobs' is a link, not a folder of its cache entry"):
+        base(config)
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_snapshot_that_is_a_link_to_another_folder_is_refused(tmp_path, cache, tiny_model_dir):
+    _, snapshot = cache
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(tiny_model_dir, elsewhere)
+    (elsewhere / "id_rsa").write_text("PRIVATE KEY")
+    shutil.rmtree(snapshot)
+    snapshot.symlink_to(elsewhere)
+    with pytest.raises(HubCacheError, match="is a link, not a folder of the cache entry"):
+        snapshot_of("example-org/tiny-reviews", "base.source")
+    config = load_config(
+        overrides=["base.source=example-org/tiny-reviews", f"model.policy={tmp_path / 'b'}"]
+    )
+    with pytest.raises(HubCacheError):
+        base(config)
+    assert not (tmp_path / "b").exists()
