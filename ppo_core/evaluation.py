@@ -29,7 +29,7 @@ from typing import Any
 import torch
 import yaml
 
-from ppo_core.config import Config, ConfigError
+from ppo_core.config import Config, ConfigError, code_free_folders
 from ppo_core.evaluation_report import ModelReport, RewardChoice, metric_table, write_reports
 from ppo_core.files import first_line
 from ppo_core.lineage import origin_folder
@@ -299,7 +299,11 @@ def evaluate(
     reference_vocab, measure_kl = _kl_measurable(config, models, tokenizers)
     reward = evaluation_reward(config, candidate)
     try:
-        reward_fn = build_reward(replace(config.model, reward=reward.spec), runtime.device)
+        reward_fn = build_reward(
+            replace(config.model, reward=reward.spec),
+            runtime.device,
+            code_free=code_free_folders(config),
+        )
     except RewardError as exc:
         if reward.source == "model.reward":
             raise
@@ -389,7 +393,9 @@ def check_reward_fn(config: Config, runtime: Runtime) -> RewardFn | None:
     if config.promote.check_reward is None:
         return None
     spec = replace(config.model, reward=config.promote.check_reward)
-    return build_reward(spec, runtime.device, key="promote.check_reward")
+    return build_reward(
+        spec, runtime.device, key="promote.check_reward", code_free=code_free_folders(config)
+    )
 
 
 def _refusal(

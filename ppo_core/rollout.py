@@ -124,9 +124,16 @@ def load_reference(model: ModelConfig, device: torch.device | None) -> torch.nn.
     return reference.eval() if device is None else reference.eval().to(device)
 
 
-def build_reward(model: ModelConfig, device: torch.device, key: str = "model.reward") -> RewardFn:
+def build_reward(
+    model: ModelConfig,
+    device: torch.device,
+    key: str = "model.reward",
+    code_free: Sequence[str] = (),
+) -> RewardFn:
     """The reward named by ``model.reward`` (built-in, user function or reward-model folder),
-    each call limited to ``model.reward_timeout`` seconds; errors name the spec as ``key``."""
+    each call limited to ``model.reward_timeout`` seconds; errors name the spec as ``key``. A
+    reward module is never imported from the folders ``code_free``
+    (:func:`ppo_core.config.code_free_folders`)."""
     if model.reward_timeout < 0:
         raise ConfigError(
             f"model.reward_timeout must be >= 0 (0: no limit), got {model.reward_timeout}"
@@ -137,6 +144,7 @@ def build_reward(model: ModelConfig, device: torch.device, key: str = "model.rew
         trust_remote_code=model.trust_remote_code,
         timeout=model.reward_timeout,
         key=key,
+        code_free=code_free,
     )
 
 

@@ -13,6 +13,7 @@ from ppo_core.config.checks import (
     UPPER_BOUNDS,
     WRITE_KEYS,
     check_write_paths,
+    code_free_folders,
     validate_config,
 )
 from ppo_core.config.docs import field_docs, save_config, to_yaml
@@ -64,6 +65,7 @@ __all__ = [
     "TrainConfig",
     "ValidationConfig",
     "check_write_paths",
+    "code_free_folders",
     "field_docs",
     "flatten",
     "load_config",

@@ -280,3 +280,20 @@ def _check_lora(model: ModelConfig) -> None:
             f"model.reference_dtype={model.reference_dtype} has no effect with LoRA and no "
             "model.reference: the reference is the policy's own weights with the adapter off"
         )
+
+
+CODE_FREE_KEYS = (
+    *WRITE_KEYS,
+    "model.policy",
+    "model.reference",
+    "model.lora.adapter",
+    "data.raw_dir",
+)
+"""Folders a reward module is never imported from: what the pipeline writes, and the model and
+data folders it reads (a model folder is data someone else made)."""
+
+
+def code_free_folders(config: Any) -> list[str]:
+    """The folders of :data:`CODE_FREE_KEYS` that ``config`` sets."""
+    flat = flatten(config)
+    return [str(flat[key]) for key in CODE_FREE_KEYS if flat.get(key)]

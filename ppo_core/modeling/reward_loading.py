@@ -26,9 +26,11 @@ reward that hangs stops the run, and releases its lock, instead of blocking it f
 from __future__ import annotations
 
 import importlib
+import importlib.util
+import os
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,15 +68,23 @@ def build_reward_fn(
     trust_remote_code: bool = False,
     timeout: float = 0.0,
     key: str = "model.reward",
+    code_free: Sequence[str] = (),
 ) -> RewardFn:
     """The reward function described by ``spec`` (see the module docstring), which the setting
     ``key`` names; each call that takes longer than ``timeout`` seconds raises
-    :class:`RewardTimeoutError` (0: no limit)."""
-    return _checked(_reward_callable(spec, device, trust_remote_code, key), spec, timeout)
+    :class:`RewardTimeoutError` (0: no limit). A ``module:function`` whose top-level module lies
+    in one of the folders ``code_free`` (model, data, checkpoint and report folders: what a
+    run writes or a model brings) is refused before it is imported."""
+    callable_ = _reward_callable(spec, device, trust_remote_code, key, tuple(code_free))
+    return _checked(callable_, spec, timeout)
 
 
 def _reward_callable(
-    spec: str, device: torch.device | str, trust_remote_code: bool, key: str
+    spec: str,
+    device: torch.device | str,
+    trust_remote_code: bool,
+    key: str,
+    code_free: tuple[str, ...] = (),
 ) -> RewardFn:
     """The bare function named by ``spec``, before any check or time limit."""
     if spec in BUILTIN_REWARDS:
@@ -93,7 +103,7 @@ def _reward_callable(
         return _RewardModel(str(snapshot_of(spec, key)), device, trust_remote_code)
     if ":" in spec:
         module_name, _, function_name = spec.partition(":")
-        module = _import_reward_module(spec, module_name, key)
+        module = _import_reward_module(spec, module_name, key, code_free)
         function = getattr(module, function_name, None)
         if not callable(function):
             raise RewardError(f"{key}={spec!r}: {module_name} has no callable {function_name!r}")
@@ -105,14 +115,18 @@ def _reward_callable(
     )
 
 
-def _import_reward_module(spec: str, module_name: str, key: str) -> Any:
+def _import_reward_module(
+    spec: str, module_name: str, key: str, code_free: tuple[str, ...] = ()
+) -> Any:
     """Import ``module_name`` as Python would from the working folder: the working folder is
-    searched first (as by ``python -c``), then the installed packages."""
+    searched first (as by ``python -c``), then the installed packages; never from the folders
+    ``code_free`` (:func:`_refuse_code_from`)."""
     working_folder = str(Path.cwd())
     added = working_folder not in sys.path
     if added:
         sys.path.insert(0, working_folder)
     try:
+        _refuse_code_from(spec, module_name, key, code_free)
         return importlib.import_module(module_name)
     except ImportError as exc:
         raise RewardError(
@@ -122,6 +136,38 @@ def _import_reward_module(spec: str, module_name: str, key: str) -> Any:
     finally:
         if added:
             sys.path.remove(working_folder)
+
+
+def _refuse_code_from(spec: str, module_name: str, key: str, code_free: tuple[str, ...]) -> None:
+    """:class:`RewardError` when the top-level package or module of ``module_name`` lies in one
+    of the folders ``code_free``, or is a package folder holding one: found without running
+    anything (``find_spec`` of a top-level name imports nothing). Otherwise
+    ``models.candidate.check:score`` would run a file that a trained model folder brought."""
+    if not code_free:
+        return
+    top = module_name.split(".")[0]
+    try:
+        found = importlib.util.find_spec(top)
+    except (ImportError, ValueError):
+        return  # the import below fails and says why
+    if found is None:
+        return
+    package = found.submodule_search_locations is not None
+    locations = list(found.submodule_search_locations or []) or [found.origin or ""]
+    for location in filter(None, locations):
+        real = os.path.realpath(location)
+        for folder in code_free:
+            root = os.path.realpath(folder)
+            if _within(real, root) or (package and _within(root, real)):
+                raise RewardError(
+                    f"{key}={spec!r}: module {top!r} ({real}) is in or holds {folder!r}, a "
+                    "folder of models, data, checkpoints or reports; a reward is code, and code "
+                    "is never imported from there. Put it in a module of its own outside them"
+                )
+
+
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
 def _checked(function: RewardFn, name: str, timeout: float = 0.0) -> RewardFn:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from ppo_core.config import Config
+from ppo_core.config import Config, code_free_folders
 from ppo_core.files import check_replaceable
 from ppo_core.modeling.adapter_folders import base_fingerprint
 from ppo_core.modeling.causal_lm import load_tokenizer
@@ -66,7 +66,7 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
         train_prompts=train_prompts,
         tokenizer=tokenizer,
         data_hash=read_manifest_hash(config.data.train_file),
-        reward_fn=build_reward(model, runtime.device),
+        reward_fn=build_reward(model, runtime.device, code_free=code_free_folders(config)),
         base_sha256=base_fingerprint(model.policy),
     )
 
