@@ -15,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from ppo_core.files import file_sha256, first_line
+from ppo_core.files import file_sha256, first_line, printable
 from ppo_core.modeling.folders import ADAPTER_CONFIG, ModelFolderError, check_model_folder
 
 __all__ = [
@@ -152,12 +152,39 @@ def check_adapter_folder(folder: str | Path, role: str) -> Path:
             "safetensors only)"
         )
     try:
-        kind = json.loads((folder / ADAPTER_CONFIG_FILE).read_text()).get("peft_type")
+        config = json.loads((folder / ADAPTER_CONFIG_FILE).read_text())
+        kind = config.get("peft_type")
     except (json.JSONDecodeError, AttributeError):
         raise AdapterError(f"{folder / ADAPTER_CONFIG_FILE} is not valid JSON") from None
     if kind != "LORA":
         raise AdapterError(f"{role} folder {str(folder)!r} holds a {kind} adapter, not LoRA")
+    _refuse_patterns(config, folder / ADAPTER_CONFIG_FILE)
     return folder
+
+
+REGEX_CHARACTERS = re.compile(r"[\\^$*+?{}()|\[\]]")
+
+
+def _refuse_patterns(config: dict, where: Path) -> None:
+    """peft matches a string ``target_modules`` / ``exclude_modules`` and every key of
+    ``rank_pattern`` / ``alpha_pattern`` as a regular expression against each module name: a
+    pattern such as ``(.*.*)*X`` backtracks for minutes. An adapter needs none of them (this
+    project writes module lists), so a pattern is refused by name; plain module names pass."""
+    for key in ("target_modules", "exclude_modules"):
+        value = config.get(key)
+        if isinstance(value, str) and value != "all-linear":
+            raise AdapterError(
+                f"{where}: {key} is the regular expression {printable(value)!r}; adapters are "
+                "loaded with a list of module names only"
+            )
+    for key in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(key) or {}
+        odd = [k for k in patterns if not isinstance(k, str) or REGEX_CHARACTERS.search(k)]
+        if odd:
+            raise AdapterError(
+                f"{where}: {key} holds the regular expression {printable(str(odd[0]))!r}; "
+                "adapters are loaded with module names only"
+            )
 
 
 def base_record_path(base: str | Path) -> str:

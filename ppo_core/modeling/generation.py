@@ -11,10 +11,13 @@ where a generation config is built (its import takes seconds).
 
 from __future__ import annotations
 
+import signal
+import threading
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -31,6 +34,7 @@ __all__ = [
     "encode_prompts",
     "generate_responses",
     "prompt_token_ids",
+    "render_chat",
     "require_chat_template",
     "response_mask_from_ids",
     "sample",
@@ -51,7 +55,57 @@ class GeneratedBatch:
 
 
 class ChatTemplateError(ModelFolderError):
-    """Chat prompts meet a tokenizer that has no chat template to render them with."""
+    """Chat prompts meet a tokenizer that has no chat template to render them with, or a
+    template that does not render a chat within :data:`CHAT_TEMPLATE_SECONDS` and
+    :data:`MAX_RENDERED_CHARS`."""
+
+
+CHAT_TEMPLATE_SECONDS = 5.0
+"""Longest a chat template may take to render one chat. A template comes with the model (a GGUF
+file's metadata, a hub snapshot): transformers' Jinja sandbox stops code, not loops, and two
+nested ``range(100000)`` kept ``ppo validate`` busy for minutes."""
+
+MAX_RENDERED_CHARS = 1 << 20
+"""Most characters one rendered chat may hold (a prompt is a few thousand tokens at most)."""
+
+
+def render_chat(tokenizer, messages: Sequence[dict], **options) -> str:
+    """``tokenizer.apply_chat_template(messages, tokenize=False, **options)``, within
+    :data:`CHAT_TEMPLATE_SECONDS` (a SIGALRM timer, in the main thread when no other timer
+    runs) and :data:`MAX_RENDERED_CHARS`; :class:`ChatTemplateError` past either."""
+    with _time_limit(CHAT_TEMPLATE_SECONDS):
+        text = tokenizer.apply_chat_template(list(messages), tokenize=False, **options)
+    if len(text) > MAX_RENDERED_CHARS:
+        raise ChatTemplateError(
+            f"the chat template rendered a chat of {len(text)} characters (at most "
+            f"{MAX_RENDERED_CHARS}); the tokenizer's chat template is broken or hostile"
+        )
+    return text
+
+
+@contextmanager
+def _time_limit(seconds: float) -> Iterator[None]:
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getitimer(signal.ITIMER_REAL)[0]
+    ):
+        yield  # a timer of someone else's, or no signals here: the size bound still holds
+        return
+
+    def stop(*_):
+        raise ChatTemplateError(
+            f"the chat template took longer than {seconds:g} s to render one chat "
+            "(ppo_core.modeling.generation.CHAT_TEMPLATE_SECONDS); the tokenizer's chat "
+            "template is broken or hostile"
+        )
+
+    previous = signal.signal(signal.SIGALRM, stop)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
 
 
 def check_chat_template(
@@ -90,7 +144,7 @@ def prompt_token_ids(tokenizer, prompts: Sequence[Prompt]) -> list[list[int]]:
             ids[i] = list(row)
     if chats:
         texts = [
-            tokenizer.apply_chat_template(prompts[i], add_generation_prompt=True, tokenize=False)
+            render_chat(tokenizer, cast("list[dict]", prompts[i]), add_generation_prompt=True)
             for i in chats
         ]
         rows = tokenizer(texts, add_special_tokens=False)["input_ids"]

@@ -41,6 +41,7 @@ from ppo_core.modeling import rewards
 from ppo_core.modeling.causal_lm import from_pretrained_checked, fuse_activations
 from ppo_core.modeling.data import Prompt
 from ppo_core.modeling.folders import check_model_folder
+from ppo_core.modeling.generation import render_chat
 from ppo_core.modeling.hub_cache import HUB_ID, snapshot_of
 
 __all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
@@ -307,6 +308,6 @@ class _RewardModel:
             return list(self.tokenizer(prompt + response)["input_ids"])
         turns = [*prompt, {"role": "assistant", "content": response}]
         if getattr(self.tokenizer, "chat_template", None) is not None:
-            text = self.tokenizer.apply_chat_template(turns, tokenize=False)
+            text = render_chat(self.tokenizer, turns)
             return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(self.tokenizer("\n".join(turn["content"] for turn in turns))["input_ids"])
