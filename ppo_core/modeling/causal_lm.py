@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from ppo_core.files import first_line
+from ppo_core.files import first_line, printable
 from ppo_core.modeling.folders import ModelFolderError, check_model_folder
 
 __all__ = [
@@ -60,6 +60,8 @@ def from_pretrained_checked(loader, folder: Path, role: str, **kwargs):
     :class:`ModelFolderError` that names the role and folder (a folder whose code would have to
     run without ``trust_remote_code``, a config transformers does not know, damaged weights).
     Within :func:`structure_only`, the model of the folder's config on the meta device."""
+    from safetensors import SafetensorError  # a header that lies about its tensors
+
     try:
         if _STRUCTURE_ONLY.get():
             from transformers import AutoConfig
@@ -70,9 +72,9 @@ def from_pretrained_checked(loader, folder: Path, role: str, **kwargs):
             with torch.device("meta"):
                 return loader.from_config(config, **kwargs)
         return loader.from_pretrained(folder, use_safetensors=True, **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
         raise ModelFolderError(
-            f"cannot load {role} from {str(folder)!r}: {first_line(exc)}"
+            f"cannot load {role} from {str(folder)!r}: {printable(first_line(exc))}"
         ) from None
 
 

@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
+from ppo_core.files import first_line, printable
 from ppo_core.modeling.causal_lm import (
     checkpoint_blocks,
     from_pretrained_checked,
@@ -261,7 +262,7 @@ def load_actor_critic(
     value_head = nn.Linear(hidden, 1, dtype=torch.float32)
     head_file = folder / VALUE_HEAD_FILE
     if head_file.is_file():
-        state = load_file(str(head_file))
+        state = _value_head_state(head_file)
         if state["weight"].shape != value_head.weight.shape:
             raise ModelFolderError(
                 f"{head_file} holds a value head of shape {tuple(state['weight'].shape)}, the "
@@ -272,6 +273,23 @@ def load_actor_critic(
         nn.init.zeros_(value_head.weight)
         nn.init.zeros_(value_head.bias)
     return ActorCritic(policy, value_head, critic_trunk, weights).eval()
+
+
+def _value_head_state(head_file: Path) -> dict[str, torch.Tensor]:
+    """The tensors of ``value_head.safetensors``; a damaged file, or one without ``weight`` and
+    ``bias``, is one :class:`ModelFolderError` naming it."""
+    from safetensors import SafetensorError
+
+    try:
+        state = load_file(str(head_file))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ModelFolderError(f"{head_file} is damaged: {printable(first_line(exc))}") from None
+    if set(state) != {"weight", "bias"}:
+        raise ModelFolderError(
+            f"{head_file} holds {sorted(printable(k) for k in state)}, not a value head's "
+            "weight and bias"
+        )
+    return state
 
 
 def _hidden_size(config) -> int:
