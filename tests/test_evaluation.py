@@ -384,7 +384,8 @@ def test_a_candidate_that_repeats_a_positive_word_gains_score_but_the_guards_ref
     # gamed); distinct-2 0.025 vs 1.0; the reference's NLL 7.51 vs 2.61 nats per token
     assert gamed["score"] > base["score"] + 0.5 and gamed["check_score"] > base["check_score"]
     assert gamed["distinct_2"] < 0.05 and base["distinct_2"] > 0.5
-    assert gamed["reference_nll"] > base["reference_nll"] + 3.0
+    # 4.90 apart measured; NLL averaged over the prompt's tokens too would be 3.29 apart
+    assert gamed["reference_nll"] > base["reference_nll"] + 4.5
     metrics = read(tmp_path / "eval", "metrics.json")
     assert {"candidate/check_score", "baseline/reference_nll"} <= set(metrics)
     assert read(tmp_path / "eval", "models.json")["check_reward"] == "builtin:afinn"
@@ -590,3 +591,40 @@ def test_the_rendered_report_shows_hostile_text_as_text(render):
 def _as_shown(text: str) -> str:
     """How a prompt or response reads in the report: trimmed, each line break a ``<br>``."""
     return text.strip().replace("\r\n", "\n").replace("\r", "\n")
+
+
+def test_fluency_is_judged_at_temperature_1_whatever_the_sampling_temperature():
+    """_drift_from: the KL compares logprobs at the sampling temperature, the reference's NLL
+    reads them at temperature 1. Each stand-in logprob is minus the temperature it was asked
+    at, so the numbers say which temperature each used."""
+    from ppo_core.evaluation import _drift_from
+
+    asked = []
+
+    def logprobs_of(scorer, temperature):
+        asked.append(temperature)
+        return torch.full((1, 2), -temperature)
+
+    own, mask = torch.zeros(1, 2), torch.ones(1, 2, dtype=torch.bool)
+    kl, nll = _drift_from(None, own, mask, logprobs_of, 0.5)
+    assert asked == [0.5, 1.0]
+    assert kl == pytest.approx(1.0)  # sum over 2 tokens of 0 - (-0.5)
+    assert nll == pytest.approx(1.0)  # -mean of -1.0, not of -0.5
+    asked.clear()
+    assert _drift_from(None, own, mask, logprobs_of, 1.0) == (pytest.approx(2.0), 1.0)
+    assert asked == [1.0]  # at temperature 1, one pass serves both
+
+
+def test_the_evaluation_seed_alone_decides_the_samples(tmp_path, tiny_model_dir, prompt_files):
+    """Evaluating one folder twice with another run seed (`seed`) gives the same samples; another
+    eval.seed gives others."""
+
+    def samples(*extra):
+        folder = tmp_path / "-".join(extra)
+        config = evaluation_config(folder, tiny_model_dir, prompt_files, *extra)
+        evaluate(config, tiny_model_dir)
+        return read(folder / "eval", "samples.json")["candidate"]
+
+    first = samples("seed=0", "eval.seed=1234")
+    assert samples("seed=7", "eval.seed=1234") == first
+    assert samples("seed=0", "eval.seed=99") != first
