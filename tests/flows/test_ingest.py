@@ -253,3 +253,16 @@ def test_the_command_without_a_prefect_server_says_no_run_was_triggered(project)
     bad.write_text("not json\n")
     result = CliRunner().invoke(app, ["ingest", str(bad)])
     assert result.exit_code == 2 and f"error: {bad}:1" in result.output
+
+
+def test_the_size_limit_refuses_before_a_byte_is_copied(project, tmp_path_factory):
+    """The size check of the source itself (flows.ingest._checked_source), apart from the
+    capped copy behind it."""
+    from flows.ingest import _checked_source
+
+    config = Config()
+    config.data.max_bytes_per_file = 1000
+    big = tmp_path_factory.mktemp("outside") / "big.jsonl"
+    big.write_text('{"prompt": "a film"}\n' * 100)  # 2,100 bytes
+    with pytest.raises(PromptFileError, match="2100 bytes, more than data.max_bytes_per_file=1000"):
+        _checked_source(config, big)

@@ -148,3 +148,32 @@ def test_a_file_that_is_not_gguf_is_refused_by_name(tmp_path, monkeypatch):
     assert result.exit_code == 2, result.output
     assert "base.source='weights.safetensors' is not a GGUF file" in result.output
     assert not (tmp_path / "models").exists()
+
+
+def test_each_check_of_a_gguf_file_refuses_on_its_own(tmp_path):
+    """The layers one by one, each called directly, so that a check switched off fails here
+    even where a later one would still refuse the file."""
+    import gguf
+
+    from ppo_core.modeling.gguf_header import GGUFHeaderError, check_gguf_header
+    from ppo_core.modeling.gguf_import import (
+        GGUFImportError,
+        _dequantizable,
+        is_gguf_file,
+        read_gguf,
+    )
+
+    # the magic bytes
+    other = tmp_path / "weights.bin"
+    other.write_bytes(b"GGML" + b"\0" * 60)
+    assert not is_gguf_file(other)
+    with pytest.raises(GGUFHeaderError, match="it does not start with 'GGUF'"):
+        check_gguf_header(other)
+    # the tensor types gguf can dequantize
+    assert _dequantizable(gguf.GGMLQuantizationType.Q4_1)
+    assert not _dequantizable(gguf.GGMLQuantizationType.Q8_1)
+    # the architectures transformers reads
+    rwkv = tmp_path / "rwkv.gguf"
+    write_gguf(rwkv, "rwkv7", "F32")
+    with pytest.raises(GGUFImportError, match="architecture 'rwkv7' cannot be read by"):
+        read_gguf(rwkv)
