@@ -244,7 +244,19 @@ def _folder_import(config: Config, source: Path, blobs: Path | None, record: dic
     model = load_causal_lm(source, "base.source", config.model.trust_remote_code)
     if not is_adapter_folder(source):
         record["format"] = "folder"
-        return lambda tmp: copy_regular_tree(source, tmp, link_root=blobs)
+        code = [] if config.model.trust_remote_code else sorted(p.name for p in source.glob("*.py"))
+        if code:
+            # the auto_map code of a hub snapshot: never run without trust_remote_code, so
+            # not copied into an output that DVC pushes and later stages read
+            record["left_out"] = code
+            print(f"left out {', '.join(code)}: model code runs only with trust_remote_code")
+
+        def copy_folder(tmp: Path) -> None:
+            copy_regular_tree(source, tmp, link_root=blobs)
+            for name in code:
+                (tmp / name).unlink()
+
+        return copy_folder
     # An adapter (a LoRA production version) becomes the whole model it stands for: its base
     # with the adapter merged in, so that the next generation trains, and is judged, on exactly
     # the model in production (docs/design.md, "Generations").
@@ -453,9 +465,7 @@ def _evaluation_of_this_candidate(config: Config, metrics_file: Path) -> tuple[d
             raise StaleEvaluationError(f"{path} is not a JSON object{again}")
     models = read["models.json"]
     evaluated = models.get("candidate")
-    if not isinstance(evaluated, str) or real_path(evaluated) != real_path(
-        config.train.output_dir
-    ):
+    if not isinstance(evaluated, str) or real_path(evaluated) != real_path(config.train.output_dir):
         raise StaleEvaluationError(
             f"{metrics_file.with_name('models.json')} is an evaluation of "
             f"{printable(str(evaluated))!r}, not of train.output_dir="

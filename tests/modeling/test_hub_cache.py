@@ -173,3 +173,13 @@ def test_a_snapshot_that_is_a_link_to_another_folder_is_refused(tmp_path, cache,
     with pytest.raises(HubCacheError):
         base(config)
     assert not (tmp_path / "b").exists()
+
+
+def test_model_code_of_a_snapshot_is_left_out_without_trust_remote_code(tmp_path, tiny_model_dir):
+    folder = tmp_path / "with-code"
+    shutil.copytree(tiny_model_dir, folder)
+    (folder / "modeling_custom.py").write_text("raise SystemExit('model code ran')\n")
+    path = base(load_config(overrides=[f"base.source={folder}", f"model.policy={tmp_path / 'b'}"]))
+    assert not (path / "modeling_custom.py").exists()
+    record = json.loads((path / "imported_from.json").read_text())
+    assert record["left_out"] == ["modeling_custom.py"]
