@@ -38,11 +38,12 @@ from ppo_core.files import (
     printable,
     regular_files,
 )
-from ppo_core.lineage import Lineage, read_lineage
+from ppo_core.lineage import Lineage, read_lineage, store_base
 from ppo_core.modeling.adapter_folders import (
     ADAPTER_BASE_FILE,
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
+    adapter_base_folder,
     is_adapter_folder,
     recorded_fingerprint,
 )
@@ -201,6 +202,10 @@ def base(config: Config) -> Path:
     lineage = _production_lineage(config, source)
     if lineage is not None:
         record.update(lineage.as_record())
+        if is_adapter_folder(source):
+            # a version promoted before versions kept their base names models/base, which
+            # this import replaces: keep its base where the version finds it afterwards
+            store_base(config.promote.production_dir, adapter_base_folder(source))
     if source.is_file() or (source.is_symlink() and not source.is_dir()):
         write = _gguf_import(config, source, blobs, record)
     else:

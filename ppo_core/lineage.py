@@ -25,6 +25,7 @@ from typing import Any
 
 from ppo_core.files import atomic_folder, copy_regular_tree
 from ppo_core.modeling.adapter_folders import (
+    STORED_BASES,
     AdapterError,
     base_fingerprint,
     base_record_path,
@@ -45,7 +46,7 @@ __all__ = [
 IMPORT_RECORD = "imported_from.json"
 """What ``ppo base`` writes into the base it imports: the source, its hash, and the lineage."""
 
-BASES_DIR = "bases"
+BASES_DIR = STORED_BASES
 """Folder under ``promote.production_dir`` holding the whole models versions depend on."""
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -89,6 +89,11 @@ def adapter_base_folder(folder: str | Path) -> Path:
         base, fingerprint = Path(record["base"]), _fingerprint_of(record, record_file)
     except (json.JSONDecodeError, KeyError, TypeError) as exc:
         raise AdapterError(f"{record_file} is damaged ({first_line(exc)})") from None
+    stored = folder.parent / STORED_BASES / fingerprint
+    if stored.is_dir() and stored.resolve() != base.resolve() and not _is_base(base, fingerprint):
+        # a production version promoted before versions named their stored base: its base
+        # folder was replaced (the next generation's import), the stored copy was not
+        base = stored
     if is_adapter_folder(base):
         # a base that is an adapter would name a base of its own, and so on
         raise AdapterError(
@@ -98,6 +103,17 @@ def adapter_base_folder(folder: str | Path) -> Path:
     check_model_folder(base, f"the base model of adapter {str(folder)!r}")
     check_base_matches(folder, base, fingerprint)
     return base
+
+
+STORED_BASES = "bases"
+"""Beside production versions, the whole models they apply to, each in a folder named by its
+fingerprint (``ppo_core.lineage.store_base``): where an adapter version's base is found when
+the folder its record names holds another model."""
+
+
+def _is_base(base: Path, fingerprint: str) -> bool:
+    """Whether ``base`` is a whole model folder with the fingerprint ``fingerprint``."""
+    return (base / "config.json").is_file() and base_fingerprint(base) == fingerprint
 
 
 def _fingerprint_of(record: object, record_file: Path) -> str:

@@ -216,3 +216,35 @@ def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
         if worker is not None:
             stop(worker)
         stop(server)
+
+
+@pytest.mark.slow
+def test_a_lora_version_promoted_before_bases_were_kept_survives_the_next_import(
+    tiny_project, monkeypatch
+):
+    """An upgraded project: v0001 is an adapter whose record names models/base (as promotions
+    before stored bases wrote it). The next generation's import keeps that base under
+    models/production/bases/ first, and v0001 still loads after models/base is replaced."""
+    from ppo_core.files import tree_sha256
+    from ppo_core.modeling.adapter_folders import point_adapter_at
+    from ppo_core.modeling.policy import load_causal_lm
+
+    project = tiny_project
+    generation(project, "model.lora.enabled=true")
+    monkeypatch.chdir(project)
+    version, registry_file = Path("models/production/v0001"), Path("models/registry.json")
+    record = json.loads((version / "adapter_base.json").read_text())
+    point_adapter_at(version, "models/base", record["base_sha256"])  # what it named before
+    registry = json.loads(registry_file.read_text())
+    for entry in registry["entries"]:
+        for key in ("origin", "parent_version", "adapter_base"):
+            entry.pop(key, None)
+    registry["entries"][0]["content_sha256"] = tree_sha256(version)
+    registry_file.write_text(json.dumps(registry))
+    for stored in Path("models/production/bases").iterdir():
+        subprocess.run(["rm", "-r", str(stored)], check=True)
+
+    ppo(project, "base", "base.source=models/production/v0001")
+    assert read_json(Path("models/base/imported_from.json"))["format"] == "merged adapter"
+    assert (Path("models/production/bases") / record["base_sha256"]).is_dir()
+    load_causal_lm(check_version(registry_file, "models/production", "v0001"))
