@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -154,3 +155,36 @@ class WebhookReceiver:
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def command(env, project, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        list(args), cwd=project, env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+
+
+def run_flow(env, project) -> subprocess.CompletedProcess:
+    return command(env, project, sys.executable, "-m", "flows.pipeline", "run")
+
+
+def notify(env, project, url) -> None:
+    """`ppo notify --webhook URL`, checked to have created both automations."""
+    done = command(env, project, str(BIN / "ppo"), "notify", "--webhook", url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "retrain-notify-rejected, retrain-notify-failed" in done.stderr
+
+
+def start_worker(env, cwd, log) -> subprocess.Popen:
+    return subprocess.Popen(
+        [str(BIN / "prefect"), "worker", "start", "--pool", "ppo"],
+        env=env,
+        cwd=cwd,
+        stdout=log.open("a"),
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path

@@ -24,6 +24,8 @@ COMMANDS = [
     "train",
     "evaluate",
     "promote",
+    "rollback",
+    "notify",
     "ingest",
     "compare",
 ]

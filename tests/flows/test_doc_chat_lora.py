@@ -42,4 +42,7 @@ def test_the_documented_chat_and_lora_block_runs_verbatim(tmp_path):
     assert decision in ("promoted", "rejected")
     if decision == "promoted":
         registry = json.loads((project / "models" / "registry.json").read_text())
-        assert registry["entries"][-1]["adapter_base"] == record
+        # the version keeps a copy of its base under production, named by its fingerprint
+        stored = registry["entries"][-1]["adapter_base"]
+        assert stored["base_sha256"] == record["base_sha256"]
+        assert stored["path"] == f"models/production/bases/{record['base_sha256']}"

@@ -139,10 +139,14 @@ def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
     from flows.run_params import set_params
     from ppo_core.modeling.policy import load_causal_lm
     from tests.flows.conftest import git_commit
-    from tests.flows.servers import prefect, start_server, stop
-    from tests.flows.test_notifications import command
-    from tests.flows.test_work_pool import write_prompts
-    from tests.flows.test_worker_crash import start_worker
+    from tests.flows.servers import (
+        command,
+        prefect,
+        start_server,
+        start_worker,
+        stop,
+        write_prompts,
+    )
 
     if os.environ.get("PPO_SOAK") != "1":
         pytest.skip("make soak runs it (PPO_SOAK=1); make test runs the two-generation chain")

@@ -4,31 +4,19 @@ was sent). The crash of a run whose worker really died is in test_worker_crash.p
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from flows.run_params import set_params
-from tests.flows.conftest import BIN, git_commit
-from tests.flows.servers import WebhookReceiver, api, start_server, stop, wait_for
-
-
-def command(env, project, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        list(args), cwd=project, env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-
-
-def run_flow(env, project) -> subprocess.CompletedProcess:
-    return command(env, project, sys.executable, "-m", "flows.pipeline", "run")
-
-
-def notify(env, project, url) -> None:
-    """`ppo notify --webhook URL`, checked to have created both automations."""
-    done = command(env, project, str(BIN / "ppo"), "notify", "--webhook", url)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "retrain-notify-rejected, retrain-notify-failed" in done.stderr
+from tests.flows.conftest import git_commit
+from tests.flows.servers import (
+    WebhookReceiver,
+    api,
+    notify,
+    run_flow,
+    start_server,
+    stop,
+    wait_for,
+)
 
 
 @pytest.mark.slow

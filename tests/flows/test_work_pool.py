@@ -5,7 +5,6 @@ that fails validation changes nothing and is set aside)."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import subprocess
 import time
@@ -17,7 +16,15 @@ from flows.ingest import LOCK_NAME
 from flows.run_params import BACKUP_NAME
 from ppo_core.files import file_sha256, tree_sha256
 from tests.flows.conftest import BIN, dvc, read_json
-from tests.flows.servers import flow_runs, prefect, start_server, state_message, stop, wait_for
+from tests.flows.servers import (
+    flow_runs,
+    prefect,
+    start_server,
+    state_message,
+    stop,
+    wait_for,
+    write_prompts,
+)
 
 
 def on_new_data(runs: list[dict]) -> list[dict]:
@@ -42,11 +49,6 @@ FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 def settled(runs: list[dict], count: int) -> bool:
     return len(runs) >= count and all(r["state_type"] in FINAL for r in runs)
-
-
-def write_prompts(path: Path, prompts: list[str]) -> Path:
-    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
-    return path
 
 
 def ingest(env: dict[str, str], cwd: Path, *paths: Path) -> None:

@@ -5,7 +5,6 @@ checkpoint instead of from the start."""
 
 from __future__ import annotations
 
-import subprocess
 import time
 
 import psutil
@@ -13,16 +12,17 @@ import pytest
 import yaml
 
 from flows.run_params import set_params
-from tests.flows.conftest import BIN, ROOT
+from tests.flows.conftest import ROOT
 from tests.flows.servers import (
     WebhookReceiver,
     flow_runs,
+    notify,
     prefect,
     start_server,
+    start_worker,
     stop,
     wait_for,
 )
-from tests.flows.test_notifications import notify
 
 # Heartbeats every 30 s (the least Prefect allows), and a run without one for 45 s is Crashed.
 HEARTBEAT_S = 30
@@ -37,17 +37,6 @@ def kill_tree(pid: int) -> None:
         process.suspend()
     for process in tree:
         process.kill()
-
-
-def start_worker(env, cwd, log) -> subprocess.Popen:
-    return subprocess.Popen(
-        [str(BIN / "prefect"), "worker", "start", "--pool", "ppo"],
-        env=env,
-        cwd=cwd,
-        stdout=log.open("a"),
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
 
 
 def manual_runs(env, project) -> list[dict]:
