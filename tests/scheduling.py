@@ -35,7 +35,7 @@ SECONDS = {
     "tests/reliability/test_retry_resumes.py::test_a_retried_train_stage_resumes_from_its_checkpoint": 22.0,
     # measured alone on a busy machine (2026-12-03): upper bounds until the next fresh clone
     "tests/flows/test_generations.py::test_two_generations_chain_and_every_version_stays_loadable[lora]": 55.0,
-    "tests/flows/test_generations.py::test_two_generations_chain_and_every_version_stays_loadable[full]": 50.0,
+    "tests/flows/test_generations.py::test_a_lora_version_promoted_before_bases_were_kept_survives_the_next_import": 40.0,
     "tests/flows/test_notifications.py::test_a_rejected_a_failed_and_a_crashed_run_reach_the_webhook": 35.0,
 }
 

@@ -1,6 +1,7 @@
 """Scheduled retraining chains generations: each imports the current production version as its
-base (what `from_production` does), trains on it, and may promote the result. Two generations
-through the CLI, with LoRA and with full weights: every version stays loadable and hash-checked
+base (what `from_production` does), trains on it, and may promote the result. Two LoRA
+generations through the CLI (where the chain broke; full weights chain in the soak below and in
+test_flow.py): every version stays loadable and hash-checked
 after the next base import, the next generation's baseline is exactly the production model, the
 registry records each version's parent and the chain's origin, drift from the origin is
 measured, and a rollback makes the next generation start from the version rolled back to
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import subprocess
 from pathlib import Path
 
@@ -51,6 +53,10 @@ def generation(project: Path, *overrides: str) -> dict:
 def test_two_generations_chain_and_every_version_stays_loadable(tiny_project, weights, monkeypatch):
     from ppo_core.modeling.policy import load_causal_lm
 
+    if weights == "full" and os.environ.get("PPO_SOAK") != "1":
+        # make test keeps the LoRA chain; a full-weights generation from production is in
+        # tests/flows/test_flow.py, and make soak chains three of each
+        pytest.skip("make soak runs the full-weights chain (PPO_SOAK=1)")
     project = tiny_project
     overrides = ["model.lora.enabled=true"] if weights == "lora" else []
     first = generation(project, *overrides)
@@ -134,8 +140,6 @@ def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
     """`make soak` only (PPO_SOAK=1): three runs of 'retrain/scheduled' by a worker of the
     process pool, new prompts ingested before each of the later two; then a restore drill of
     every version from the DVC remote into an empty clone."""
-    import os
-
     from flows.run_params import set_params
     from ppo_core.modeling.policy import load_causal_lm
     from tests.flows.conftest import git_commit
