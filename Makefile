@@ -81,9 +81,10 @@ fuzz: $(STAMP)
 	PPO_HYPOTHESIS_PROFILE=fuzz PPO_FUZZ_SCALE=$(FUZZ_SCALE) $(BIN)/python -m pytest -q \
 		-n $(PYTEST_WORKERS) --dist worksteal -m "not slow" tests/math tests/reliability
 
-# The long scenarios that `make test` runs shortened (PPO_SOAK=1): the full 20-kill SIGKILL loop
-# and the TRL side of the benchmark smoke runs (bench/.trl-venv is built first when missing, from
-# PyPI). It prints how long it took.
+# The long scenarios that `make test` runs shortened or not at all (PPO_SOAK=1): the full 20-kill
+# SIGKILL loop, three scheduled generations of each kind of weights through a work pool with a
+# restore from the DVC remote, and the TRL side of the benchmark smoke runs (bench/.trl-venv is
+# built first when missing, from PyPI). It prints how long it took.
 soak: $(STAMP)
 	test -x bench/.trl-venv/bin/python || bash bench/setup_trl.sh
 	@start=$$(date +%s); \
