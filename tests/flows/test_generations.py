@@ -49,14 +49,10 @@ def generation(project: Path, *overrides: str) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("weights", ["lora", "full"])
+@pytest.mark.parametrize("weights", ["lora"])  # full weights: the soak below, and test_flow.py
 def test_two_generations_chain_and_every_version_stays_loadable(tiny_project, weights, monkeypatch):
     from ppo_core.modeling.policy import load_causal_lm
 
-    if weights == "full" and os.environ.get("PPO_SOAK") != "1":
-        # make test keeps the LoRA chain; a full-weights generation from production is in
-        # tests/flows/test_flow.py, and make soak chains three of each
-        pytest.skip("make soak runs the full-weights chain (PPO_SOAK=1)")
     project = tiny_project
     overrides = ["model.lora.enabled=true"] if weights == "lora" else []
     first = generation(project, *overrides)
