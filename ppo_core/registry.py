@@ -315,10 +315,16 @@ def record_decision(
     (:func:`ppo_core.lineage.store_base`) and the version names them there, so that no later
     ``ppo base`` can take from a version what it needs to load."""
     registry_path = Path(registry_path)
-    # Two promotions at once would pick the same version number or drop each other's entry.
-    lock = registry_path.with_name(f".{registry_path.name}.lock")
-    with exclusive_run(lock, f"promotion into {registry_path}"):
+    with _registry_lock(registry_path, "promotion into"):
         return _record(registry_path, production_dir, candidate_dir, decision, lineage, base_dir)
+
+
+def _registry_lock(registry_path: Path, what: str):
+    """The registry's run lock: two promotions or rollbacks at once would pick the same version
+    number or drop each other's entry."""
+    return exclusive_run(
+        registry_path.with_name(f".{registry_path.name}.lock"), f"{what} {registry_path}"
+    )
 
 
 def _record(
@@ -387,8 +393,7 @@ def roll_back(
     registry_path = Path(registry_path)
     if not reason.strip():
         raise RegistryError("a rollback needs a reason (--reason): the registry records it")
-    lock = registry_path.with_name(f".{registry_path.name}.lock")
-    with exclusive_run(lock, f"rollback in {registry_path}"):
+    with _registry_lock(registry_path, "rollback in"):
         registry = load_registry(registry_path)
         check_version(registry_path, production_dir, version)
         previous = registry.get("current")

@@ -87,8 +87,13 @@ def test_a_snapshot_link_outside_the_repositorys_blobs_is_refused(tmp_path, cach
     secret = tmp_path / "id_rsa"
     secret.write_text("PRIVATE KEY")
     (snapshot / "vocab.txt").symlink_to(secret)
-    config = load_config(overrides=[f"base.source={snapshot}", f"model.policy={tmp_path / 'b'}"])
-    with pytest.raises(UnsafeCopyError, match="vocab.txt is a symbolic link"):
+    import_refused(tmp_path, str(snapshot), UnsafeCopyError, "vocab.txt is a symbolic link")
+
+
+def import_refused(tmp_path, source: str, error: type, match: str) -> None:
+    """`ppo base base.source=SOURCE` raises ``error`` matching ``match``, writing nothing."""
+    config = load_config(overrides=[f"base.source={source}", f"model.policy={tmp_path / 'b'}"])
+    with pytest.raises(error, match=match):
         base(config)
     assert not (tmp_path / "b").exists()
 
@@ -152,10 +157,9 @@ def test_a_cache_entry_whose_blobs_are_a_link_is_refused(tmp_path, cache, given)
     _, snapshot = cache
     private_folder_as_blobs(tmp_path, snapshot)
     source = str(snapshot) if given == "path" else "example-org/tiny-reviews"
-    config = load_config(overrides=[f"base.source={source}", f"model.policy={tmp_path / 'b'}"])
-    with pytest.raises(HubCacheError, match="blobs' is a link, not a folder of its cache entry"):
-        base(config)
-    assert not (tmp_path / "b").exists()
+    import_refused(
+        tmp_path, source, HubCacheError, "blobs' is a link, not a folder of its cache entry"
+    )
 
 
 def test_a_snapshot_that_is_a_link_to_another_folder_is_refused(tmp_path, cache, tiny_model_dir):
