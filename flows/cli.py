@@ -121,6 +121,7 @@ USER_ERRORS = (
     ("ppo_core.lineage", "LineageError"),
     ("ppo_core.modeling.checkpoint", "CheckpointError"),
     ("ppo_core.modeling.data", "PromptFileError"),
+    ("ppo_core.modeling.gguf_export", "GGUFExportError"),
     ("ppo_core.modeling.policy", "ModelFolderError"),
     ("ppo_core.modeling.reward_loading", "RewardError"),
     ("ppo_core.registry", "RegistryError"),
@@ -350,6 +351,41 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
     console.print(f"candidate {verdict}", soft_wrap=True)
     for reason in entry["reasons"]:
         console.print(f"  {reason}", soft_wrap=True)
+
+
+@app.command("export")
+def export_command(config: ConfigOption = None, overrides: Overrides = None) -> None:
+    """Write a production version as one GGUF file, for llama.cpp, Ollama and LM Studio.
+
+    Exports export.version (default: the current production version) in export.type (`f32`,
+    `f16` or `q8_0`) to `export.dir/<version>-<type>.gguf`, with the tokenizer and the chat
+    template in the file, and a record beside it (`<version>-<type>.json`: the version, its
+    content hash, the file's SHA-256). The registry entry of the version names the export.
+
+    The version is checked against the content hash the registry recorded; an adapter (LoRA)
+    version is merged into its base first. An existing file is never replaced. Llama, Mistral,
+    Qwen2 (SmolLM2 is Llama) and GPT-2 models with a byte-level BPE tokenizer are exported;
+    anything else is refused with the reason.
+
+    On demand through DVC: `dvc repro serving/dvc.yaml`.
+    """
+    from flows import stages
+
+    cfg = _run(lambda: _load(config, overrides))
+    started = time.perf_counter()
+    record = _run(lambda: stages.export(cfg))
+    path = Path(cfg.export.dir) / record["file"]
+    if record.get("already_exported"):
+        console.print(f"{path} is already the export of {record['version']}: nothing to do")
+        return
+    console.print(
+        f"exported {record['version']} as [bold]{path}[/] ({record['bytes'] / 1e6:.1f} MB, "
+        f"{record['type']}, sha256 {record['sha256'][:12]}...) in "
+        f"{time.perf_counter() - started:.0f} s; record in {path.with_suffix('.json')}",
+        soft_wrap=True,
+    )
+    for note in record["notes"]:
+        console.print(f"  note: {note}", soft_wrap=True)
 
 
 @app.command()

@@ -39,6 +39,7 @@ __all__ = [
     "load_registry",
     "promoted_entry",
     "record_decision",
+    "record_export",
     "roll_back",
 ]
 
@@ -375,6 +376,21 @@ def _write_version(candidate_dir: str | Path, folder: Path, stored_base: dict | 
     copy_regular_tree(candidate_dir, folder)
     if stored_base is not None:
         point_adapter_at(folder, stored_base["path"], stored_base["base_sha256"])
+
+
+def record_export(registry_path: str | Path, version: str, export: dict[str, Any]) -> None:
+    """Name an export of ``version`` (``{"file", "type", "sha256", ...}``) in the list
+    ``exports`` of the registry entry that promoted it; an export of the same file replaces
+    its earlier record."""
+    registry_path = Path(registry_path)
+    with _registry_lock(registry_path, "export record in"):
+        registry = load_registry(registry_path)
+        entry = next((e for e in registry["entries"] if e.get("version") == version), None)
+        if entry is None:
+            raise RegistryError(f"the registry {registry_path} has no production version {version}")
+        kept = [e for e in entry.get("exports") or [] if e.get("file") != export["file"]]
+        entry["exports"] = [*kept, export]
+        atomic_write_text(registry_path, json.dumps(registry, indent=1))
 
 
 def roll_back(

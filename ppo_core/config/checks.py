@@ -85,6 +85,7 @@ WRITE_KEYS = (
     "promote.production_dir",
     "promote.registry",
     "promote.report",
+    "export.dir",
     "ingest.inbox_dir",
     "ingest.rejected_dir",
 )

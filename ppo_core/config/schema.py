@@ -31,6 +31,7 @@ Critic = Literal["shared", "separate", "none"]
 OptimizerName = Literal["adamw", "sgd"]
 SchedulerName = Literal["constant", "linear"]
 StrategyName = Literal["ddp", "fsdp"]
+ExportType = Literal["f32", "f16", "q8_0"]
 
 # A field annotated ``Choice[SomeLiteral]`` is that Literal to a type checker and ``str`` to
 # OmegaConf: OmegaConf 2.3 has no Literal fields (and matches an Enum by member name, which
@@ -60,6 +61,7 @@ CHOICES: dict[str, Any] = {
     "optim.name": OptimizerName,
     "optim.scheduler": SchedulerName,
     "parallel.strategy": StrategyName,
+    "export.type": ExportType,
 }
 
 
@@ -424,6 +426,22 @@ class PromoteConfig:
 
 
 @dataclass
+class ExportConfig:
+    """``ppo export``: a production version as one GGUF file, the format llama.cpp, Ollama and
+    LM Studio serve (run on demand: ``dvc repro serving/dvc.yaml``)."""
+
+    version: str | None = None
+    """The production version to export (``v0003``); ``None`` exports the current one."""
+    type: Choice[ExportType] = "f16"
+    """Tensor type of the weights: ``f32`` (exact), ``f16`` (half the size; the same greedy
+    tokens in the tests) or ``q8_0`` (8-bit blocks, a quarter of ``f32``; llama.cpp's
+    near-lossless quantisation). Norms and biases stay F32."""
+    dir: str = "exports"
+    """Where ``<version>-<type>.gguf`` and its record ``<version>-<type>.json`` are written;
+    an existing file is never replaced."""
+
+
+@dataclass
 class ScheduleConfig:
     """Scheduled retraining (the ``scheduled`` Prefect deployment)."""
 
@@ -500,6 +518,7 @@ class Config:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     promote: PromoteConfig = field(default_factory=PromoteConfig)
+    export: ExportConfig = field(default_factory=ExportConfig)
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)

@@ -24,6 +24,7 @@ COMMANDS = [
     "train",
     "evaluate",
     "promote",
+    "export",
     "rollback",
     "notify",
     "ingest",
