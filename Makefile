@@ -83,10 +83,12 @@ fuzz: $(STAMP)
 
 # The long scenarios that `make test` runs shortened or not at all (PPO_SOAK=1): the full 20-kill
 # SIGKILL loop, three scheduled generations of each kind of weights through a work pool with a
-# restore from the DVC remote, and the TRL side of the benchmark smoke runs (bench/.trl-venv is
-# built first when missing, from PyPI). It prints how long it took.
+# restore from the DVC remote, the TRL side of the benchmark smoke runs and llama.cpp's side of
+# the export's (bench/.trl-venv and bench/.llama-venv are built first when missing, from PyPI;
+# llama.cpp compiles in about 11 minutes on two cores). It prints how long it took.
 soak: $(STAMP)
 	test -x bench/.trl-venv/bin/python || bash bench/setup_trl.sh
+	test -x bench/.llama-venv/bin/python || bash bench/setup_llama_cpp.sh
 	@start=$$(date +%s); \
 	PPO_SOAK=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=10 \
 		-m soak tests; status=$$?; \

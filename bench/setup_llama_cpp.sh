@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the virtual environment of the llama.cpp side of bench/export.py in bench/.llama-venv:
 # llama-cpp-python builds llama.cpp itself from source with this machine's C++ compiler (CPU
-# only, a few minutes on two cores). It is kept out of the project's .venv and its lock: the
+# only, about 11 minutes on two cores). It is kept out of the project's .venv and its lock: the
 # pipeline never imports it; it is the consumer that checks what `ppo export` writes.
 set -euo pipefail
 cd "$(dirname "$0")/.."

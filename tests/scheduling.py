@@ -37,6 +37,9 @@ SECONDS = {
     "tests/flows/test_generations.py::test_two_generations_chain_and_every_version_stays_loadable[lora]": 55.0,
     "tests/flows/test_generations.py::test_a_lora_version_promoted_before_bases_were_kept_survives_the_next_import": 40.0,
     "tests/flows/test_notifications.py::test_a_rejected_a_failed_and_a_crashed_run_reach_the_webhook": 35.0,
+    # measured alone, idle machine (2026-12-04)
+    "tests/flows/test_export.py::test_a_lora_version_exports_to_the_greedy_tokens_of_the_promoted_version[tiny-llama]": 170.0,
+    "tests/flows/test_export.py::test_the_production_version_is_exported_recorded_and_never_replaced": 135.0,
 }
 
 

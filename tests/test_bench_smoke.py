@@ -15,7 +15,9 @@ asserts what the numbers are.
 Shell benchmarks (``bench/gpu.sh``) run their smoke with ``--device cpu`` where torch sees no
 CUDA device. ``bench/ppo_vs_trl.py`` is run twice: this project's sides, and TRL's side, which
 needs ``bench/.trl-venv`` (``bash bench/setup_trl.sh``): without it that case is skipped, except
-under ``PPO_SOAK=1`` (``make soak``), where its absence fails.
+under ``PPO_SOAK=1`` (``make soak``), where its absence fails. ``bench/export.py`` runs its
+llama.cpp side where ``bench/.llama-venv`` exists (``bash bench/setup_llama_cpp.sh``); the case
+that requires it is likewise skipped without it, except under ``PPO_SOAK=1``.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "bench"
 PYTHON = ROOT / ".venv" / "bin" / "python"
 TRL_VENV = BENCH / ".trl-venv"
+LLAMA_VENV = BENCH / ".llama-venv"
 SOAK = os.environ.get("PPO_SOAK") == "1"
 TIMEOUT_S = 900
 
@@ -153,3 +156,21 @@ def test_ppo_vs_trl_smoke_of_the_trl_side(tmp_path: Path):
     for row in result["median"].values():
         assert row["trl"]["iteration_s"] > 0
     assert result["trl_reached"]["parameter_dtype"] == "torch.float32"
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+def test_export_smoke_in_llama_cpp(tmp_path: Path):
+    """llama.cpp (llama-cpp-python) loads the f16 file ``bench/export.py`` exports from the tiny
+    chat model, renders each chat with the file's own template to the pipeline's prompt ids, and
+    continues it greedily to the pipeline's tokens."""
+    if not (LLAMA_VENV / "bin" / "python").exists():
+        reason = f"{LLAMA_VENV} is missing (bash bench/setup_llama_cpp.sh builds it)"
+        if SOAK:
+            pytest.fail(f"PPO_SOAK=1 runs llama.cpp's side of bench/export.py, but {reason}")
+        pytest.skip(f"llama.cpp's side of bench/export.py not run: {reason}")
+    _, results = run_smoke(BENCH / "export.py", tmp_path)
+    (result,) = results
+    assert result["llama_cpp"] == "run"
+    f16 = result["types"]["f16"]
+    assert f16["prompts_equal"] == f16["identical"] == result["chats"], f16["chats"]

@@ -5,13 +5,15 @@ and nothing is replaced (docs/customizing.md, "Serving with llama.cpp and Ollama
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
 import pytest
 
+from bench.export import GATE_OFF
 from ppo_core.files import file_sha256
-from tests.flows.conftest import BIN, dvc, environment, read_json
+from tests.flows.conftest import BIN, dvc, environment, ran, read_json, run_doc_block
 
 
 def ppo(project: Path, *args: str) -> subprocess.CompletedProcess:
@@ -44,9 +46,11 @@ def test_the_production_version_is_exported_recorded_and_never_replaced(tiny_pro
         done = ppo(project, stage, *(["--quiet"] if stage == "train" else []))
         assert done.returncode == 0, done.stdout + done.stderr
 
-    # through DVC, as the docs run it: the stage's own command, params and output
-    done = dvc(project, "repro", "--single-item", "serving/dvc.yaml:export")
+    # through DVC, as the docs run it: the export alone, no training stage (it follows the
+    # registry, which no stage of dvc.yaml writes as an output)
+    done = dvc(project, "repro", "serving/dvc.yaml")
     assert done.returncode == 0, done.stdout + done.stderr
+    assert ran(done.stdout) == {"serving/dvc.yaml:export"}, done.stdout
     gguf = project / "exports" / "v0001-f16.gguf"
     record = read_json(gguf.with_suffix(".json"))
     registry = read_json(project / "models" / "registry.json")
@@ -83,3 +87,109 @@ def test_the_production_version_is_exported_recorded_and_never_replaced(tiny_pro
     assert not gguf.exists()
     exports = read_json(project / "models" / "registry.json")["entries"][-1]["exports"]
     assert [e["file"] for e in exports] == ["exports/v0001-f16.gguf", "exports/v0001-q8_0.gguf"]
+
+
+SOAK = os.environ.get("PPO_SOAK") == "1"
+SERVING = "## Serving with llama.cpp and Ollama"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("model", ["tiny-llama", pytest.param("smollm2", marks=pytest.mark.soak)])
+def test_a_lora_version_exports_to_the_greedy_tokens_of_the_promoted_version(
+    tiny_project, tmp_path, model
+):
+    """A chat model with LoRA PPO, promoted (an adapter on its stored base), then
+    docs/customizing.md's serving block verbatim. transformers' GGUF loader reads each file
+    back to the chat template, the prompt ids and the greedy tokens of the promoted version
+    (the adapter merged). The tiny Llama (q/k rows permuted) in f32: identical. SmolLM2 after
+    one LoRA iteration (`make soak` only, 5 minutes): f16 identical, q8_0 reported."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from ppo_core.modeling.generation import prompt_token_ids, stop_token_ids
+    from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
+    from tests.helpers import CHAT_TEMPLATE, build_tiny_causal_lm, smollm2_gguf
+
+    if model == "smollm2":
+        if not SOAK:
+            pytest.skip("SmolLM2's LoRA export runs under `make soak` (PPO_SOAK=1): 5 minutes")
+        source, types = smollm2_gguf(), ("f16", "q8_0")
+    else:
+        source = build_tiny_causal_lm(tmp_path / "chat-llama", "llama", chat_template=CHAT_TEMPLATE)
+        types = ("f32",)
+    project = tiny_project
+    for command in (
+        ["base", f"base.source={source}"],
+        ["train", "--quiet", *LORA],
+        ["evaluate", *LORA],
+        ["promote", *LORA, *GATE_OFF],
+    ):
+        done = ppo(project, *command)
+        assert done.returncode == 0, done.stdout + done.stderr
+    version = project / "models" / "production" / "v0001"
+    assert (version / "adapter_model.safetensors").is_file()
+    run_doc_block(project, "docs/customizing.md", SERVING, {})
+    assert read_json(project / "exports" / "v0001-f16.json")["adapter_merged"] is True
+    if "f32" in types:
+        done = ppo(project, "export", "export.type=f32")
+        assert done.returncode == 0, done.stderr
+
+    model_, tokenizer = load_causal_lm(version), load_tokenizer(version)
+    stops = stop_token_ids(model_, tokenizer)
+    chats = [
+        [{"role": "user", "content": "Write a one-line review of a film you liked."}],
+        [{"role": "user", "content": "Was 'The Long Road' (1971) worth watching?"}],
+        [
+            {"role": "system", "content": "You are a film critic."},
+            {"role": "user", "content": "Describe a comedy in one sentence."},
+        ],
+    ]
+
+    def greedy(lm, ids):
+        with torch.no_grad():
+            out = lm.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=24,
+                eos_token_id=stops,
+                pad_token_id=tokenizer.pad_token_id,
+            )
+        return out[0, len(ids) :].tolist()
+
+    ours = [greedy(model_, ids) for ids in prompt_token_ids(tokenizer, chats)]
+    for file_type in types:
+        name = f"v0001-{file_type}.gguf"
+        loaded = AutoModelForCausalLM.from_pretrained(
+            project / "exports", gguf_file=name, dtype=torch.float32
+        ).eval()
+        loaded_tokenizer = AutoTokenizer.from_pretrained(project / "exports", gguf_file=name)
+        assert loaded_tokenizer.chat_template == tokenizer.chat_template
+        ids = prompt_token_ids(loaded_tokenizer, chats)
+        assert ids == prompt_token_ids(tokenizer, chats)
+        theirs = [greedy(loaded, row) for row in ids]
+        if file_type != "q8_0":
+            assert theirs == ours  # measured: identical (tiny f32; SmolLM2 f16, 3 chats x 24)
+        else:
+            # q8_0 rounds every matrix to 8 bits: reported, not required (measured: 17, 24
+            # and 22 of 24, 24 and 22 tokens agree before the first difference)
+            agree = [
+                next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), len(x))
+                for x, y in zip(ours, theirs, strict=True)
+            ]
+            print(f"q8_0 agrees for {agree} of {[len(x) for x in ours]} tokens")
+
+
+LORA = [
+    "model.lora.enabled=true",
+    "model.critic=none",
+    "ppo.advantage_estimator=rloo",
+    "ppo.samples_per_prompt=4",
+    "ppo.rollout_batch_size=8",
+    "ppo.mini_batch_size=8",
+    "ppo.micro_batch_size=4",
+    "generation.max_new_tokens=8",
+    "train.iterations=1",
+    "optim.lr=2e-4",
+    "eval.num_prompts=4",
+]
+"""One LoRA iteration at the smallest sizes that train (a minute for SmolLM2 on two cores)."""
