@@ -44,6 +44,7 @@ SLOW = {
     "data_parallel.py",
     "estimators.py",
     "gpu.sh",
+    "iteration_profile.py",
     "memory_scaling.py",
     "orchestration.py",
     "ppo_vs_trl.py",
