@@ -16,18 +16,27 @@ out; the medians of the measured ones are reported; the last iteration runs unde
 FLOPs per token (N: the weights of the transformer blocks; V x d: the output layer; attention
 scores and LoRA's own products left out, a few percent at these lengths):
 
-- generation: 2 N for each row at each step, prompt positions in the prefill, and 2 V d for
-  each row's next token; a row that has ended still computes until the longest ends;
-- scoring: 2 N at every position of ``[prompt; response]`` as padded for the whole batch, and
-  2 V d at the response positions (the output layer skips the prompt);
+- generation: 2 N for each row computed at each step, prompt positions in the prefill, and
+  2 V d for each row's next token (with ``model.generate`` every row runs until the longest
+  ends; the sampling loop drops ended rows, and the rows it computes are counted);
+- scoring: 2 N at every position of each chunk's ``[prompt; response]`` as padded, and 2 V d at
+  its response positions (the output layer skips the prompt);
 - update: 4 N with LoRA (forward, and the backward pass's products with the frozen weights to
   pass gradients down), 6 N with full weights or gradient checkpointing, 8 N with both, at every
   position of each trimmed micro-batch; 4 V d (6 V d with full weights) at its response positions.
 
 Padding is the share of computed positions that hold no real token: left prompt padding,
 response positions after a row's end, and in generation the steps a finished row still runs.
+The work the iteration must do counts real tokens only, and no policy scoring pass when there
+is no critic (the sampler can keep the old log-probabilities): that over the iteration's time is
+the fraction of the peak that compares code versions.
 
-    .venv/bin/python bench/iteration_profile.py                 # about 7 minutes on 2 CPU cores
+``--against REV`` runs the same profile on the code of git revision ``REV`` first (a worktree
+in a temporary folder; recipe keys that code does not know are left out and named), then on
+this code, and prints both and their ratio: one invocation, one machine.
+
+    .venv/bin/python bench/iteration_profile.py                 # about 12 minutes on 2 CPU cores
+    .venv/bin/python bench/iteration_profile.py --against cfeec2e   # before and after, twice that
     .venv/bin/python bench/iteration_profile.py --set train.gradient_checkpointing=true
     .venv/bin/python bench/iteration_profile.py --smoke         # the tiny default, seconds
 """
@@ -60,12 +69,16 @@ class PassTimer:
             lambda: defaultdict(lambda: defaultdict(float))
         )
         self.top_operators: dict[str, list[dict]] = {}
+        self.scoring = "score_policy"
+        self.decode_rows: list[int] = []  # rows computed at each draw of the sampling loop
 
     def wrap(self, module, name: str, label) -> None:
         original = getattr(module, name)
 
         def timed(*args, **kwargs):
             which = label(*args, **kwargs) if callable(label) else label
+            if which in ("score_policy", "score_reference"):
+                self.scoring = which
             profiler = None
             if self.profiling and which in PASSES and which not in self.top_operators:
                 profiler = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
@@ -83,31 +96,35 @@ class PassTimer:
         setattr(module, name, timed)
 
     def observe(self, which, args, kwargs, result) -> None:
-        shapes = self.shapes[self.iteration]
-        if which == "generate":
+        if which == "draw":
+            self.decode_rows.append(int(args[0].shape[0]))
+        elif which == "generate":
             prompt_mask, response_mask = result.prompt_mask, result.response_mask
             rows, prompt_len = prompt_mask.shape
             steps = response_mask.shape[1]
-            shapes["generate"]["block_positions"] += rows * (prompt_len + steps)
-            shapes["generate"]["output_positions"] += rows * steps
-            shapes["generate"]["real_positions"] += float(prompt_mask.sum() + response_mask.sum())
-        elif which in ("score_policy", "score_reference"):
-            generated = args[1]
-            rows, prompt_len = generated.prompt_mask.shape
-            length = generated.response_mask.shape[1]
-            shapes[which]["block_positions"] += rows * (prompt_len + length)
-            shapes[which]["output_positions"] += rows * length
-            shapes[which]["real_positions"] += float(
-                generated.prompt_mask.sum() + generated.response_mask.sum()
-            )
-        elif which == "micro_batch":
+            if self.decode_rows:  # the sampling loop: rows leave the batch as they end
+                decoded, self.decode_rows = self.decode_rows, []
+                block, output = rows * prompt_len + sum(decoded[1:]), sum(decoded)
+            else:  # generate: every row runs every step
+                block, output = rows * (prompt_len + steps), rows * steps
+            self.add("generate", block, output, prompt_mask, response_mask)
+        elif which == "scoring_chunk" or which == "micro_batch":
             prompt_ids, prompt_mask, response_ids, response_mask = args[1:5]
             rows = prompt_ids.shape[0]
-            shapes["update"]["block_positions"] += rows * (
-                prompt_ids.shape[1] + response_ids.shape[1]
+            self.add(
+                self.scoring if which == "scoring_chunk" else "update",
+                rows * (prompt_ids.shape[1] + response_ids.shape[1]),
+                rows * response_ids.shape[1],
+                prompt_mask,
+                response_mask,
             )
-            shapes["update"]["output_positions"] += rows * response_ids.shape[1]
-            shapes["update"]["real_positions"] += float(prompt_mask.sum() + response_mask.sum())
+
+    def add(self, name, block_positions, output_positions, prompt_mask, response_mask) -> None:
+        shapes = self.shapes[self.iteration][name]
+        shapes["block_positions"] += block_positions
+        shapes["output_positions"] += output_positions
+        shapes["real_positions"] += float(prompt_mask.sum() + response_mask.sum())
+        shapes["real_output_positions"] += float(response_mask.sum())
 
 
 def top_operators(profiler, count: int = 8) -> list[dict]:
@@ -141,8 +158,15 @@ def install(timer: PassTimer) -> None:
         ),
     )
     timer.wrap(rollout, "score_responses", "reward")
+    timer.wrap(rollout, "score_sequences", lambda *a, **k: "scoring_chunk")
     timer.wrap(trainer, "ppo_update", "update")
     timer.wrap(update, "score_sequences", lambda *a, **k: "micro_batch")
+    try:  # the sampling loop (code before it sampled with model.generate)
+        from ppo_core.modeling import sampling
+
+        timer.wrap(sampling, "_draw_next", lambda *a, **k: "draw")
+    except ImportError:
+        pass
     original_iteration = trainer.run_iteration
 
     def counted(config, runtime, inputs, models, state):
@@ -164,20 +188,22 @@ def model_sizes(folder: str) -> dict[str, float]:
     return {"blocks": float(blocks), "output": float(output)}
 
 
-def pass_flops(name: str, shapes: dict[str, float], sizes: dict[str, float], config) -> float:
-    """FLOPs of one pass from the positions it computed (module docstring)."""
-    if name == "reward":
+def pass_flops(
+    name: str, shapes: dict[str, float], sizes: dict[str, float], config, useful: bool = False
+) -> float:
+    """FLOPs of one pass from the positions it computed (module docstring); with ``useful``,
+    from its real tokens alone, the work no padding adds."""
+    if name == "reward" or not shapes:
         return 0.0
     blocks, output = sizes["blocks"], sizes["output"]
+    block_positions = shapes["real_positions" if useful else "block_positions"]
+    output_positions = shapes["real_output_positions" if useful else "output_positions"]
     if name != "update":
-        return 2 * blocks * shapes["block_positions"] + 2 * output * shapes["output_positions"]
+        return 2 * blocks * block_positions + 2 * output * output_positions
     lora, checkpointing = config.model.lora.enabled, config.train.gradient_checkpointing
     block_factor = (4 if lora else 6) + (2 if checkpointing else 0)
     output_factor = 4 if lora else 6
-    return (
-        block_factor * blocks * shapes["block_positions"]
-        + output_factor * output * shapes["output_positions"]
-    )
+    return block_factor * blocks * block_positions + output_factor * output * output_positions
 
 
 def main() -> None:
@@ -196,28 +222,104 @@ def main() -> None:
     parser.add_argument("--iterations", type=int, default=3, help="iterations measured")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", nargs="*", default=[], help="more key=value settings")
-    parser.add_argument(
-        "--out", type=Path, default=ROOT / "bench" / "results" / "iteration_profile.json"
-    )
+    parser.add_argument("--out", type=Path, help="default: bench/results/iteration_profile.json")
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument(
+        "--against",
+        metavar="REV",
+        help="profile the code of this git revision first, then this code, and compare",
+    )
     args = parser.parse_args()
+    if args.against:
+        results = (
+            _smoke.output_folder("iteration_profile") if args.smoke else ROOT / "bench" / "results"
+        )
+        args.out = args.out or results / "iteration_profile_against.json"
+        compare(args)
+        return
     overrides = [*TRAINING, f"threads={args.threads}"]
     if args.smoke:
         smoke = _smoke.output_folder("iteration_profile")
-        args.work, args.out = smoke / "project", smoke / "iteration_profile.json"
+        args.work = smoke / "project"
+        args.out = args.out or smoke / "iteration_profile.json"
         args.warmup, args.iterations = 0, 1
         source = str(smoke_chat_model(smoke / "tiny"))
         overrides += SMOKE_TRAINING
     else:
         source = str(smollm2_gguf())
+        args.out = args.out or ROOT / "bench" / "results" / "iteration_profile.json"
     total = args.warmup + args.iterations + 1
     overrides += [*args.set, f"train.iterations={total}", f"train.checkpoint_every={total}"]
-    result = run(args, source, overrides)
+    result = run(args, source, known_keys(overrides))
     result["matmul_peak_gflops_per_s"] = matmul_peak_gflops(args.threads)
     summarise(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print_table(result)
+    print(f"results in {args.out}")
+
+
+def known_keys(overrides: list[str]) -> list[str]:
+    """The settings whose keys the code under test knows (an older revision lacks newer ones);
+    the others are named and left out."""
+    from omegaconf import OmegaConf
+
+    from ppo_core.config import Config
+
+    schema = OmegaConf.structured(Config)
+    kept = []
+    for setting in overrides:
+        key = setting.split("=", 1)[0]
+        if OmegaConf.select(schema, key, default="<missing>") == "<missing>":
+            print(f"left out (this code has no key {key}): {setting}")
+        else:
+            kept.append(setting)
+    return kept
+
+
+def compare(args) -> None:
+    """Profile revision ``args.against`` in a worktree, then this code, each in a process of
+    its own with that code first on ``PYTHONPATH``; print both and their ratio."""
+    import subprocess
+    import sys
+    import tempfile
+
+    common = [
+        *(["--smoke"] if args.smoke else []),
+        f"--warmup={args.warmup}",
+        f"--iterations={args.iterations}",
+        f"--threads={args.threads}",
+        f"--work={args.work}",
+        "--set",
+        *args.set,
+    ]
+    runs = {}
+    with tempfile.TemporaryDirectory(prefix="profile-against-") as tmp:
+        tree = Path(tmp) / "code"
+        git = ["git", "-C", str(ROOT), "worktree"]
+        subprocess.run([*git, "add", "--detach", str(tree), args.against], check=True)
+        try:
+            for name, code in ((args.against, tree), ("this code", ROOT)):
+                out = Path(tmp) / f"{len(runs)}.json"
+                subprocess.run(
+                    [sys.executable, __file__, *common, f"--out={out}"],
+                    check=True,
+                    env={**os.environ, "PYTHONPATH": str(code)},
+                )
+                runs[name] = json.loads(out.read_text())
+        finally:
+            subprocess.run([*git, "remove", "--force", str(tree)], check=False)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(runs, indent=1))
+    peak = runs["this code"]["matmul_peak_gflops_per_s"]
+    print(f"\nside by side, one machine (fp32 matmul peak {peak:.0f} GFLOP/s), seconds:")
+    print(f"{'pass':15}" + "".join(f"{name[:12]:>13}" for name in runs) + "   after/before")
+    for name in (*PASSES, "iteration"):
+        before, after = (run["median"][name]["seconds"] for run in runs.values())
+        ratio = f"{after / before:9.2f}x" if before else "        -"
+        print(f"{name:15}{before:13.2f}{after:13.2f}   {ratio}")
+    useful = [run["median"]["iteration"]["useful_fraction_of_peak"] for run in runs.values()]
+    print(f"{'must-do, of peak':15}" + "".join(f"{u:13.1%}" for u in useful))
     print(f"results in {args.out}")
 
 
@@ -251,6 +353,13 @@ def run(args, source: str, overrides: list[str]) -> dict:
         row["flops"] = {
             name: pass_flops(name, timer.shapes[index][name], sizes, config) for name in PASSES
         }
+        # the work the iteration must do: its real tokens, and no policy pass without a critic
+        # (the sampler can keep the old log-probabilities)
+        row["useful_flops"] = sum(
+            pass_flops(name, timer.shapes[index][name], sizes, config, useful=True)
+            for name in PASSES
+            if name != "score_policy" or config.model.critic != "none"
+        )
         row["padding"] = {
             name: 1 - shapes["real_positions"] / shapes["block_positions"]
             for name, shapes in timer.shapes[index].items()
@@ -285,12 +394,15 @@ def summarise(result: dict) -> None:
         }
     iteration_s = statistics.median(r["iteration_s"] for r in rows)
     flops = statistics.median(sum(r["flops"].values()) for r in rows)
+    useful = statistics.median(r["useful_flops"] for r in rows)
     passes["iteration"] = {
         "seconds": iteration_s,
         "gflop": flops / 1e9,
         "fraction_of_peak": flops / iteration_s / peak,
         "padding": None,
         "other_seconds": iteration_s - sum(p["seconds"] for p in passes.values()),
+        "useful_gflop": useful / 1e9,
+        "useful_fraction_of_peak": useful / iteration_s / peak,
     }
     result["median"] = passes
 
@@ -302,7 +414,12 @@ def print_table(result: dict) -> None:
         share = f"{row['fraction_of_peak']:7.1%}" if row["fraction_of_peak"] else "      -"
         padding = f"{row['padding']:7.1%}" if row["padding"] is not None else "      -"
         print(f"{name:15} {row['seconds']:6.2f} {row['gflop']:9.1f} {share}  {padding}")
-    print(f"(not in a pass: {result['median']['iteration']['other_seconds']:.2f} s)")
+    whole = result["median"]["iteration"]
+    print(f"(not in a pass: {whole['other_seconds']:.2f} s)")
+    print(
+        f"the work the iteration must do (real tokens; no policy pass without a critic): "
+        f"{whole['useful_gflop']:.1f} GFLOP, {whole['useful_fraction_of_peak']:.1%} of the peak"
+    )
     for name, operators in result["top_operators"].items():
         shown = ", ".join(f"{o['operator']} {o['share']:.0%}" for o in operators[:5])
         print(f"top operators, {name}: {shown}")

@@ -45,6 +45,7 @@ TRAINING = [
     "ppo.mini_batch_size=16",
     "ppo.micro_batch_size=8",
     "ppo.epochs=1",
+    "ppo.old_logprobs=sampling",
     "generation.max_new_tokens=64",
     "ppo.missing_eos_penalty=1.0",
     "optim.lr=2e-4",
@@ -61,7 +62,8 @@ TRAINING = [
 responses per prompt, so that no value head has to be learnt from scratch in a few dozen
 iterations; one-sentence answers within 64 tokens, a response cut off there losing 1 from its
 score in training (the gate asks for 85 % of responses to end with EOS); AFINN as the gate's
-independent check of the sentiment gain."""
+independent check of the sentiment gain. The old log-probabilities are those the sampler kept
+(no critic, so the policy's scoring pass is not run; docs/training.md, "Speed")."""
 
 FILMS = (
     "The Silent Harbor",

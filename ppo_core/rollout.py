@@ -21,7 +21,7 @@ from torch import Tensor
 
 from ppo_core.config import ConfigError, GenerationConfig, KLConfig, ModelConfig, PPOConfig
 from ppo_core.math.advantages import ESTIMATORS, AdvantageInputs, consecutive_groups
-from ppo_core.math.batching import micro_batch_slices
+from ppo_core.math.batching import by_length, kept_columns, micro_batch_slices
 from ppo_core.math.kl import kl_penalty, token_rewards
 from ppo_core.math.masked import masked_moments, masked_sum
 from ppo_core.math.running_mean import RunningMean
@@ -82,14 +82,10 @@ class RolloutBatch:
         """The same rows without the columns that are padding in every row: left prompt padding
         and response positions after the longest response (at least one column is kept).
 
-        Exact: positions come from the attention mask, padded keys are masked out, and causal
-        attention means no kept position looks at a dropped later one; the loss sums over
-        masked tokens only. A micro-batch of short responses then costs what its tokens cost.
+        Exact (:func:`~ppo_core.math.batching.kept_columns`); the loss sums over masked tokens
+        only. A micro-batch of short responses then costs what its tokens cost.
         """
-        prompt_cols = self.prompt_mask.any(dim=0).nonzero()
-        response_cols = self.response_mask.any(dim=0).nonzero()
-        first = int(prompt_cols[0]) if len(prompt_cols) else 0
-        end = int(response_cols[-1]) + 1 if len(response_cols) else 1
+        first, end = kept_columns(self.prompt_mask, self.response_mask)
         if first == 0 and end == self.response_ids.shape[1]:
             return self
         values = {}
@@ -200,25 +196,34 @@ def score_in_chunks(
     with_values: bool,
 ) -> ScoredBatch:
     """Logprobs (and values) of every sampled response token, ``chunk_size`` rows per forward
-    pass; ``[B, T]`` each, aligned with ``generated.response_ids``."""
-    logprobs, values = [], []
-    for rows in micro_batch_slices(len(generated.response_ids), chunk_size):
+    pass; ``[B, T]`` each, aligned with ``generated.response_ids`` (0.0 after a row's end).
+
+    Rows go through in order of length (:func:`~ppo_core.math.batching.by_length`), each chunk
+    cut to its own longest prompt and response (:func:`~ppo_core.math.batching.kept_columns`),
+    so a chunk of short responses costs what its tokens cost."""
+    rows_total, width = generated.response_ids.shape
+    device = generated.response_ids.device
+    order = by_length(generated.prompt_mask, generated.response_mask)
+    logprobs = torch.zeros((rows_total, width), dtype=torch.float32, device=device)
+    values = torch.zeros_like(logprobs) if with_values else None
+    for rows in micro_batch_slices(rows_total, chunk_size):
+        index = order[rows]
+        prompt_mask, response_mask = generated.prompt_mask[index], generated.response_mask[index]
+        first, end = kept_columns(prompt_mask, response_mask)
         with runtime.autocast():
             out = score_sequences(
                 model,
-                generated.prompt_ids[rows],
-                generated.prompt_mask[rows],
-                generated.response_ids[rows],
-                generated.response_mask[rows],
+                generated.prompt_ids[index, first:],
+                prompt_mask[:, first:],
+                generated.response_ids[index, :end],
+                response_mask[:, :end],
                 temperature=temperature,
                 with_values=with_values,
             )
-        logprobs.append(out.logprobs)
-        if out.values is not None:
-            values.append(out.values)
-    return ScoredBatch(
-        logprobs=torch.cat(logprobs), values=torch.cat(values) if values else None, entropy=None
-    )
+        logprobs[index, :end] = out.logprobs.float()
+        if values is not None and out.values is not None:
+            values[index, :end] = out.values.float()
+    return ScoredBatch(logprobs=logprobs, values=values, entropy=None)
 
 
 def score_responses(
@@ -322,11 +327,18 @@ def _score_with_both(
 ) -> tuple[ScoredBatch, ScoredBatch]:
     """The sampled responses scored by the policy (log-probabilities, values when it has a
     critic) and by the reference, in gradient-free passes of ``ppo.scoring_batch_size`` rows
-    (``ppo.micro_batch_size`` when unset)."""
+    (``ppo.micro_batch_size`` when unset). With ``ppo.old_logprobs=sampling`` the policy's
+    log-probabilities are those the sampling loop kept, and its pass runs only for a critic."""
     size = ppo.scoring_batch_size or ppo.micro_batch_size
-    policy_scored = score_in_chunks(
-        actor_critic, generated, temperature, runtime, size, with_values=actor_critic.has_critic
-    )
+    sampled = generated.logprobs if ppo.old_logprobs == "sampling" else None
+    if sampled is not None and not actor_critic.has_critic:
+        policy_scored = ScoredBatch(logprobs=sampled, values=None, entropy=None)
+    else:
+        policy_scored = score_in_chunks(
+            actor_critic, generated, temperature, runtime, size, actor_critic.has_critic
+        )
+        if sampled is not None:
+            policy_scored.logprobs = sampled
     reference_scored = score_in_chunks(
         reference, generated, temperature, runtime, size, with_values=False
     )

@@ -15,7 +15,7 @@ import torch
 
 from ppo_core.config import KLConfig, PPOConfig
 from ppo_core.math.accumulation import accumulate_gradients
-from ppo_core.math.batching import micro_batch_slices, minibatch_indices
+from ppo_core.math.batching import by_length, micro_batch_slices, minibatch_indices
 from ppo_core.math.choices import DEFAULT_KL_ESTIMATOR, ObjectiveCoefficients
 from ppo_core.math.losses import LossParts
 from ppo_core.math.masked import select
@@ -175,14 +175,17 @@ def _micro_batches(
     ppo: PPOConfig,
 ) -> list[RolloutBatch]:
     """This rank's rows of a global mini-batch (``indices``) in micro-batches of
-    ``ppo.micro_batch_size``, each trimmed to its longest response, plus all-masked ones up to
-    the count of the rank holding the most rows.
+    ``ppo.micro_batch_size``, cut in order of length (:func:`~ppo_core.math.batching.by_length`:
+    the mini-batch's gradient is a sum over its rows, whatever micro-batch holds each) and each
+    trimmed to its longest prompt and response, plus all-masked ones up to the count of the rank
+    holding the most rows.
 
     Every rank runs as many micro-batches as that rank: a sharded model (FSDP) gathers
     parameters for each forward pass and reduces gradients after each backward pass,
     collectives every rank must join. The extra ones add exactly zero."""
+    order = by_length(mini_batch.prompt_mask, mini_batch.response_mask)
     micro_batches = [
-        mini_batch.rows(rows).trimmed()
+        mini_batch.rows(order[rows]).trimmed()
         for rows in micro_batch_slices(len(mini_batch), ppo.micro_batch_size)
     ]
     most = int(torch.bincount(indices // rows_per_rank, minlength=world_size).max())

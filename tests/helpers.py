@@ -192,7 +192,10 @@ class Recorder:
 def parameters_after_one_sgd_iteration(tmp_path, model, prompts, *extra: str, read=None):
     """The parameters after one iteration with plain SGD (no clipping), by micro-batch size
     (1, and 8 = the mini-batch size), as ``read`` (default :func:`parameters`) reads them from
-    the candidate folder."""
+    the candidate folder. The rollout's scoring passes keep one size (4 rows), so both runs
+    update from the same rollout: chunks cut to their own lengths score a row with another
+    padding, a float-rounding difference (measured 2.4e-6 in a logprob) that a step of 0.5
+    turns into another clipping decision somewhere."""
     from ppo_core.trainer import train
 
     results = {}
@@ -203,6 +206,7 @@ def parameters_after_one_sgd_iteration(tmp_path, model, prompts, *extra: str, re
             model,
             prompts,
             f"ppo.micro_batch_size={micro}",
+            "ppo.scoring_batch_size=4",
             "optim.name=sgd",
             "optim.lr=0.5",
             "train.iterations=1",

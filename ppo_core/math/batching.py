@@ -16,7 +16,13 @@ from torch import Tensor
 
 from ppo_core.math.choices import check_batch_sizes
 
-__all__ = ["check_batch_sizes", "micro_batch_slices", "minibatch_indices"]
+__all__ = [
+    "by_length",
+    "check_batch_sizes",
+    "kept_columns",
+    "micro_batch_slices",
+    "minibatch_indices",
+]
 
 
 def minibatch_indices(
@@ -75,3 +81,27 @@ def micro_batch_slices(size: int, micro_batch_size: int) -> list[slice]:
         slice(start, min(start + micro_batch_size, size))
         for start in range(0, size, micro_batch_size)
     ]
+
+
+def by_length(prompt_mask: Tensor, response_mask: Tensor) -> Tensor:
+    """Row order, shortest response first (then shortest prompt), so that consecutive rows cut
+    into micro-batches carry little padding. ``[B, P], [B, T] -> [B]`` (a permutation)."""
+    prompt_lengths = prompt_mask.long().sum(dim=1)
+    response_lengths = response_mask.long().sum(dim=1)
+    key = response_lengths * (prompt_mask.shape[1] + 1) + prompt_lengths
+    return torch.argsort(key, stable=True)
+
+
+def kept_columns(prompt_mask: Tensor, response_mask: Tensor) -> tuple[int, int]:
+    """``(first, end)``: rows ``[B, P]`` / ``[B, T]`` need prompt columns ``first:`` (left
+    padding in every row before them) and response columns ``:end`` (after every row's end);
+    at least one response column is kept.
+
+    Dropping the others changes no logit: positions come from the attention mask, padded keys
+    are masked out, and under causal attention no kept position looks at a later dropped one.
+    """
+    prompt_cols = prompt_mask.any(dim=0).nonzero()
+    response_cols = response_mask.any(dim=0).nonzero()
+    first = int(prompt_cols[0]) if len(prompt_cols) else 0
+    end = int(response_cols[-1]) + 1 if len(response_cols) else 1
+    return first, end

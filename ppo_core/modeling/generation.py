@@ -2,11 +2,13 @@
 
 Responses are drawn from ``softmax(logits / temperature)``, cut only by the configured top-k and
 top-p, so that the logprobs computed later describe the distribution that was actually sampled
-(docs/design.md section 8). ``generate`` fills every setting left unset from the model's own
-``generation_config.json`` and then from transformers' defaults (a top-k of 50 among them), so
-:func:`sampling_config` sets each setting that shapes the distribution, and :func:`sample` runs
-``generate`` with the model's own generation settings out of the way. transformers is imported
-where a generation config is built (its import takes seconds).
+(docs/design.md section 8). The rollout and evaluation sample with
+:func:`generate_responses`, whose loop (:mod:`ppo_core.modeling.sampling`) reads no setting of
+the model's own. For ``model.generate`` (benchmarks, serving checks), which fills every setting
+left unset from the model's ``generation_config.json`` and then from transformers' defaults (a
+top-k of 50 among them), :func:`sampling_config` sets each setting that shapes the distribution
+and :func:`sample` runs it with the model's own generation settings out of the way.
+transformers is imported where a generation config is built (its import takes seconds).
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class GeneratedBatch:
     response_ids: Tensor  # [B, T] padded after EOS
     response_mask: Tensor  # [B, T] True on real response tokens, the first EOS included
     has_eos: Tensor  # [B] whether the response ended with EOS before max_new_tokens
+    logprobs: Tensor | None = None  # [B, T] each token's, under softmax(logits / temperature)
 
 
 class ChatTemplateError(ModelFolderError):
@@ -279,15 +282,27 @@ def generate_responses(
     top_p: float = 1.0,
     device: torch.device | str = "cpu",
 ) -> GeneratedBatch:
-    """Sample one response per prompt with the causal LM ``model`` (eval mode, KV cache)."""
+    """Sample one response per prompt with the causal LM ``model`` (eval mode, KV cache), by
+    :func:`ppo_core.modeling.sampling.sample_tokens`: the distribution ``generate`` would sample
+    with :func:`sampling_config`, the model's own generation settings left out, and each
+    token's log-probability kept."""
+    from ppo_core.modeling.sampling import sample_tokens
+
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
     stops = stop_token_ids(model, tokenizer)
-    config = sampling_config(tokenizer, max_new_tokens, temperature, top_k, top_p, stops)
-    output = sample(model, prompt_ids, prompt_mask, config)
-    response_ids = output[:, prompt_ids.shape[1] :]
+    response_ids, logprobs = sample_tokens(
+        model,
+        prompt_ids,
+        prompt_mask,
+        max_new_tokens=max_new_tokens,
+        stop_ids=stops,
+        pad_token_id=tokenizer.pad_token_id,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+    )
     response_mask, has_eos = response_mask_from_ids(response_ids, stops)
-    response_ids = torch.where(response_mask, response_ids, tokenizer.pad_token_id)
-    return GeneratedBatch(prompt_ids, prompt_mask, response_ids, response_mask, has_eos)
+    return GeneratedBatch(prompt_ids, prompt_mask, response_ids, response_mask, has_eos, logprobs)
 
 
 def decode_responses(tokenizer, response_ids: Tensor, response_mask: Tensor) -> list[str]:
@@ -312,7 +327,7 @@ def concat_generated(batches: list[GeneratedBatch], pad_token_id: int) -> Genera
     def left(x: Tensor, width: int, value: int) -> Tensor:
         return torch.nn.functional.pad(x, (width - x.shape[1], 0), value=value)
 
-    def right(x: Tensor, width: int, value: int | bool) -> Tensor:
+    def right(x: Tensor, width: int, value: float | bool) -> Tensor:
         return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)
 
     return GeneratedBatch(
@@ -323,4 +338,7 @@ def concat_generated(batches: list[GeneratedBatch], pad_token_id: int) -> Genera
         ),
         response_mask=torch.cat([right(b.response_mask, response_len, False) for b in batches]),
         has_eos=torch.cat([b.has_eos for b in batches]),
+        logprobs=None
+        if any(b.logprobs is None for b in batches)
+        else torch.cat([right(cast(Tensor, b.logprobs), response_len, 0.0) for b in batches]),
     )
