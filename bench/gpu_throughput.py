@@ -3,8 +3,10 @@
 For each model config (the tiny default, 2x128, and a GPT-2 of about 100M parameters, 12x768
 with the GPT-2 vocabulary) it measures, after warm-up:
 
-- generation: response tokens per second of ``generate_responses`` (KV cache, sampling) on a
-  batch of random prompts;
+- generation: response tokens per second of ``model.generate`` (KV cache, sampling) on a batch
+  of random prompts, every row running the full length, and of the pipeline's own sampling loop
+  (``ppo_core.modeling.sampling.sample_tokens``) on the same prompts (random weights end almost
+  no row early, so both compute the same tokens);
 - update: response tokens per second of the PPO update's forward and backward passes
   (``score_sequences`` on an ``ActorCritic`` with a value head, exact micro-batch accumulation)
   plus the optimizer step.
@@ -34,7 +36,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = {
-    "tiny": dict(vocab_size=1024, n_layer=2, n_embd=128, n_head=4, n_positions=128),
+    # the tiny default's shape, with room for 64 prompt + 128 response positions
+    "tiny": dict(vocab_size=1024, n_layer=2, n_embd=128, n_head=4, n_positions=256),
     "gpt2-100m": dict(vocab_size=50257, n_layer=12, n_embd=768, n_head=12, n_positions=1024),
 }
 
@@ -102,7 +105,38 @@ def measure_generation(model, config, args, device) -> dict[str, float]:
     seconds = statistics.median(times)
     tokens = args.batch * args.response_length
     flops = model_flops_per_token(config, args.prompt_length + args.response_length) * tokens
-    return {"seconds": seconds, "tokens_per_s": tokens / seconds, "tflops": flops / seconds / 1e12}
+    result = {
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "tflops": flops / seconds / 1e12,
+    }
+    result["sampling_loop"] = measure_sampling_loop(model, prompts, mask, args, device)
+    return result
+
+
+def measure_sampling_loop(model, prompts, mask, args, device) -> dict[str, float]:
+    """The pipeline's sampling loop on the prompts ``generate`` got: response tokens per second
+    (the tokens it drew, up to each row's end)."""
+    from ppo_core.modeling.sampling import sample_tokens
+
+    times, drawn = [], []
+    for step in range(args.steps + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        response, _ = sample_tokens(
+            model.policy,
+            prompts,
+            mask,
+            max_new_tokens=args.response_length,
+            stop_ids=[2],
+            pad_token_id=0,
+        )
+        synchronize(device)
+        if step:
+            times.append(time.perf_counter() - start)
+            drawn.append(int((response != 0).sum()))
+    seconds = statistics.median(times)
+    return {"seconds": seconds, "tokens_per_s": statistics.median(drawn) / seconds}
 
 
 def measure_update(model, config, args, device, autocast) -> dict[str, float]:
@@ -223,14 +257,16 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(
-        f"{'config':>10} {'params':>8} {'gen tok/s':>10} {'gen MFU':>8} {'upd tok/s':>10} {'upd MFU':>8}"
+        f"{'config':>10} {'params':>8} {'gen tok/s':>10} {'gen MFU':>8} {'upd tok/s':>10} "
+        f"{'upd MFU':>8} {'loop tok/s':>10}"
     )
     for name, row in results.items():
         g, u = row["generation"], row["update"]
         mfu = {k: f"{v['mfu']:.2%}" if "mfu" in v else "-" for k, v in (("g", g), ("u", u))}
         print(
             f"{name:>10} {row['parameters'] / 1e6:>7.1f}M {g['tokens_per_s']:>10.0f} "
-            f"{mfu['g']:>8} {u['tokens_per_s']:>10.0f} {mfu['u']:>8}"
+            f"{mfu['g']:>8} {u['tokens_per_s']:>10.0f} {mfu['u']:>8} "
+            f"{g['sampling_loop']['tokens_per_s']:>10.0f}"
         )
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     args.out.parent.mkdir(parents=True, exist_ok=True)
