@@ -573,6 +573,7 @@ def compare(
     (`reports/eval/metrics.json`), and training tokens/s. Reads `dvc exp show --json`; `dvc exp
     show` has every param and metric, `dvc exp diff A B` two runs change by change.
     """
+    from rich import box
     from rich.table import Table
 
     from flows.experiments import HEADLINE, compare_runs, format_number
@@ -582,10 +583,12 @@ def compare(
     except RuntimeError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(code=2) from None
-    table = Table()
+    # a rule under the header and no cell borders: eight numbers and the changed params fit in
+    # 100 columns, where a boxed table cut the param names to "ppo.clip…"
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
     table.add_column("run", no_wrap=True)
-    for key in comparison.changed:
-        table.add_column(key, justify="right")
+    for key in comparison.changed:  # the param's name is the point of its column: never cut
+        table.add_column(key, justify="right", min_width=len(key), no_wrap=True)
     for _, title in HEADLINE:
         table.add_column(title, justify="right")
     for run in comparison.runs:

@@ -60,7 +60,7 @@ def test_repro_then_nothing_then_only_what_a_param_touches(tiny_project):
     assert compared.returncode == 0, compared.stderr
     table = compared.stdout
     assert "ppo.clip_eps" in table and "score" in table and "tokens/s" in table, table
-    rows = {line.split()[1]: line for line in table.splitlines() if "clip-0." in line}
+    rows = {line.split()[0]: line for line in table.splitlines() if "clip-0." in line}
     assert set(rows) == {"clip-0.1"}, table
     assert "workspace" in table, table
     assert all(len(line) <= 100 for line in table.splitlines()), table
