@@ -100,7 +100,7 @@ def free_port() -> int:
 
 
 def rank_main(args: argparse.Namespace) -> None:
-    """One rank of a torchrun launch: two iterations, then this rank's numbers on stdout."""
+    """One rank of a torchrun launch: two iterations, then this rank's numbers in a file in the work folder."""
     before_gib = resident_gib()
     from ppo_core import trainer
     from ppo_core.config import load_config
@@ -141,11 +141,13 @@ def rank_main(args: argparse.Namespace) -> None:
         if ranks > 1
         else 0.0
     )
-    print(
-        "RANK "
-        + json.dumps(
+    # a file per rank: the ranks share torchrun's stdout, where one rank's line can land
+    # inside another's (print writes the text and its newline apart)
+    rank = int(os.environ.get("RANK", "0"))
+    (work / f"rank-{args.strategy}-{ranks}-{rank}.json").write_text(
+        json.dumps(
             {
-                "rank": int(os.environ.get("RANK", "0")),
+                "rank": rank,
                 "iteration_gib": peak.iteration_gib,
                 "device_gib": peak.device_gib,
                 "before_gib": before_gib,
@@ -155,8 +157,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 "update_s": metrics["perf/update_s"],
                 "update_comm_s": update_comm_s,
             }
-        ),
-        flush=True,
+        )
     )
 
 
@@ -268,9 +269,8 @@ def main() -> None:
                     cwd=ROOT, env=env, capture_output=True, text=True, check=False,
                 )  # fmt: skip
                 found = [
-                    json.loads(line[len("RANK ") :])
-                    for line in done.stdout.splitlines()
-                    if line.startswith("RANK ")
+                    json.loads(path.read_text())
+                    for path in work.glob(f"rank-{strategy}-{ranks}-*.json")
                 ]
                 if done.returncode != 0 or len(found) != ranks:
                     sys.exit(f"{strategy} x {ranks} failed:\n{done.stderr[-3000:]}")
