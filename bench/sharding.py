@@ -99,8 +99,14 @@ def free_port() -> int:
         return probe.getsockname()[1]
 
 
+def rank_file(work: Path, strategy: str, ranks: int, rank: str) -> Path:
+    """Where one rank of a launch leaves its numbers (``rank="*"``: a glob of all of them)."""
+    return work / f"rank-{strategy}-{ranks}-{rank}.json"
+
+
 def rank_main(args: argparse.Namespace) -> None:
-    """One rank of a torchrun launch: two iterations, then this rank's numbers in a file in the work folder."""
+    """One rank of a torchrun launch: two iterations, then this rank's numbers in
+    :func:`rank_file`."""
     before_gib = resident_gib()
     from ppo_core import trainer
     from ppo_core.config import load_config
@@ -144,7 +150,7 @@ def rank_main(args: argparse.Namespace) -> None:
     # a file per rank: the ranks share torchrun's stdout, where one rank's line can land
     # inside another's (print writes the text and its newline apart)
     rank = int(os.environ.get("RANK", "0"))
-    (work / f"rank-{args.strategy}-{ranks}-{rank}.json").write_text(
+    rank_file(work, args.strategy, ranks, str(rank)).write_text(
         json.dumps(
             {
                 "rank": rank,
@@ -226,6 +232,37 @@ def build(work: Path, shape: dict[str, int]) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+def launch(work: Path, strategy: str, ranks: int, args: argparse.Namespace, env: dict) -> dict:
+    """One torchrun launch of ``ranks`` processes under ``strategy``: its row of the table,
+    memory by rank and the slowest rank's seconds."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run(
+        [str(torchrun), "--nproc_per_node", str(ranks), "--master-port", str(free_port()),
+         __file__, "--rank-of", str(work), "--strategy", strategy,
+         "--device", args.device, "--precision", args.precision],
+        cwd=ROOT, env=env, capture_output=True, text=True, check=False,
+    )  # fmt: skip
+    found = [
+        json.loads(path.read_text())
+        for path in work.glob(rank_file(work, strategy, ranks, "*").name)
+    ]
+    if done.returncode != 0 or len(found) != ranks:
+        sys.exit(f"{strategy} x {ranks} failed:\n{done.stderr[-3000:]}")
+    found.sort(key=lambda r: r["rank"])
+    return {
+        "strategy": strategy,
+        "ranks": ranks,
+        **{
+            key: [r[key] for r in found]
+            for key in ("iteration_gib", "device_gib", "before_gib", "process_gib")
+        },
+        **{
+            key: max(r[key] for r in found)
+            for key in ("rollout_s", "gather_s", "update_s", "update_comm_s")
+        },
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ranks", nargs="+", type=int, default=[1, 2])
@@ -257,35 +294,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sharding-") as tmp:
         work = Path(tmp)
         params = build(work, SMOKE_SHAPE if args.smoke else SHAPE)
-        torchrun = Path(sys.executable).with_name("torchrun")
         for ranks in args.ranks:
             for strategy in args.strategies:
                 if strategy == "fsdp" and ranks == 1:
                     continue  # nothing to shard over (refused by key)
-                done = subprocess.run(
-                    [str(torchrun), "--nproc_per_node", str(ranks), "--master-port", str(free_port()),
-                     __file__, "--rank-of", str(work), "--strategy", strategy,
-                     "--device", args.device, "--precision", args.precision],
-                    cwd=ROOT, env=env, capture_output=True, text=True, check=False,
-                )  # fmt: skip
-                found = [
-                    json.loads(path.read_text())
-                    for path in work.glob(f"rank-{strategy}-{ranks}-*.json")
-                ]
-                if done.returncode != 0 or len(found) != ranks:
-                    sys.exit(f"{strategy} x {ranks} failed:\n{done.stderr[-3000:]}")
-                found.sort(key=lambda r: r["rank"])
-                row = {
-                    "strategy": strategy,
-                    "ranks": ranks,
-                    **{
-                        key: [r[key] for r in found]
-                        for key in ("iteration_gib", "device_gib", "before_gib", "process_gib")
-                    },
-                    **{key: max(r[key] for r in found) for key in ("rollout_s", "gather_s")},
-                    "update_s": max(r["update_s"] for r in found),
-                    "update_comm_s": max(r["update_comm_s"] for r in found),
-                }
+                row = launch(work, strategy, ranks, args, env)
                 runs.append(row)
                 print(json.dumps(row), file=sys.stderr)
     suffix = "_cuda" if args.device == "cuda" else ""
