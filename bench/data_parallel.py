@@ -6,7 +6,7 @@ prompts per iteration, mini-batches of a quarter of it); with N processes each r
 iterations after the first, for each of ``--repeats`` runs, and writes
 ``bench/results/data_parallel.json``.
 
-Each run is ``ppo_core.trainer.train`` (built-in defaults plus this bench's overrides) in
+Each run is ``ppo_core.training.loop.train`` (built-in defaults plus this bench's overrides) in
 processes of its own, one per rank; rank 0 reports the trainer's own per-iteration
 ``perf/rollout_s``, ``perf/update_s`` and ``perf/iteration_s`` from ``TrainSummary.history``.
 
@@ -74,8 +74,8 @@ def child(overrides: list[str]) -> None:
     """One rank: train, then (rank 0) print each iteration's seconds as the trainer measured
     them, on one ``TIMES [...]`` line."""
     from ppo_core.config import load_config
-    from ppo_core.distributed import is_main_process
-    from ppo_core.trainer import train
+    from ppo_core.parallel.process_group import is_main_process
+    from ppo_core.training.loop import train
 
     summary = train(load_config(overrides=overrides))
     if is_main_process():

@@ -21,8 +21,8 @@ from rich.table import Table
 from transformers import GPT2Config, GPT2LMHeadModel
 
 from ppo_core import LOSS_AGG_MODES, PPOObjective, accumulate_gradients, micro_batch_slices
-from ppo_core.modeling.policy import ActorCritic
-from ppo_core.modeling.scoring import score_sequences
+from ppo_core.models.policy import ActorCritic
+from ppo_core.models.scoring import score_sequences
 
 PROMPT_LENGTH = 4
 

@@ -144,7 +144,7 @@ def run(args, source: str, overrides: list[str]) -> dict:
 
 def held_out_chats(config, count: int) -> list[list[dict]]:
     """The first ``count`` chats of the held-out split."""
-    from ppo_core.modeling.data import load_prompts
+    from ppo_core.prompts import load_prompts
 
     return [row for row in load_prompts(config.data.eval_file)][:count]
 
@@ -153,8 +153,8 @@ def transformers_side(config, version: str, chats, max_new_tokens: int) -> dict:
     """Greedy continuations of ``chats`` by the promoted version, as the pipeline loads it."""
     import torch
 
-    from ppo_core.modeling.generation import prompt_token_ids, stop_token_ids
-    from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.generation import prompt_token_ids, stop_token_ids
+    from ppo_core.models.policy import load_causal_lm, load_tokenizer
 
     folder = Path(config.promote.production_dir) / version
     torch.set_num_threads(config.threads)

@@ -81,7 +81,7 @@ def run(args, source: str, overrides: list[str], prompts: list[dict]) -> list[di
     """Generation 0 (the GGUF import), then ``args.generations`` scheduled runs; one row each."""
     from flows import stages
     from ppo_core.config import load_config
-    from ppo_core.registry import load_registry
+    from ppo_core.registry.versions import load_registry
 
     if args.work.exists():
         shutil.rmtree(args.work)

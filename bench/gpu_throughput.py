@@ -5,7 +5,7 @@ with the GPT-2 vocabulary) it measures, after warm-up:
 
 - generation: response tokens per second of ``model.generate`` (KV cache, sampling) on a batch
   of random prompts, every row running the full length, and of the pipeline's own sampling loop
-  (``ppo_core.modeling.sampling.sample_tokens``) on the same prompts (random weights end almost
+  (``ppo_core.models.sampling.sample_tokens``) on the same prompts (random weights end almost
   no row early, so both compute the same tokens);
 - update: response tokens per second of the PPO update's forward and backward passes
   (``score_sequences`` on an ``ActorCritic`` with a value head, exact micro-batch accumulation)
@@ -57,7 +57,7 @@ def synchronize(device: torch.device) -> None:
 def build(name: str, device: torch.device, dtype: torch.dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ppo_core.modeling.policy import ActorCritic, fuse_activations
+    from ppo_core.models.policy import ActorCritic, fuse_activations
 
     config = GPT2Config(
         **CONFIGS[name],
@@ -117,7 +117,7 @@ def measure_generation(model, config, args, device) -> dict[str, float]:
 def measure_sampling_loop(model, prompts, mask, args, device) -> dict[str, float]:
     """The pipeline's sampling loop on the prompts ``generate`` got: response tokens per second
     (the tokens it drew, up to each row's end)."""
-    from ppo_core.modeling.sampling import sample_tokens
+    from ppo_core.models.sampling import sample_tokens
 
     times, drawn = [], []
     for step in range(args.steps + 1):
@@ -142,7 +142,7 @@ def measure_sampling_loop(model, prompts, mask, args, device) -> dict[str, float
 def measure_update(model, config, args, device, autocast) -> dict[str, float]:
     from ppo_core.math.accumulation import accumulate_gradients
     from ppo_core.math.objective import PPOObjective
-    from ppo_core.modeling.scoring import score_sequences
+    from ppo_core.models.scoring import score_sequences
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     prompt_ids = torch.randint(

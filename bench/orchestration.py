@@ -89,7 +89,7 @@ def timed(
 
 def dvc_seconds_a_stage(project: Path, env: dict[str, str], repeats: int = 5) -> dict[str, float]:
     """What DVC adds to one stage as the flow runs it: ``ppo promote`` on its own, against
-    ``dvc repro --single-item --force promote`` sent to a :class:`flows.dvc_session.DvcSession`
+    ``dvc repro --single-item --force promote`` sent to a :class:`flows.orchestration.dvc_session.DvcSession`
     that has imported DVC and run one command already, as the flow's has by its second stage
     (alternating, median of ``repeats`` each). Each ``--force`` run writes a new production
     version: run it in a project of its own.
@@ -99,8 +99,8 @@ def dvc_seconds_a_stage(project: Path, env: dict[str, str], repeats: int = 5) ->
     the stage's time) and ``after_the_command`` (hashing and caching the outputs, the lock;
     inside it)."""
     sys.path.insert(0, str(ROOT))
-    from flows.dvc_session import DvcSession
-    from flows.relay import StageRelay
+    from flows.orchestration.dvc_session import DvcSession
+    from flows.orchestration.relay import StageRelay
 
     bin_dir = Path(sys.executable).parent
     sides: dict[str, list[float]] = {"command": [], "dvc": [], "before_the_stage": []}

@@ -25,7 +25,7 @@ reference is the policy with its adapter switched off on both sides. TRL still t
 full value model (135M weights: its PPO has no value head on the adapted trunk); ours puts the
 value head on the adapted trunk (``ours_shared``; a separate critic beside LoRA is refused here).
 
-How each side is timed: ours runs ``ppo_core.trainer.train`` (built-in defaults plus this
+How each side is timed: ours runs ``ppo_core.training.loop.train`` (built-in defaults plus this
 bench's overrides, not ``params.yaml``) in a fresh process of its own and reads the trainer's
 own per-iteration ``perf/rollout_s``, ``perf/update_s`` and ``perf/iteration_s`` from the
 returned ``TrainSummary.history`` (the metrics logger keeps wall-clock times of the last iteration
@@ -89,8 +89,8 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
     import torch
     from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-    from ppo_core.modeling.review_grammar import generate_review_corpus
-    from ppo_core.modeling.tiny_default import tiny_gpt2_config, train_tokenizer
+    from ppo_core.sources.review_grammar import generate_review_corpus
+    from ppo_core.sources.tiny_default import tiny_gpt2_config, train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(4000, seed=0))
     config = tiny_gpt2_config(len(tokenizer), n_positions=128, **MODELS[name])
@@ -115,7 +115,7 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
 
 
 def write_prompts(path: Path, count: int) -> None:
-    from ppo_core.modeling.review_grammar import default_prompts
+    from ppo_core.sources.review_grammar import default_prompts
 
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in default_prompts(count, 0)))
 
@@ -127,7 +127,7 @@ def build_smollm2_assets(folder: Path, n_prompts: int) -> dict[str, str]:
     from real_model import smollm2_gguf
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from ppo_core.modeling.gguf_import import import_gguf
+    from ppo_core.sources.gguf_import import import_gguf
 
     paths = {
         "policy": folder / "policy",
@@ -208,7 +208,7 @@ def ours_child(overrides: list[str]) -> list[dict[str, float]]:
     """Train with the built-in defaults and ``overrides``; the seconds of each iteration, as the
     trainer measured them (``perf/...`` of ``TrainSummary.history``, one row per iteration)."""
     from ppo_core.config import load_config
-    from ppo_core.trainer import train
+    from ppo_core.training.loop import train
 
     summary = train(load_config(overrides=overrides))
     return [{key: row[f"perf/{key}"] for key in PHASES} for row in summary.history]

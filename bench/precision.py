@@ -78,10 +78,10 @@ def update_seconds(layers: int, precision: str, profile: bool, shape: dict[str, 
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     from ppo_core.config import PPOConfig
-    from ppo_core.modeling.policy import ActorCritic
-    from ppo_core.rollout import RolloutBatch
-    from ppo_core.runtime import Runtime
-    from ppo_core.update import ppo_update
+    from ppo_core.models.policy import ActorCritic
+    from ppo_core.parallel.runtime import Runtime
+    from ppo_core.training.batch import RolloutBatch
+    from ppo_core.training.update import ppo_update
 
     torch.manual_seed(0)
     config = Qwen2Config(
@@ -165,7 +165,7 @@ def after_one_sgd_iteration(
     """The parameters after one PPO iteration with plain SGD and no clipping, so that the
     parameters move by the gradient alone, at micro-batch size ``micro``."""
     from ppo_core.config import load_config
-    from ppo_core.trainer import train
+    from ppo_core.training.loop import train
 
     train(
         load_config(
@@ -194,8 +194,8 @@ def after_one_sgd_iteration(
 
 
 def micro_batch_differences(smoke: bool) -> dict:
-    from ppo_core.modeling.review_grammar import default_prompts
-    from ppo_core.modeling.tiny_default import build_tiny_default
+    from ppo_core.sources.review_grammar import default_prompts
+    from ppo_core.sources.tiny_default import build_tiny_default
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

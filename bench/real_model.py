@@ -218,9 +218,9 @@ def update_flops_per_iteration(config, history) -> float:
     blocks for every token (prompt and response) plus the output layer for the response tokens
     only (the update computes logits there alone); attention scores and LoRA's own products are
     left out (a few percent here)."""
-    from ppo_core.modeling.data import load_prompts
-    from ppo_core.modeling.generation import prompt_token_ids
-    from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.generation import prompt_token_ids
+    from ppo_core.models.policy import load_causal_lm, load_tokenizer
+    from ppo_core.prompts import load_prompts
 
     model = load_causal_lm(config.model.policy)
     total = sum(p.numel() for p in model.parameters())

@@ -108,8 +108,8 @@ def rank_main(args: argparse.Namespace) -> None:
     """One rank of a torchrun launch: two iterations, then this rank's numbers in
     :func:`rank_file`."""
     before_gib = resident_gib()
-    from ppo_core import trainer
     from ppo_core.config import load_config
+    from ppo_core.training import loop as trainer
 
     ranks = int(os.environ.get("WORLD_SIZE", "1"))
     work = Path(args.work)
@@ -209,8 +209,8 @@ def update_collectives_seconds(model: Path, ranks: int, strategy: str, device: s
 def build(work: Path, shape: dict[str, int]) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ppo_core.modeling.review_grammar import default_prompts, generate_review_corpus
-    from ppo_core.modeling.tiny_default import train_tokenizer
+    from ppo_core.sources.review_grammar import default_prompts, generate_review_corpus
+    from ppo_core.sources.tiny_default import train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(500, seed=0), vocab_size=512)
     config = LlamaConfig(

@@ -78,7 +78,7 @@ def _config_file(given: Path | None) -> Path | None:
         return None if str(given) == NO_CONFIG else given
     if not DEFAULT_CONFIG.is_file():
         return None
-    from ppo_core.distributed import is_main_process
+    from ppo_core.parallel.process_group import is_main_process
 
     if is_main_process():  # once, not once per torchrun rank
         console.print(
@@ -118,13 +118,13 @@ WRITE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 USER_ERRORS = (
     ("ppo_core.config", "ConfigError"),
     ("ppo_core.files", "RunLockedError"),
-    ("ppo_core.lineage", "LineageError"),
-    ("ppo_core.modeling.checkpoint", "CheckpointError"),
-    ("ppo_core.modeling.data", "PromptFileError"),
-    ("ppo_core.modeling.gguf_export", "GGUFExportError"),
-    ("ppo_core.modeling.policy", "ModelFolderError"),
-    ("ppo_core.modeling.reward_loading", "RewardError"),
-    ("ppo_core.registry", "RegistryError"),
+    ("ppo_core.registry.lineage", "LineageError"),
+    ("ppo_core.checkpoints.store", "CheckpointError"),
+    ("ppo_core.prompts", "PromptFileError"),
+    ("ppo_core.models.gguf_export", "GGUFExportError"),
+    ("ppo_core.models.policy", "ModelFolderError"),
+    ("ppo_core.rewards.loading", "RewardError"),
+    ("ppo_core.registry.versions", "RegistryError"),
     ("flows.stages", "StaleEvaluationError"),
 )
 
@@ -260,8 +260,7 @@ def train(
       memory use, not the result
     - optim.lr: learning rate
     - kl.coef: weight of the KL penalty against the reference model
-    - ppo.advantage_estimator: gae (with a critic) or, with model.critic=none, grpo, dr_grpo,
-      rloo or reinforce_pp; the first three need ppo.samples_per_prompt >= 2
+    - ppo.advantage_estimator: {estimators}
     - model.policy: folder of the model to start from
     - model.reward: builtin:sentiment, module:function or a reward-model folder
     - device: auto, cpu or cuda
@@ -271,7 +270,7 @@ def train(
     GPU); ppo.rollout_batch_size and ppo.mini_batch_size are then per rank.
     """
     from flows import stages
-    from ppo_core.distributed import is_main_process
+    from ppo_core.parallel.process_group import is_main_process
 
     cfg = _run(lambda: _load(config, overrides))
     summary = _run(lambda: stages.train(cfg, show_progress=not quiet))
@@ -283,6 +282,23 @@ def train(
         f"score {m.get('rollout/score', float('nan')):.3f}, KL {m.get('rollout/kl', float('nan')):.2f}; "
         f"policy in [bold]{summary.output_dir}[/]"
     )
+
+
+def _estimator_help() -> str:
+    """What ``ppo train --help`` says of ``ppo.advantage_estimator``, from the estimators'
+    registry (:data:`ppo_core.math.choices.ESTIMATOR_NEEDS`), so a new estimator appears in it."""
+    from ppo_core.math.choices import ESTIMATOR_NEEDS, critic_free_estimators
+
+    with_critic = [name for name, needs in ESTIMATOR_NEEDS.items() if needs.critic]
+    grouped = [name for name, needs in ESTIMATOR_NEEDS.items() if needs.groups]
+    return (
+        f"{' or '.join(with_critic)} (with a critic) or, with model.critic=none, "
+        f"{', '.join(critic_free_estimators())}; {', '.join(grouped)} need "
+        "ppo.samples_per_prompt >= 2"
+    )
+
+
+train.__doc__ = (train.__doc__ or "").replace("{estimators}", _estimator_help())
 
 
 @app.command()
@@ -308,7 +324,7 @@ def evaluate(
     reports = _run(lambda: stages.evaluate(cfg, candidate, baseline if baseline != "" else None))
     from rich.table import Table
 
-    from ppo_core.evaluation import metric_table
+    from ppo_core.evaluation.evaluate import metric_table
 
     table = Table(title=f"evaluation ({cfg.eval.output_dir})")
     table.add_column("metric")
@@ -420,8 +436,8 @@ def rollback(
     """
     import getpass
 
-    from flows.records import back_up_production, pointer_files
-    from ppo_core.registry import roll_back
+    from flows.orchestration.records import back_up_production, pointer_files
+    from ppo_core.registry.versions import roll_back
 
     cfg = _run(lambda: _load(config, overrides))
     entry = _run(
@@ -488,7 +504,7 @@ def notify(
             console.print(f"[bold red]error:[/] --header {item!r} is not NAME=VALUE")
             raise typer.Exit(code=2)
         headers[name] = value
-    from flows.notifications import BLOCK_NAME, set_up_notifications
+    from flows.orchestration.notifications import BLOCK_NAME, set_up_notifications
 
     created = set_up_notifications(webhook, headers)
     console.print(

@@ -38,7 +38,7 @@ from ppo_core.files import (
     fsync_folder,
     printable,
 )
-from ppo_core.modeling.data import PromptFileError
+from ppo_core.prompts import PromptFileError
 
 INGESTED_EVENT = "ppo.data.ingested"
 # The resource of every ingest event: the trigger in prefect.yaml matches it.

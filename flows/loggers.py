@@ -84,8 +84,8 @@ class DVCLiveLogger:
                 dir=str(self.folder), resume=False, save_dvc_exp=False, dvcyaml=None, report=None
             )
         self.live.step = iteration
-        from ppo_core.modeling.checkpoint import METRIC_NAME
-        from ppo_core.trainer import TIMINGS
+        from ppo_core.checkpoints.store import METRIC_NAME
+        from ppo_core.training.loop import TIMINGS
 
         timings: dict[str, dict[str, float]] = {}
         for name, value in metrics.items():

@@ -2,7 +2,7 @@
 artifacts.
 
 Each task runs ``dvc repro --single-item <stage>`` in the project (through one DVC process a
-run, :mod:`flows.dvc_session`), so the stage logic stays in ``ppo <stage>`` and ``dvc.lock``
+run, :mod:`flows.orchestration.dvc_session`), so the stage logic stays in ``ppo <stage>`` and ``dvc.lock``
 stays true: a stage whose inputs did not change is skipped, a retried ``train`` resumes from its
 persisted checkpoints.
 
@@ -12,22 +12,22 @@ persisted checkpoints.
     prefect deployment run 'retrain/manual'      # with a Prefect server up
 
 The project a run works on is fixed where the flow is served (:data:`PROJECT_ENV`), never a
-run parameter; a run's ``params`` are held to an allow-list (:mod:`flows.run_params`).
+run parameter; a run's ``params`` are held to an allow-list (:mod:`flows.orchestration.run_params`).
 """
 
 from __future__ import annotations
 
 import sys
 
-from flows.project import PROJECT_ENV
+from flows.orchestration.project import PROJECT_ENV
 
 if __name__ == "__main__":
     # `python -m flows.pipeline run`: start the run's own Prefect server (when none is named)
     # and its DVC process before the imports below, so that they import at the same time as
     # this process does.
-    from flows.dvc_session import run_folder, start_ahead
-    from flows.local_server import start_if_needed
-    from flows.relay import stage_environment
+    from flows.orchestration.dvc_session import run_folder, start_ahead
+    from flows.orchestration.local_server import start_if_needed
+    from flows.orchestration.relay import stage_environment
 
     _early_server = start_if_needed(sys.argv[1:])
     _folder = run_folder(sys.argv[1:])
@@ -52,29 +52,40 @@ from prefect.runtime import deployment, flow_run
 from prefect.settings import temporary_settings
 from prefect.states import Completed
 
-from flows.deployments import serve_deployments
-from flows.dvc_session import DvcSession
-from flows.dvc_session import take as take_session
 from flows.ingest import take_inbox
-from flows.local_server import (
+from flows.orchestration.deployments import serve_deployments
+from flows.orchestration.dvc_session import DvcSession
+from flows.orchestration.dvc_session import take as take_session
+from flows.orchestration.local_server import (
     LocalServer,
     LocalServerError,
     api_url_named,
     local_server_settings,
 )
-from flows.outcome import announce_decision, nothing_new, publish_results, reject_ingested, summary
-from flows.project import load_params, production_version, project_dir
-from flows.raw_data import raw_changes
-from flows.records import back_up_production, experiment_name, pointer_files, save_experiment
-from flows.relay import CommandTimedOut, StageRelay, stage_environment
-from flows.restarts import check_restart
-from flows.run_params import (
+from flows.orchestration.outcome import (
+    announce_decision,
+    nothing_new,
+    publish_results,
+    reject_ingested,
+    summary,
+)
+from flows.orchestration.project import load_params, production_version, project_dir
+from flows.orchestration.records import (
+    back_up_production,
+    experiment_name,
+    pointer_files,
+    save_experiment,
+)
+from flows.orchestration.relay import CommandTimedOut, StageRelay, stage_environment
+from flows.orchestration.restarts import check_restart
+from flows.orchestration.run_params import (
     RUN_PARAMS,
     RunParamsError,
     check_run_params,
     params_for_this_run,
     put_back_left_params,
 )
+from flows.raw_data import raw_changes
 from ppo_core.config import ConfigError
 from ppo_core.files import exclusive_run
 
@@ -83,7 +94,7 @@ if TYPE_CHECKING:
     from prefect.states import State
     from prefect.tasks import Task
 
-    from flows.records import DvcRunner
+    from flows.orchestration.records import DvcRunner
 
 STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
 # Stages that run the models (on the accelerator, when there is one): they hold a slot of
@@ -101,7 +112,7 @@ class StageTimedOut(StageFailed):
     """A DVC stage ran past its ``flow.<stage>_timeout`` and was stopped; never retried."""
 
 
-# The DVC process of each project's running flow (:mod:`flows.dvc_session`), shared by its
+# The DVC process of each project's running flow (:mod:`flows.orchestration.dvc_session`), shared by its
 # stages; a stage task called on its own starts one for itself.
 _SESSIONS: dict[str, DvcSession] = {}
 
@@ -118,7 +129,7 @@ def _dvc_session(repo_dir: str) -> Iterator[DvcSession]:
 @contextlib.contextmanager
 def stage_session(repo_dir: str) -> Iterator[None]:
     """One DVC process for the stages and records of this run, started now (or taken from
-    :func:`flows.dvc_session.start_ahead`), so that it imports DVC while the run takes its new
+    :func:`flows.orchestration.dvc_session.start_ahead`), so that it imports DVC while the run takes its new
     data and the first task is set up."""
     session = take_session(repo_dir, stage_environment())
     _SESSIONS[repo_dir] = session
@@ -189,20 +200,20 @@ def retrain(
         from_production: start from the current production version (scheduled retraining);
             without one yet, from the configured base.
         params: training settings for this run only, e.g. ``{"ppo.epochs": 2}``: only the keys
-            of ``flows.run_params.RUN_PARAMS``, checked before anything is written, and held in
+            of ``flows.orchestration.run_params.RUN_PARAMS``, checked before anything is written, and held in
             ``params.yaml`` only while the run lasts.
         new_data_only: end at once, running no stage, when the raw prompts are those of the
             prepared version (the deployment ``retrain/on-new-data``: a run triggered for files
             that an earlier run already took has nothing to do).
         backup: after a decision, back the production versions and the registry up in the DVC
-            remote (:func:`flows.records.back_up_production`); the deployments of
+            remote (:func:`flows.orchestration.records.back_up_production`); the deployments of
             ``prefect.yaml`` do.
         restart_limit: set by each deployment's trigger on its crashed runs (``prefect.yaml``):
             this run restarts one that crashed, and fails at once, running nothing, when the
-            deployment's last ``restart_limit`` runs all crashed (:mod:`flows.restarts`).
+            deployment's last ``restart_limit`` runs all crashed (:mod:`flows.orchestration.restarts`).
 
     Every run that reaches a decision is recorded as a DVC experiment
-    (:func:`flows.records.save_experiment`).
+    (:func:`flows.orchestration.records.save_experiment`).
     """
     if restart_limit:
         check_restart(restart_limit, deployment.id, deployment.name or "")
@@ -334,7 +345,7 @@ def keep_records(repo_dir: str, backup: bool) -> list[str]:
 
 
 def _in_session(repo_dir: str) -> DvcRunner:
-    """A :data:`flows.records.DvcRunner` that sends each command to this run's DVC process (a
+    """A :data:`flows.orchestration.records.DvcRunner` that sends each command to this run's DVC process (a
     new one when there is none), so that it does not import DVC again."""
 
     def run(args: Sequence[str], timeout: float) -> tuple[int, str]:
@@ -364,7 +375,7 @@ def _parse_set(assignment: str) -> tuple[str, Any]:
 
 def main(argv: list[str] | None = None, server: LocalServer | None = None) -> None:
     """The command line; ``server`` is the run's own Prefect server when one was started
-    already (:mod:`flows.local_server`); ``run`` starts one itself where it needs one."""
+    already (:mod:`flows.orchestration.local_server`); ``run`` starts one itself where it needs one."""
     parser = argparse.ArgumentParser(
         prog="python -m flows.pipeline", description="Run or serve the Prefect flow 'retrain'."
     )

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ppo_core.config import Config
 from ppo_core.files import file_sha256, printable
-from ppo_core.modeling.data import Prompt, PromptFileError, chat_json, load_prompts
+from ppo_core.prompts import Prompt, PromptFileError, chat_json, load_prompts
 
 
 def _normalise(text: str) -> str:

@@ -17,6 +17,7 @@ import stat
 import time
 from pathlib import Path
 
+from flows.provenance import code_version
 from flows.raw_data import (
     check_raw_data_is_prepared,
     in_eval_split,
@@ -38,8 +39,8 @@ from ppo_core.files import (
     printable,
     regular_files,
 )
-from ppo_core.lineage import Lineage, read_lineage, store_base
-from ppo_core.modeling.adapter_folders import (
+from ppo_core.files.output_paths import inside, real_path
+from ppo_core.models.adapter_folders import (
     ADAPTER_BASE_FILE,
     ADAPTER_CONFIG_FILE,
     ADAPTER_WEIGHTS_FILE,
@@ -47,7 +48,7 @@ from ppo_core.modeling.adapter_folders import (
     is_adapter_folder,
     recorded_fingerprint,
 )
-from ppo_core.modeling.data import (
+from ppo_core.prompts import (
     CHAT_FIELD,
     Prompt,
     PromptFileError,
@@ -56,10 +57,8 @@ from ppo_core.modeling.data import (
     parse_messages,
     project_path,
 )
-from ppo_core.modeling.hub_cache import resolve_model_source, snapshot_blobs
-from ppo_core.output_paths import inside, real_path
-from ppo_core.provenance import code_version
-from ppo_core.registry import (
+from ppo_core.registry.lineage import Lineage, read_lineage, store_base
+from ppo_core.registry.versions import (
     check_version,
     current_production,
     gate,
@@ -67,6 +66,7 @@ from ppo_core.registry import (
     record_decision,
     record_export,
 )
+from ppo_core.sources.hub_cache import resolve_model_source, snapshot_blobs
 
 
 def prepare(config: Config) -> Path:
@@ -175,12 +175,12 @@ def base(config: Config) -> Path:
     ``model.policy`` is checked as an output first (``check_write_paths``: inside the project or
     an allowed root, clear of the repository, the sources, the inputs and the other outputs).
     ``base.source`` is a model folder, a GGUF file, or a hub id (``org/name``) found in the local
-    Hugging Face cache (``ppo_core.modeling.hub_cache``; never downloaded). A folder import
+    Hugging Face cache (``ppo_core.sources.hub_cache``; never downloaded). A folder import
     copies regular files only, within ``ppo_core.files.MAX_COPY_BYTES``: a link, a device or a
     FIFO in the source is refused by name before anything is loaded or written, except the
     links of a hub cache snapshot into its own ``blobs/``. A GGUF file is checked (header,
     architecture, tensor types) and converted into a ``save_pretrained`` folder in
-    ``base.dtype`` (``ppo_core.modeling.gguf_import``). ``imported_from.json`` records where the
+    ``base.dtype`` (``ppo_core.sources.gguf_import``). ``imported_from.json`` records where the
     model came from without naming the user's folders: the source's path relative to the
     project when it lies inside it, else only its name (or the hub id), and always
     ``content_sha256`` (``ppo_core.files.folder_fingerprint``: its ``config.json`` and every
@@ -189,7 +189,7 @@ def base(config: Config) -> Path:
     check_write_paths(flatten(config), (*WRITE_KEYS, "model.policy"))
     target = Path(config.model.policy)
     if config.base.source is None:
-        from ppo_core.modeling.tiny_default import build_tiny_default
+        from ppo_core.sources.tiny_default import build_tiny_default
 
         return build_tiny_default(
             target,
@@ -240,7 +240,7 @@ def _shown_source(value: str, source: Path) -> dict[str, object]:
 def _folder_import(config: Config, source: Path, blobs: Path | None, record: dict):
     """Check the model folder ``source`` (loads as a tokenizer and a causal LM, only regular
     files or links into ``blobs``) and return the function that copies it."""
-    from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.policy import load_causal_lm, load_tokenizer
 
     if source.is_dir():
         # links are refused before the loaders below follow any
@@ -303,7 +303,7 @@ def _production_lineage(config: Config, source: Path) -> Lineage | None:
 def _gguf_import(config: Config, source: Path, blobs: Path | None, record: dict):
     """Check the GGUF file ``source`` (a regular file, or a link into ``blobs``; its header,
     architecture and tensor types) and return the function that converts it."""
-    from ppo_core.modeling.gguf_import import import_gguf, read_gguf
+    from ppo_core.sources.gguf_import import import_gguf, read_gguf
 
     real = Path(os.path.realpath(source))
     linked_blob = blobs is not None and real.parent == Path(os.path.realpath(blobs))
@@ -329,8 +329,8 @@ def train(config: Config, show_progress: bool = True):
     folder."""
     from flows.loggers import ConsoleProgress, DVCLiveLogger
     from flows.plots import plot_training_curves
-    from ppo_core.distributed import is_main_process
-    from ppo_core.trainer import train as run_training
+    from ppo_core.parallel.process_group import is_main_process
+    from ppo_core.training.loop import train as run_training
 
     check_raw_data_is_prepared(config)
     loggers: list[DVCLiveLogger | ConsoleProgress] = [DVCLiveLogger(config.train.metrics_dir)]
@@ -351,8 +351,8 @@ def evaluate(config: Config, candidate: str | None = None, baseline: str | None 
     ``eval.baseline``, else the current production version, else ``model.policy``), both scored
     with ``eval.reward``, else the reward the candidate was trained with, else ``model.reward``.
     A candidate with another tokenizer than the KL reference is refused; a baseline with
-    another tokenizer is scored without KL (:mod:`ppo_core.evaluation`)."""
-    from ppo_core.evaluation import evaluate as run_evaluation
+    another tokenizer is scored without KL (:mod:`ppo_core.evaluation.evaluate`)."""
+    from ppo_core.evaluation.evaluate import evaluate as run_evaluation
 
     return run_evaluation(
         config,
@@ -373,8 +373,8 @@ def validate(config: Config) -> Path:
     import pandas as pd
 
     from flows.validation import DataValidationError, validate_prompt_splits
-    from ppo_core.modeling.generation import prompt_token_ids, require_chat_template
-    from ppo_core.modeling.policy import load_tokenizer
+    from ppo_core.models.generation import prompt_token_ids, require_chat_template
+    from ppo_core.models.policy import load_tokenizer
 
     interim = Path(config.data.interim_dir)
     files = {name: interim / f"{name}.parquet" for name in ("train", "eval")}
@@ -537,7 +537,7 @@ def promote(config: Config) -> dict:
 
 def export(config: Config) -> dict:
     """Write production version ``export.version`` (default: the current one) as one GGUF file
-    in ``export.dir`` (``ppo_core.modeling.gguf_export``), with a record beside it, and name the
+    in ``export.dir`` (``ppo_core.models.gguf_export``), with a record beside it, and name the
     export in the version's registry entry. Returns the record.
 
     The version is checked against the content hash the registry recorded first; an adapter
@@ -546,10 +546,10 @@ def export(config: Config) -> dict:
     hash and the file's SHA-256) the stage reports it, otherwise it refuses to replace it."""
     import warnings
 
-    from ppo_core.modeling.causal_lm import PadTokenWarning, load_tokenizer
-    from ppo_core.modeling.gguf_export import export_gguf
-    from ppo_core.modeling.policy import load_causal_lm
-    from ppo_core.registry import RegistryError, load_registry
+    from ppo_core.models.causal_lm import PadTokenWarning, load_tokenizer
+    from ppo_core.models.gguf_export import export_gguf
+    from ppo_core.models.policy import load_causal_lm
+    from ppo_core.registry.versions import RegistryError, load_registry
 
     check_write_paths(flatten(config), WRITE_KEYS)
     rules, settings = config.promote, config.export

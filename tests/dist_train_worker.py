@@ -20,7 +20,7 @@ def run(rank: int, world_size: int, port: int, overrides: list[str]) -> None:
     import torch.distributed as dist
 
     from ppo_core.config import load_config
-    from ppo_core.trainer import train
+    from ppo_core.training.loop import train
 
     try:
         train(load_config(overrides=overrides))
@@ -47,11 +47,11 @@ def shard_a_model(
     import torch.distributed as dist
 
     from ppo_core.config import GenerationConfig
-    from ppo_core.distributed import DataParallel
-    from ppo_core.modeling.policy import load_causal_lm, load_tokenizer, transformer_blocks
-    from ppo_core.parallel import make_strategy
-    from ppo_core.rollout import sample_responses
-    from ppo_core.runtime import Runtime
+    from ppo_core.models.policy import load_causal_lm, load_tokenizer, transformer_blocks
+    from ppo_core.parallel.process_group import DataParallel
+    from ppo_core.parallel.runtime import Runtime
+    from ppo_core.parallel.strategies import make_strategy
+    from ppo_core.training.rollout import sample_responses
 
     ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
     with torch.no_grad():  # every rank computes the reference logits alone, before sharding

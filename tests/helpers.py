@@ -97,8 +97,8 @@ def build_tiny_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
-    from ppo_core.modeling.review_grammar import generate_review_corpus
-    from ppo_core.modeling.tiny_default import train_tokenizer
+    from ppo_core.sources.review_grammar import generate_review_corpus
+    from ppo_core.sources.tiny_default import train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(500, seed=seed), vocab_size=512)
     if pad == "eos":
@@ -196,7 +196,7 @@ def parameters_after_one_sgd_iteration(tmp_path, model, prompts, *extra: str, re
     update from the same rollout: chunks cut to their own lengths score a row with another
     padding, a float-rounding difference (measured 2.4e-6 in a logprob) that a step of 0.5
     turns into another clipping decision somewhere."""
-    from ppo_core.trainer import train
+    from ppo_core.training.loop import train
 
     results = {}
     for micro in (1, 8):
@@ -239,15 +239,15 @@ RANK_IMPORTS = [
     "peft",
     "pyarrow.parquet",
     "safetensors.torch",
-    "ppo_core.trainer",
-    "ppo_core.parallel",
-    "ppo_core.update",
-    "ppo_core.rollout",
-    "ppo_core.evaluation",
-    "ppo_core.modeling.policy",
-    "ppo_core.modeling.lora",
-    "ppo_core.modeling.checkpoint",
-    "ppo_core.modeling.data",
+    "ppo_core.training.loop",
+    "ppo_core.parallel.strategies",
+    "ppo_core.training.update",
+    "ppo_core.training.rollout",
+    "ppo_core.evaluation.evaluate",
+    "ppo_core.models.policy",
+    "ppo_core.models.lora",
+    "ppo_core.checkpoints.store",
+    "ppo_core.prompts",
     "tests.dist_train_worker",
     "tests.math.dist_worker",
 ]

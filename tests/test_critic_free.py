@@ -12,9 +12,9 @@ import torch
 from safetensors.torch import load_file
 
 from ppo_core.config import ConfigError, load_config
-from ppo_core.distributed import DataParallel
-from ppo_core.modeling.data import load_prompts
-from ppo_core.trainer import RandomStream, draw_prompts, stream_seed, train
+from ppo_core.parallel.process_group import DataParallel
+from ppo_core.prompts import load_prompts
+from ppo_core.training.loop import RandomStream, draw_prompts, stream_seed, train
 from tests.helpers import (
     Recorder,
     max_relative_difference,
@@ -207,9 +207,10 @@ def test_group_estimators_compare_whole_returns_with_the_kl_penalty(
     """RLOO's baseline on the rollout's own numbers: each response's return is its score minus
     ``beta`` times the KL of all its tokens when the KL is in the reward, its score alone when
     the KL is in the loss; the advantage is that return minus the mean of the others'."""
-    from ppo_core.modeling.policy import load_actor_critic, load_causal_lm, load_tokenizer
-    from ppo_core.rollout import build_reward, collect_rollout
-    from ppo_core.runtime import Runtime
+    from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.parallel.runtime import Runtime
+    from ppo_core.training.models import build_reward
+    from ppo_core.training.rollout import collect_rollout
 
     config = load_config(
         overrides=[
@@ -264,9 +265,10 @@ def test_old_logprobs_from_sampling_skip_the_policy_pass_and_match_a_rescore(
     """``ppo.old_logprobs=sampling``: the rollout's old log-probabilities are the ones the
     sampler kept, the policy's scoring pass runs only for a critic's values, and a rescore of the
     same rollout agrees to float rounding (measured 4.8e-6 at most)."""
-    from ppo_core import rollout
-    from ppo_core.modeling.policy import load_actor_critic, load_causal_lm, load_tokenizer
-    from ppo_core.runtime import Runtime
+    from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.parallel.runtime import Runtime
+    from ppo_core.training import rollout
+    from ppo_core.training.models import build_reward
 
     passes = []
     score = rollout.score_in_chunks
@@ -299,7 +301,7 @@ def test_old_logprobs_from_sampling_skip_the_policy_pass_and_match_a_rescore(
             load_causal_lm(tiny_model_dir, "reference"),
             load_tokenizer(tiny_model_dir),
             prompts,
-            rollout.build_reward(config.model, torch.device("cpu")),
+            build_reward(config.model, torch.device("cpu")),
             ppo=config.ppo,
             generation=config.generation,
             kl=config.kl,

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.slow
 def test_default_run_makes_reviews_positive_within_budget(tmp_path):
     from flows import stages
-    from ppo_core.evaluation import evaluate
+    from ppo_core.evaluation.evaluate import evaluate
 
     out = tmp_path
     config = load_config(
@@ -35,7 +35,7 @@ def test_default_run_makes_reviews_positive_within_budget(tmp_path):
     )
     stages.prepare(config)
     stages.base(config)
-    from ppo_core.trainer import train
+    from ppo_core.training.loop import train
 
     train(config)
     reports = evaluate(config, out / "candidate", out / "base")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ppo_core.distributed import is_main_process
+from ppo_core.parallel.process_group import is_main_process
 
 
 def test_rank_zero_or_a_lone_process_is_the_main_one(monkeypatch):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from ppo_core.config import load_config
-from ppo_core.trainer import train
+from ppo_core.training.loop import train
 from tests import dist_train_worker
 from tests.helpers import (
     adapter_parameters,
@@ -172,7 +172,7 @@ def test_two_fsdp_ranks_train_a_lora_adapter_like_one_process(
     with ``model.lora.merge``, merged weights) equal to one process's."""
     from safetensors.torch import load_file
 
-    from ppo_core.modeling.policy import load_causal_lm
+    from ppo_core.models.policy import load_causal_lm
 
     single = one_process(llama, *LORA)
     sharded = tmp_path / "fsdp"
@@ -287,7 +287,7 @@ def test_the_fsdp_probe_tells_an_average_from_a_sum():
     """Every fsdp run checks that FSDP averages its gradient reduction (the probe runs in each
     2-rank fsdp test above, which pass only when it reports an average); here, what the probe's
     reading means, for 2 and 4 ranks contributing 1, 2, ..., R."""
-    from ppo_core.parallel import reduction_kind
+    from ppo_core.parallel.strategies import reduction_kind
 
     assert reduction_kind(torch.full((1, 2), 1.5), 2) == "average"
     assert reduction_kind(torch.full((1, 2), 3.0), 2) == "sum"
@@ -299,8 +299,8 @@ def test_the_fsdp_probe_tells_an_average_from_a_sum():
 def test_fsdp_policies_and_a_model_without_blocks():
     """bf16 under FSDP gathers and computes in bf16 but reduces gradients in fp32; a model in
     which FSDP finds no transformer block to shard is refused by key, before any collective."""
-    from ppo_core.distributed import DataParallel
-    from ppo_core.parallel import FullyShardedStrategy, ShardingError
+    from ppo_core.parallel.process_group import DataParallel
+    from ppo_core.parallel.strategies import FullyShardedStrategy, ShardingError
 
     two_ranks = DataParallel(rank=0, world_size=2)
     bf16 = FullyShardedStrategy(two_ranks, torch.device("cpu"), "bf16")._policies(offload=False)

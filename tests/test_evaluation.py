@@ -18,15 +18,15 @@ import torch
 from typer.testing import CliRunner
 
 from ppo_core.config import load_config
-from ppo_core.evaluation import (
+from ppo_core.evaluation.evaluate import (
     EvaluationWarning,
     TokenizerMismatchError,
     evaluate,
     evaluation_reward,
 )
-from ppo_core.modeling.policy import load_tokenizer
-from ppo_core.modeling.reward_loading import RewardError
-from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
+from ppo_core.models.policy import load_tokenizer
+from ppo_core.models.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
+from ppo_core.rewards.loading import RewardError
 from tests.helpers import small_config
 
 REWARD_MODULE = "evaluation_test_rewards"
@@ -74,8 +74,8 @@ def build_other_model(folder: Path) -> Path:
     tiny default's tokenizer are out of this model's range."""
     from transformers import GPT2LMHeadModel
 
-    from ppo_core.modeling.review_grammar import generate_review_corpus
-    from ppo_core.modeling.tiny_default import tiny_gpt2_config, train_tokenizer
+    from ppo_core.sources.review_grammar import generate_review_corpus
+    from ppo_core.sources.tiny_default import tiny_gpt2_config, train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(200, seed=1), vocab_size=300)
     torch.manual_seed(0)
@@ -113,8 +113,8 @@ def test_a_candidate_trained_with_another_reward_is_scored_only_with_one_the_use
     """Training records its reward with the candidate; evaluation never imports a reward because
     the model folder names it: another one than ``model.reward`` stops it, naming both and the
     key to set, and ``eval.reward`` (or the same ``model.reward``) scores with it."""
-    from ppo_core.modeling.reward_loading import RewardError
-    from ppo_core.trainer import train
+    from ppo_core.rewards.loading import RewardError
+    from ppo_core.training.loop import train
 
     trained_with = f"{reward_module}:seven"
     train(evaluation_config(tmp_path, tiny_model_dir, prompt_files, f"model.reward={trained_with}"))
@@ -159,7 +159,7 @@ def test_a_candidate_trained_with_another_reward_is_scored_only_with_one_the_use
 def test_a_reward_named_in_a_model_folder_is_never_imported(tmp_path, tiny_model_dir, prompt_files):
     """A candidate folder whose summary names a module inside the folder itself: evaluation stops
     before importing it."""
-    from ppo_core.modeling.reward_loading import RewardError
+    from ppo_core.rewards.loading import RewardError
 
     candidate = tmp_path / "candidate"
     shutil.copytree(tiny_model_dir, candidate)
@@ -182,7 +182,7 @@ def test_a_reward_named_in_a_model_folder_is_never_imported(tmp_path, tiny_model
 def test_a_hanging_reward_stops_evaluation_within_the_timeout(
     tmp_path, tiny_model_dir, prompt_files, reward_module
 ):
-    from ppo_core.modeling.reward_loading import RewardTimeoutError
+    from ppo_core.rewards.loading import RewardTimeoutError
 
     spec = f"{reward_module}:hang"
     config = evaluation_config(
@@ -456,7 +456,7 @@ HOSTILE = [
 
 
 def hostile_reports():
-    from ppo_core.evaluation import ModelReport
+    from ppo_core.evaluation.evaluate import ModelReport
 
     def samples(offset):
         return [
@@ -479,7 +479,7 @@ def hostile_reports():
 
 
 def hostile_report() -> str:
-    from ppo_core.evaluation_report import RewardChoice, markdown_report
+    from ppo_core.evaluation.report import RewardChoice, markdown_report
 
     return markdown_report(
         hostile_reports(),
@@ -539,7 +539,7 @@ def _render_python_markdown(text: str) -> str:
 
 
 def test_escape_markdown_keeps_plain_text_plain():
-    from ppo_core.markdown import escape_markdown
+    from ppo_core.evaluation.markdown import escape_markdown
 
     assert escape_markdown("a plain review of the film") == "a plain review of the film"
     assert escape_markdown("models/base_v2/my_module:score") == "models/base_v2/my_module:score"
@@ -598,7 +598,7 @@ def test_fluency_is_judged_at_temperature_1_whatever_the_sampling_temperature():
     """_drift_from: the KL compares logprobs at the sampling temperature, the reference's NLL
     reads them at temperature 1. Each stand-in logprob is minus the temperature it was asked
     at, so the numbers say which temperature each used."""
-    from ppo_core.evaluation import _drift_from
+    from ppo_core.evaluation.evaluate import _drift_from
 
     asked = []
 

@@ -51,13 +51,97 @@ def test_ppo_core_never_imports_orchestration():
             assert name.split(".")[0] not in forbidden, f"{path.relative_to(ROOT)} imports {name}"
 
 
-def test_model_io_layer_never_imports_composition():
-    """Model I/O uses the math layer, itself and the file-safety module only."""
-    lower = ("ppo_core.math", "ppo_core.modeling", "ppo_core.files")
-    for path in sources(ROOT / "ppo_core" / "modeling"):
-        for name in imported_modules(path):
-            if name.startswith("ppo_core"):
-                assert name.startswith(lower), f"{path.relative_to(ROOT)} imports {name}"
+# Each room of ppo_core and the rooms it may import (docs/design.md section 2). Layer 1: math and
+# files (under everything); layer 2, model I/O: prompts, models, sources, rewards, checkpoints;
+# layer 3, composition: config, parallel, registry, training, evaluation. A room missing here
+# fails the test, so a new room states its place.
+ROOM_IMPORTS: dict[str, set[str]] = {
+    "math": set(),
+    "files": set(),
+    "prompts": set(),
+    "models": {"math", "files", "prompts"},
+    "sources": {"files", "models"},
+    "rewards": {"files", "models", "prompts", "sources"},
+    "checkpoints": {"files"},
+    "config": {"math", "files", "prompts"},
+    "parallel": {"config", "models"},
+    "registry": {"config", "files", "models"},
+    "training": {
+        "math",
+        "files",
+        "prompts",
+        "models",
+        "rewards",
+        "checkpoints",
+        "config",
+        "parallel",
+    },
+    "evaluation": {
+        "math",
+        "files",
+        "prompts",
+        "models",
+        "rewards",
+        "config",
+        "parallel",
+        "registry",
+        "training",
+    },
+}
+
+
+def room_of(module: str) -> str:
+    """``ppo_core.models.lora`` -> ``models``; ``ppo_core.prompts`` -> ``prompts``."""
+    return module.split(".")[1]
+
+
+def room_climbs(graph: dict[str, set[str]]) -> list[str]:
+    """Each import of ``graph`` from one room of ppo_core to a room ROOM_IMPORTS does not allow."""
+    found = []
+    for module, imported in sorted(graph.items()):
+        if not module.startswith("ppo_core."):
+            continue
+        room = room_of(module)
+        if room not in ROOM_IMPORTS:
+            found.append(f"{module}: the room {room!r} has no place in ROOM_IMPORTS")
+            continue
+        for other in sorted(imported):
+            if other.startswith("ppo_core.") and room_of(other) not in {room, *ROOM_IMPORTS[room]}:
+                found.append(f"{module} ({room}) imports {other} ({room_of(other)})")
+    return found
+
+
+def test_each_room_imports_only_the_rooms_below_it():
+    assert room_climbs(project_import_graph()) == []
+
+
+def test_the_room_check_sees_a_climb_and_a_room_without_a_place():
+    graph = {
+        "ppo_core.models.lora": {"ppo_core.training.loop", "ppo_core.files.atomic"},
+        "ppo_core.attic.old": set(),
+        "flows.stages": {"ppo_core.training.loop"},
+    }
+    assert room_climbs(graph) == [
+        "ppo_core.attic.old: the room 'attic' has no place in ROOM_IMPORTS",
+        "ppo_core.models.lora (models) imports ppo_core.training.loop (training)",
+    ]
+
+
+def test_each_room_says_its_job():
+    for folder in sorted(p for p in (ROOT / "ppo_core").iterdir() if (p / "__init__.py").exists()):
+        text = (folder / "__init__.py").read_text()
+        assert text.startswith('"""'), f"{folder.name}/__init__.py has no docstring"
+
+
+def test_the_stages_never_import_the_prefect_side():
+    """flows/ holds the stages and the `ppo` command; flows/orchestration/ the Prefect side. Only
+    the two front doors (the command and the flow) may use both."""
+    front_doors = {"flows.cli", "flows.pipeline"}
+    for module, imported in sorted(project_import_graph().items()):
+        stage_side = module.startswith("flows.") and not module.startswith("flows.orchestration")
+        if stage_side and module not in front_doors:
+            climbs = sorted(o for o in imported if o.startswith("flows.orchestration"))
+            assert not climbs, f"{module} imports {climbs}"
 
 
 def test_file_safety_module_is_standalone():
@@ -72,11 +156,11 @@ def test_file_safety_module_is_standalone():
 
 def test_relative_imports_are_resolved():
     """A relative import cannot slip past the checks above."""
-    source = "from ..trainer import train\nfrom . import data\nfrom .policy import x\n"
-    assert imports_in(source, ["ppo_core", "modeling"]) == {
-        "ppo_core.trainer",
-        "ppo_core.modeling",
-        "ppo_core.modeling.policy",
+    source = "from ..prompts import load_prompts\nfrom . import lora\nfrom .policy import x\n"
+    assert imports_in(source, ["ppo_core", "models"]) == {
+        "ppo_core.prompts",
+        "ppo_core.models",
+        "ppo_core.models.policy",
     }
 
 
@@ -98,7 +182,7 @@ def project_import_graph() -> dict[str, set[str]]:
         graph[name] = set()
         for imported in imported_modules(path):
             parts = imported.split(".")
-            # `from ppo_core.modeling import lora` names the module lora, or the package
+            # `from ppo_core.models import lora` names the module lora, or the package
             target = next(
                 (
                     ".".join(parts[:k])

@@ -11,7 +11,7 @@ import pytest
 
 from ppo_core.config import PromoteConfig
 from ppo_core.files import OUTPUT_MARKER, UnsafeCopyError
-from ppo_core.registry import (
+from ppo_core.registry.versions import (
     RegistryError,
     current_production,
     gate,
@@ -329,7 +329,7 @@ def test_a_production_version_changed_on_disk_is_refused_by_name(tmp_path, chang
 def test_the_code_version_is_the_commit_and_whether_tracked_files_differ(tmp_path):
     import subprocess
 
-    from ppo_core.provenance import code_version
+    from flows.provenance import code_version
 
     assert code_version(tmp_path) == {"commit": None, "dirty": None}  # not a git work tree
 

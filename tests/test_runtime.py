@@ -5,9 +5,9 @@ import warnings
 import pytest
 import torch
 
-from ppo_core import runtime as runtime_module
 from ppo_core.config import load_config
-from ppo_core.runtime import (
+from ppo_core.parallel import runtime as runtime_module
+from ppo_core.parallel.runtime import (
     PrecisionWarning,
     bf16_slowdown_message,
     matmul_gflops,

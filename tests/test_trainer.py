@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file
 
 from ppo_core.config import load_config
-from ppo_core.modeling.data import PromptFileError
-from ppo_core.modeling.policy import ModelFolderError
-from ppo_core.modeling.reward_loading import RewardError, build_reward_fn
-from ppo_core.trainer import train
+from ppo_core.models.policy import ModelFolderError
+from ppo_core.prompts import PromptFileError
+from ppo_core.rewards.loading import RewardError, build_reward_fn
+from ppo_core.training.loop import train
 from tests.helpers import (
     RECORDED,
     Recorder,
@@ -147,8 +147,8 @@ def test_a_tampered_metric_name_in_a_checkpoint_writes_no_file_outside(
     """Checksums guard against damage, not against someone who rewrites them too: the history's
     metric names become file paths in the metrics logger, so they are checked on resume."""
     from flows.loggers import DVCLiveLogger
+    from ppo_core.checkpoints.store import CheckpointError
     from ppo_core.files import file_sha256
-    from ppo_core.modeling.checkpoint import CheckpointError
 
     run = tmp_path / "run"
     train(small_config(run, tiny_model_dir, prompt_files, "train.iterations=1"))
@@ -406,7 +406,7 @@ def test_a_damaged_checkpoint_is_skipped_for_the_previous_good_one(
 
 
 def test_a_non_finite_gradient_stops_the_step_and_names_the_parameter():
-    from ppo_core.update import NonFiniteError, clip_and_check_gradients
+    from ppo_core.training.update import NonFiniteError, clip_and_check_gradients
 
     layer = torch.nn.Linear(2, 2)
     layer.weight.grad = torch.tensor([[1.0, float("nan")], [0.0, 0.0]])
@@ -436,10 +436,10 @@ def test_a_second_run_on_the_same_checkpoints_refuses_to_start(
 
 def test_a_non_finite_loss_is_named_before_the_optimizer_step(tiny_model_dir):
     from ppo_core.config import PPOConfig
-    from ppo_core.modeling.generation import encode_prompts
-    from ppo_core.modeling.policy import load_actor_critic, load_tokenizer
-    from ppo_core.rollout import RolloutBatch
-    from ppo_core.update import NonFiniteError, ppo_update
+    from ppo_core.models.generation import encode_prompts
+    from ppo_core.models.policy import load_actor_critic, load_tokenizer
+    from ppo_core.training.batch import RolloutBatch
+    from ppo_core.training.update import NonFiniteError, ppo_update
 
     model = load_actor_critic(tiny_model_dir)
     prompt_ids, prompt_mask = encode_prompts(load_tokenizer(tiny_model_dir), ["The film", "A plot"])
@@ -513,7 +513,7 @@ def test_a_bf16_reference_rounds_the_kl_term_only_slightly(tmp_path, tiny_model_
     """model.reference_dtype=bf16 loads the reference's weights in bf16 (half the bytes); at the
     first iteration policy and reference are the same model, so the fp32 KL is exactly 0 and
     the bf16 one is the rounding alone (bench/reference_dtype.py measures it on a trained run)."""
-    from ppo_core.rollout import load_reference
+    from ppo_core.training.models import load_reference
 
     kl = {}
     for dtype in ("fp32", "bf16"):

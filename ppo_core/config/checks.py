@@ -11,17 +11,18 @@ import re
 import zoneinfo
 from collections.abc import Iterable, Sequence
 from dataclasses import fields, is_dataclass, replace
-from typing import Any, get_args
+from typing import Any
 
 from ppo_core.config.bounds import Bounds
 from ppo_core.config.keys import MAX_VALUE_CHARS, ConfigError, flatten, shown_value
 from ppo_core.config.schema import CHOICES, Config, ModelConfig, PPOConfig
+from ppo_core.files.output_paths import OutputPathError, check_output, overlap, real_path
 from ppo_core.math.choices import (
     check_batch_sizes,
+    critic_free_estimators,
     needs_critic,
     needs_groups,
 )
-from ppo_core.output_paths import OutputPathError, check_output, overlap, real_path
 
 
 def _choice(key: str, value: Any, allowed: Iterable[str]) -> None:
@@ -105,7 +106,7 @@ def check_write_paths(flat: dict[str, Any], write_keys: Sequence[str] = WRITE_KE
     """Write targets stay where they are meant to be; raise :class:`ConfigError` otherwise.
 
     Every output (``write_keys``; the base stage adds ``model.policy``) counts where it really
-    is, symbolic links resolved (:mod:`ppo_core.output_paths`). It must lie inside the project
+    is, symbolic links resolved (:mod:`ppo_core.files.output_paths`). It must lie inside the project
     (the working folder), the system's temporary folder or a folder named in the environment
     variable ``PPO_ALLOWED_OUTPUT_ROOTS`` (several separated by ``:``), and may not be, sit in
     or contain ``.git``, ``.dvc``, ``.venv``, the source folders, ``data/raw`` or the files
@@ -181,7 +182,7 @@ def validate_config(config: Config) -> None:
     _check_bounds(flat)
     check_write_paths(flat)
     for key, choices in CHOICES.items():
-        _choice(key, flat[key], get_args(choices))
+        _choice(key, flat[key], choices)
     try:
         zoneinfo.ZoneInfo(config.schedule.timezone)
     except (zoneinfo.ZoneInfoNotFoundError, ValueError, OSError):  # OSError: a name too long
@@ -239,7 +240,7 @@ def _check_estimator(config: Config) -> None:
     if needs_critic(estimator) and critic == "none":
         problems.append(
             "it needs a critic, but model.critic=none; set model.critic=shared (or separate), "
-            "or choose a critic-free estimator (grpo, dr_grpo, rloo, reinforce_pp)"
+            f"or choose a critic-free estimator ({', '.join(critic_free_estimators())})"
         )
     if not needs_critic(estimator) and critic != "none":
         problems.append(

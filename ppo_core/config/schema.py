@@ -4,7 +4,7 @@ field documented by the string literal under it, and the named choices of string
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args
 
 from ppo_core.config.bounds import (
     MAX_BATCH_ROWS,
@@ -15,13 +15,14 @@ from ppo_core.config.bounds import (
     bounded,
 )
 from ppo_core.math.choices import (
+    ADVANTAGE_ESTIMATORS,
     DEFAULT_KL_ESTIMATOR,
     AdvantageEstimator,
     KLEstimator,
     LossAggMode,
     ObjectiveCoefficients,
 )
-from ppo_core.modeling.data import MAX_BYTES_PER_FILE, MAX_ROWS_PER_FILE
+from ppo_core.prompts import MAX_BYTES_PER_FILE, MAX_ROWS_PER_FILE
 
 # The string choices owned here; the loss aggregation modes and KL estimators are defined by the
 # math functions that take them.
@@ -49,21 +50,22 @@ else:
     Choice = _ChoiceOfStr()
 
 
-# Every key whose value is one of a fixed set of strings, with the Literal that lists them.
-CHOICES: dict[str, Any] = {
-    "device": Device,
-    "precision": Precision,
-    "model.critic": Critic,
-    "model.reference_dtype": Precision,
-    "base.dtype": Precision,
-    "ppo.loss_agg_mode": LossAggMode,
-    "ppo.advantage_estimator": AdvantageEstimator,
-    "ppo.old_logprobs": OldLogprobs,
-    "kl.estimator": KLEstimator,
-    "optim.name": OptimizerName,
-    "optim.scheduler": SchedulerName,
-    "parallel.strategy": StrategyName,
-    "export.type": ExportType,
+# Every key whose value is one of a fixed set of strings, with those strings (a Literal's, or the
+# registry of advantage estimators).
+CHOICES: dict[str, tuple[str, ...]] = {
+    "device": get_args(Device),
+    "precision": get_args(Precision),
+    "model.critic": get_args(Critic),
+    "model.reference_dtype": get_args(Precision),
+    "base.dtype": get_args(Precision),
+    "ppo.loss_agg_mode": get_args(LossAggMode),
+    "ppo.advantage_estimator": ADVANTAGE_ESTIMATORS,
+    "ppo.old_logprobs": get_args(OldLogprobs),
+    "kl.estimator": get_args(KLEstimator),
+    "optim.name": get_args(OptimizerName),
+    "optim.scheduler": get_args(SchedulerName),
+    "parallel.strategy": get_args(StrategyName),
+    "export.type": get_args(ExportType),
 }
 
 
@@ -112,8 +114,8 @@ class ModelConfig:
     waits without limit."""
     critic: Choice[Critic] = "shared"
     """``shared``: a value head on the policy's trunk; ``separate``: a critic trunk of its own,
-    initialised from the policy folder; ``none``: no value model at all, for the critic-free
-    ``ppo.advantage_estimator`` choices (``grpo``, ``dr_grpo``, ``rloo``, ``reinforce_pp``)."""
+    initialised from the policy folder; ``none``: no value model at all, for a critic-free
+    ``ppo.advantage_estimator``."""
     trust_remote_code: bool = False
     """Allow model folders to run their own Python code when loaded. Off unless you trust them."""
     reference_dtype: Choice[Precision] = "fp32"

@@ -1,7 +1,8 @@
-"""File safety shared by every layer (standard library only, so that the math, model I/O,
-composition layers and the flows can all use it): atomic files and folders (:mod:`.atomic`),
-safe copies of model folders (:mod:`.copying`), content hashes (:mod:`.hashes`) and run locks
-(:mod:`.locks`). The names below are the ones the layers above import."""
+"""File safety beneath the model I/O and composition layers and the flows (standard library
+only; the math layer, which imports torch alone, does not use it): atomic files and folders
+(:mod:`.atomic`), safe copies of model folders (:mod:`.copying`), content hashes
+(:mod:`.hashes`), run locks (:mod:`.locks`) and where outputs may go (:mod:`.output_paths`).
+The names below are the ones the layers above import."""
 
 from ppo_core.files.atomic import (
     OUTPUT_MARKER,

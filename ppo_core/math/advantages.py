@@ -3,7 +3,10 @@ samples of the batch instead (no value model).
 
 Every estimator reads one :class:`AdvantageInputs` and returns ``(advantages, returns)``, each
 ``[B, T]`` and 0 at masked positions; ``returns`` is ``None`` where there is no critic to train.
-:data:`ESTIMATORS` maps the names of ``ppo_core.math.choices.AdvantageEstimator`` to them.
+:data:`ESTIMATORS` maps each name of ``ppo.advantage_estimator`` to one; an estimator is added
+by writing its function here under :func:`estimator`, and nowhere else: the config's choices, its
+checks and the ``ppo train --help`` text read the names and needs from this file
+(:data:`ppo_core.math.choices.ESTIMATOR_NEEDS`).
 
 Groups: the critic-free estimators compare samples of the same prompt. ``group_ids[i]`` names
 the group of row ``i`` (:func:`consecutive_groups` for ``k`` samples per prompt in a row); a
@@ -24,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ppo_core.math.choices import AdvantageEstimator
+from ppo_core.math.choices import EstimatorNeeds
 from ppo_core.math.gae import compute_gae, whiten_advantages
 from ppo_core.math.masked import select
 
@@ -33,6 +36,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ESTIMATORS",
+    "REGISTERED_NEEDS",
     "AdvantageInputs",
     "consecutive_groups",
     "dr_grpo_advantages",
@@ -185,6 +189,40 @@ class AdvantageInputs:
     all_ranks: bool = False
 
 
+EstimatorFn = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
+
+ESTIMATORS: dict[str, EstimatorFn] = {}
+"""Each estimator by its name (the value of ``ppo.advantage_estimator``), filled by
+:func:`estimator`."""
+
+REGISTERED_NEEDS: dict[str, EstimatorNeeds] = {}
+"""What each registered estimator reads besides the scores, as :func:`estimator` recorded it."""
+
+
+def estimator(name: str, *, critic: bool, groups: bool) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Register the decorated function as the advantage estimator ``name``.
+
+    Args:
+        name: its value of ``ppo.advantage_estimator``.
+        critic: it reads the critic's values (a value model is built, run and trained) and
+            returns the critic's targets.
+        groups: it compares the samples of one prompt (``ppo.samples_per_prompt >= 2``).
+
+    The three arguments must be literals: the config reads them from this file's text
+    (:mod:`ppo_core.math.choices`), so that checking a config never imports torch.
+    """
+
+    def register(function: EstimatorFn) -> EstimatorFn:
+        if name in ESTIMATORS:
+            raise ValueError(f"two advantage estimators are named {name!r}")
+        ESTIMATORS[name] = function
+        REGISTERED_NEEDS[name] = EstimatorNeeds(critic=critic, groups=groups)
+        return function
+
+    return register
+
+
+@estimator("gae", critic=True, groups=False)
 def _gae(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     if inputs.values is None:
         raise ValueError("gae needs the critic's values")
@@ -202,31 +240,25 @@ def _groups(inputs: AdvantageInputs, name: str) -> Tensor:
     return inputs.group_ids
 
 
+@estimator("grpo", critic=False, groups=True)
 def _grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     return grpo_advantages(inputs.scores, _groups(inputs, "grpo"), inputs.response_mask), None
 
 
+@estimator("dr_grpo", critic=False, groups=True)
 def _dr_grpo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     groups = _groups(inputs, "dr_grpo")
     return dr_grpo_advantages(inputs.scores, groups, inputs.response_mask), None
 
 
+@estimator("rloo", critic=False, groups=True)
 def _rloo(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     return rloo_advantages(inputs.scores, _groups(inputs, "rloo"), inputs.response_mask), None
 
 
+@estimator("reinforce_pp", critic=False, groups=False)
 def _reinforce_pp(inputs: AdvantageInputs) -> tuple[Tensor, Tensor | None]:
     advantages = reinforce_pp_advantages(
         inputs.rewards, inputs.response_mask, inputs.gamma, all_ranks=inputs.all_ranks
     )
     return advantages, None
-
-
-ESTIMATORS: dict[AdvantageEstimator, Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]] = {
-    "gae": _gae,
-    "grpo": _grpo,
-    "dr_grpo": _dr_grpo,
-    "rloo": _rloo,
-    "reinforce_pp": _reinforce_pp,
-}
-"""Each estimator by its name."""

@@ -8,7 +8,9 @@ check a config without importing torch, which costs seconds a run (docs/benchmar
 
 from __future__ import annotations
 
+import ast
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal, NamedTuple, get_args
 
 __all__ = [
@@ -23,14 +25,11 @@ __all__ = [
     "LossAggMode",
     "ObjectiveCoefficients",
     "check_batch_sizes",
+    "critic_free_estimators",
+    "declared_estimators",
     "needs_critic",
     "needs_groups",
 ]
-
-# Advantage estimators (ppo_core.math.advantages): GAE with a critic, and the critic-free GRPO,
-# Dr. GRPO, RLOO and REINFORCE++.
-AdvantageEstimator = Literal["gae", "grpo", "dr_grpo", "rloo", "reinforce_pp"]
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = get_args(AdvantageEstimator)
 
 
 class EstimatorNeeds(NamedTuple):
@@ -42,15 +41,50 @@ class EstimatorNeeds(NamedTuple):
     """The other samples of the same prompt (at least 2 a prompt)."""
 
 
-ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
-    "gae": EstimatorNeeds(critic=True, groups=False),
-    "grpo": EstimatorNeeds(critic=False, groups=True),
-    "dr_grpo": EstimatorNeeds(critic=False, groups=True),
-    "rloo": EstimatorNeeds(critic=False, groups=True),
-    "reinforce_pp": EstimatorNeeds(critic=False, groups=False),
-}
-"""Each estimator with what it needs, in one place: the config's checks read it, and
-``ppo_core.math.advantages.ESTIMATORS`` holds one function for each of its names."""
+def declared_estimators(source: str) -> dict[str, EstimatorNeeds]:
+    """Each advantage estimator that ``source`` (the text of a module) registers with
+    ``@estimator("name", critic=..., groups=...)``, in the order they are written.
+
+    Read from the text, not imported: ``ppo_core.math.advantages`` imports torch, and the config
+    checks its choices in processes that must not (the Prefect flow, ``ppo ingest``).
+
+    Raises:
+        ValueError: a registration whose arguments are not literals.
+    """
+    found: dict[str, EstimatorNeeds] = {}
+    for node in ast.parse(source).body:
+        if not isinstance(node, ast.FunctionDef):
+            continue
+        for decorator in node.decorator_list:
+            call = decorator
+            if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "estimator"):
+                continue
+            try:
+                name = ast.literal_eval(call.args[0])
+                needs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+                found[name] = EstimatorNeeds(critic=needs["critic"], groups=needs["groups"])
+            except (IndexError, KeyError, ValueError) as error:
+                raise ValueError(
+                    f"@estimator on {node.name} must name the estimator and give critic= and "
+                    f"groups= as literals: {ast.unparse(call)}"
+                ) from error
+    return found
+
+
+ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = declared_estimators(
+    Path(__file__).with_name("advantages.py").read_text(encoding="utf-8")
+)
+"""Each advantage estimator of ``ppo_core.math.advantages`` with what it needs: the config's
+choices and checks and the CLI's help read it."""
+
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = tuple(ESTIMATOR_NEEDS)
+AdvantageEstimator = str
+"""A name of :data:`ADVANTAGE_ESTIMATORS` (a registry, so not a Literal)."""
+
+
+def critic_free_estimators() -> tuple[str, ...]:
+    """The estimators that need no critic, in their order of registration."""
+    return tuple(name for name, needs in ESTIMATOR_NEEDS.items() if not needs.critic)
 
 
 def needs_critic(estimator: str) -> bool:

@@ -1,2 +1,3 @@
-"""The steps the PPO run is made of (layer 3), each in a module of its own; the run itself,
-which calls them in order, is :mod:`ppo_core.trainer`."""
+"""The PPO run (layer 3): the loop (:mod:`ppo_core.training.loop`) and the steps it calls in
+order, each in a module of its own: inputs, resume, models, state, seeds, rollout, the batch and
+its plan (:mod:`ppo_core.training.batch`), the update."""

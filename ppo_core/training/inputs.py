@@ -8,15 +8,15 @@ from typing import Any
 
 from ppo_core.config import Config, code_free_folders
 from ppo_core.files import check_replaceable
-from ppo_core.modeling.adapter_folders import base_fingerprint
-from ppo_core.modeling.causal_lm import load_tokenizer
-from ppo_core.modeling.data import Prompt, load_prompts, read_manifest_hash
-from ppo_core.modeling.folders import ModelFolderError, check_model_folder
-from ppo_core.modeling.generation import check_chat_template
-from ppo_core.modeling.reward_loading import RewardFn
-from ppo_core.modeling.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
-from ppo_core.rollout import build_reward
-from ppo_core.runtime import Runtime
+from ppo_core.models.adapter_folders import base_fingerprint
+from ppo_core.models.causal_lm import load_tokenizer
+from ppo_core.models.folders import ModelFolderError, check_model_folder
+from ppo_core.models.generation import check_chat_template
+from ppo_core.models.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
+from ppo_core.parallel.runtime import Runtime
+from ppo_core.prompts import Prompt, load_prompts, read_manifest_hash
+from ppo_core.rewards.loading import RewardFn
+from ppo_core.training.models import build_reward
 
 
 @dataclass

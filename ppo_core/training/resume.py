@@ -11,14 +11,14 @@ from typing import Any
 
 from omegaconf import OmegaConf
 
-from ppo_core.config import Config, flatten
-from ppo_core.files import discard
-from ppo_core.modeling.checkpoint import (
+from ppo_core.checkpoints.store import (
     list_checkpoints,
     load_latest_good,
     remove_partial,
 )
-from ppo_core.runtime import Runtime
+from ppo_core.config import Config, flatten
+from ppo_core.files import discard
+from ppo_core.parallel.runtime import Runtime
 
 RESUME_FREE_KEYS = (
     "train.iterations",

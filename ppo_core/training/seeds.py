@@ -9,8 +9,8 @@ from collections.abc import Sequence
 import torch
 
 from ppo_core.config import Config
-from ppo_core.distributed import DataParallel
-from ppo_core.modeling.data import Prompt
+from ppo_core.parallel.process_group import DataParallel
+from ppo_core.prompts import Prompt
 
 
 class RandomStream(enum.IntEnum):

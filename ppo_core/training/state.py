@@ -9,15 +9,13 @@ from typing import Any
 
 import torch
 
+from ppo_core.checkpoints.store import checked_history, save_checkpoint
 from ppo_core.config import Config
-from ppo_core.distributed import DataParallel
 from ppo_core.math.kl import AdaptiveKLController, FixedKLController
-from ppo_core.modeling.checkpoint import checked_history, save_checkpoint
-from ppo_core.modeling.policy import ActorCritic
+from ppo_core.models.policy import ActorCritic
+from ppo_core.parallel.process_group import DataParallel
 from ppo_core.training.models import Models, build_optimizer, build_scheduler
-
-TIMINGS = "perf/"
-"""The group of wall-clock measurements (``perf/rollout_s``, ``perf/tokens_per_s``, ...)."""
+from ppo_core.training.stopwatch import TIMINGS
 
 
 def without_timings(metrics: dict[str, float]) -> dict[str, float]:
@@ -45,7 +43,7 @@ class TrainState:
         weights too (every rank calls it)."""
         if checkpoint["sharded"] is not None:
             # Here, not at the top: it imports DCP (1.6 s), which only a sharded run needs.
-            from ppo_core.modeling.sharded_checkpoint import load_sharded_checkpoint
+            from ppo_core.checkpoints.sharded import load_sharded_checkpoint
 
             load_sharded_checkpoint(checkpoint["sharded"], models.actor_critic, self.optimizer)
         else:
@@ -74,7 +72,7 @@ class TrainState:
         history = [without_timings(row) for row in self.history]
         state = {"kl_coef": self.kl_controller.value, "history": history, **lineage}
         if models.strategy.sharded:
-            from ppo_core.modeling.sharded_checkpoint import save_sharded_checkpoint  # as above
+            from ppo_core.checkpoints.sharded import save_sharded_checkpoint  # as above
 
             save_sharded_checkpoint(
                 train.checkpoint_dir,

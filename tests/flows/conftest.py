@@ -76,7 +76,7 @@ def make_tiny_project(folder: Path, n_prompts: int = 120) -> Path:
     raw = (ROOT / "data" / "raw" / "prompts.jsonl").read_text().splitlines()[:n_prompts]
     (folder / "data" / "raw" / "prompts.jsonl").write_text("\n".join(raw) + "\n")
     sys.path.insert(0, str(ROOT))
-    from flows.run_params import set_params
+    from flows.orchestration.run_params import set_params
 
     set_params(str(folder), TINY_PARAMS)
     git = ["git", "-c", "user.email=ci@example.invalid", "-c", "user.name=ci"]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.run_params import set_params
+from flows.orchestration.run_params import set_params
 from tests.flows.conftest import BIN, read_json
 from tests.flows.servers import api, flow_runs, start_server, state_message, stop, wait_for
 

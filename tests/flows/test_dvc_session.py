@@ -1,4 +1,4 @@
-"""One DVC process runs the commands of a run (flows/dvc_session.py): its output, exit codes,
+"""One DVC process runs the commands of a run (flows/orchestration/dvc_session.py): its output, exit codes,
 deadlines, and what happens after a command that failed or was stopped."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.dvc_session import (
+from flows.orchestration.dvc_session import (
     _AHEAD,
     FIRST_MODULES,
     LATER_MODULES,
@@ -19,7 +19,7 @@ from flows.dvc_session import (
     start_ahead,
     take,
 )
-from flows.relay import CommandTimedOut, StageRelay, stage_environment
+from flows.orchestration.relay import CommandTimedOut, StageRelay, stage_environment
 from tests.flows.conftest import HANGING, Recorder
 
 

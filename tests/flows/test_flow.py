@@ -47,8 +47,8 @@ def test_a_first_run_then_retraining_from_production_then_bad_data_stopping_at_v
 ):
     from prefect.client.orchestration import get_client
 
+    from flows.orchestration.project import PROJECT_ENV
     from flows.pipeline import StageFailed, retrain
-    from flows.project import PROJECT_ENV
     from ppo_core.files import tree_sha256
 
     # 1. A first run as `make run` starts it reads cleanly: nothing that reads as a failure (the
@@ -146,8 +146,8 @@ def test_a_second_retraining_run_waits_while_one_runs(tmp_path, prefect_harness,
     import threading
     import time
 
+    from flows.orchestration.project import PROJECT_ENV
     from flows.pipeline import retrain
-    from flows.project import PROJECT_ENV
     from ppo_core.config import ConfigError
     from ppo_core.files import exclusive_run
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from flows.outcome import decision_message, summary
+from flows.orchestration.outcome import decision_message, summary
+from flows.orchestration.relay import Deadline, StageRelay, output_segments, stop_process_tree
+from flows.orchestration.relay import stage_environment as _environment
 from flows.pipeline import StageFailed, run_stage
-from flows.relay import Deadline, StageRelay, output_segments, stop_process_tree
-from flows.relay import stage_environment as _environment
 from tests.flows.conftest import HANGING, Recorder
 
 
@@ -27,7 +27,7 @@ def relay_command(
     timeout: float | None = None,
 ) -> int:
     """Run ``command`` with its output (stderr merged into stdout, in order) fed to ``relay``
-    as it arrives, as :class:`flows.dvc_session.DvcSession` feeds a stage's; returns the exit
+    as it arrives, as :class:`flows.orchestration.dvc_session.DvcSession` feeds a stage's; returns the exit
     code.
 
     With ``timeout`` (seconds, > 0), the command's process tree is stopped when it runs longer
@@ -169,7 +169,7 @@ def test_a_failing_stage_fails_with_the_end_of_its_output(tmp_path, monkeypatch)
 def test_a_command_over_its_timeout_is_stopped_with_every_process_it_started(tmp_path):
     import psutil
 
-    from flows.relay import CommandTimedOut
+    from flows.orchestration.relay import CommandTimedOut
 
     log = Recorder()
     with pytest.raises(CommandTimedOut, match=r"ran longer than 5 s and was stopped"):
@@ -304,7 +304,7 @@ def test_the_temporary_server_s_telemetry_is_off_unless_the_user_sets_it():
         temporary_settings,
     )
 
-    from flows.local_server import local_server_settings
+    from flows.orchestration.local_server import local_server_settings
 
     def server() -> tuple[bool, int]:
         with local_server_settings():
@@ -328,7 +328,7 @@ def test_the_artifact_header_shows_promotion_reasons_as_text(tmp_path, monkeypat
     become a link, an image or HTML in the Prefect UI."""
     import shutil
 
-    import flows.outcome
+    import flows.orchestration.outcome
     from tests.flows.conftest import ROOT
 
     shutil.copy2(ROOT / "params.yaml", tmp_path / "params.yaml")
@@ -341,10 +341,10 @@ def test_the_artifact_header_shows_promotion_reasons_as_text(tmp_path, monkeypat
     )
     published = {}
     monkeypatch.setattr(
-        flows.outcome, "create_markdown_artifact", lambda **kw: published.update(kw)
+        flows.orchestration.outcome, "create_markdown_artifact", lambda **kw: published.update(kw)
     )
-    monkeypatch.setattr(flows.outcome, "create_table_artifact", lambda **kw: None)
-    outputs = flows.outcome.publish_results(str(tmp_path), {"promote": "ran"})
+    monkeypatch.setattr(flows.orchestration.outcome, "create_table_artifact", lambda **kw: None)
+    outputs = flows.orchestration.outcome.publish_results(str(tmp_path), {"promote": "ran"})
     header = published["markdown"].split("# Evaluation")[0]
     assert "**Decision: rejected**" in header
     for markup in ("[click me](", "<img", "http://"):

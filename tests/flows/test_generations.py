@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ppo_core.registry import check_version, load_registry
+from ppo_core.registry.versions import check_version, load_registry
 from tests.flows.conftest import BIN, environment, read_json
 
 
@@ -51,7 +51,7 @@ def generation(project: Path, *overrides: str) -> dict:
 @pytest.mark.slow
 @pytest.mark.parametrize("weights", ["lora"])  # full weights: the soak below, and test_flow.py
 def test_two_generations_chain_and_every_version_stays_loadable(tiny_project, weights, monkeypatch):
-    from ppo_core.modeling.policy import load_causal_lm
+    from ppo_core.models.policy import load_causal_lm
 
     project = tiny_project
     # an adapter at the full-weights learning rate barely moves the tiny model in two
@@ -142,8 +142,8 @@ def test_three_scheduled_generations_through_the_work_pool_and_a_restore(
     """`make soak` only (PPO_SOAK=1): three runs of 'retrain/scheduled' by a worker of the
     process pool, new prompts ingested before each of the later two; then a restore drill of
     every version from the DVC remote into an empty clone."""
-    from flows.run_params import set_params
-    from ppo_core.modeling.policy import load_causal_lm
+    from flows.orchestration.run_params import set_params
+    from ppo_core.models.policy import load_causal_lm
     from tests.flows.conftest import git_commit
     from tests.flows.servers import (
         command,
@@ -236,8 +236,8 @@ def test_a_lora_version_promoted_before_bases_were_kept_survives_the_next_import
     before stored bases wrote it). The next generation's import keeps that base under
     models/production/bases/ first, and v0001 still loads after models/base is replaced."""
     from ppo_core.files import tree_sha256
-    from ppo_core.modeling.adapter_folders import point_adapter_at
-    from ppo_core.modeling.policy import load_causal_lm
+    from ppo_core.models.adapter_folders import point_adapter_at
+    from ppo_core.models.policy import load_causal_lm
 
     project = tiny_project
     generation(project, "model.lora.enabled=true")

@@ -25,7 +25,7 @@ from flows.ingest import (
 from flows.raw_data import raw_changes
 from ppo_core.config import Config
 from ppo_core.files import exclusive_run
-from ppo_core.modeling.data import PromptFileError
+from ppo_core.prompts import PromptFileError
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The run's own Prefect server (flows/local_server.py), and the orchestration process staying
+"""The run's own Prefect server (flows/orchestration/local_server.py), and the orchestration process staying
 free of the model stack (what lets it start in seconds)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import urllib.request
 
 import pytest
 
-from flows.local_server import LocalServer, LocalServerError, start_if_needed
+from flows.orchestration.local_server import LocalServer, LocalServerError, start_if_needed
 from tests.flows.conftest import ROOT
 
 
@@ -61,10 +61,10 @@ def test_a_named_server_or_another_command_starts_none(monkeypatch):
 def test_the_flow_process_loads_and_checks_a_config_without_torch():
     script = (
         "import sys\n"
-        "import flows.cli, flows.ingest, flows.pipeline, flows.records, flows.stages\n"
+        "import flows.cli, flows.ingest, flows.pipeline, flows.orchestration.records, flows.stages\n"
         "from ppo_core.config import load_config\n"
-        "from ppo_core.markdown import escape_markdown\n"
-        "from flows.run_params import check_run_params\n"
+        "from ppo_core.evaluation.markdown import escape_markdown\n"
+        "from flows.orchestration.run_params import check_run_params\n"
         "load_config('params.yaml')\n"
         "check_run_params('.', {'ppo.epochs': 2})\n"
         "escape_markdown('a *b*')\n"

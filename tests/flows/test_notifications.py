@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from flows.run_params import set_params
+from flows.orchestration.run_params import set_params
 from tests.flows.conftest import git_commit
 from tests.flows.servers import (
     WebhookReceiver,

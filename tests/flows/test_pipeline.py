@@ -6,9 +6,9 @@ import shutil
 
 import pytest
 
-from flows.deployments import deployments
+from flows.orchestration.deployments import deployments
+from flows.orchestration.run_params import params_for_this_run, set_params
 from flows.pipeline import retrain
-from flows.run_params import params_for_this_run, set_params
 from ppo_core.config import ConfigError
 from tests.flows.conftest import ROOT
 
@@ -73,7 +73,7 @@ def test_the_served_deployments_are_those_of_prefect_yaml_with_the_configured_sc
 
 
 def test_params_are_built_once_per_text_and_again_when_the_file_changes(project):
-    from flows.project import load_params
+    from flows.orchestration.project import load_params
 
     first = load_params(str(project))
     assert load_params(str(project)) is first  # the same text: not built again

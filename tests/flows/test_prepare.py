@@ -6,7 +6,7 @@ import pytest
 
 from flows.stages import prepare
 from ppo_core.config import load_config
-from ppo_core.modeling.data import PromptFileError
+from ppo_core.prompts import PromptFileError
 
 
 def config_for(tmp_path, *extra):

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import pytest
 
-from flows.pipeline import _in_session
-from flows.records import (
+from flows.orchestration.records import (
     DvcRunner,
     back_up_production,
     experiment_name,
     restore_command,
     save_experiment,
 )
+from flows.pipeline import _in_session
 from ppo_core.config import Config
 from ppo_core.files import file_sha256, tree_sha256
 from tests.flows.conftest import BIN, ROOT, environment

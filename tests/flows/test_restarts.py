@@ -1,11 +1,11 @@
-"""Restarts after crashes are bounded (flows/restarts.py), on a real local Prefect server."""
+"""Restarts after crashes are bounded (flows/orchestration/restarts.py), on a real local Prefect server."""
 
 from __future__ import annotations
 
 import pytest
 import yaml
 
-from flows.local_server import LocalServer
+from flows.orchestration.local_server import LocalServer
 from tests.flows.conftest import ROOT
 
 
@@ -50,7 +50,7 @@ def deployment_with_runs(name: str, states: list[str]) -> str:
 
 
 def test_crashes_are_counted_from_the_latest_back(prefect_api):
-    from flows.restarts import crashes_in_a_row
+    from flows.orchestration.restarts import crashes_in_a_row
 
     deployment = deployment_with_runs("counted", ["CRASHED", "COMPLETED", "CRASHED", "CRASHED"])
     assert crashes_in_a_row(deployment, 3) == 2
@@ -59,7 +59,7 @@ def test_crashes_are_counted_from_the_latest_back(prefect_api):
 
 
 def test_a_restart_after_too_many_crashes_stops_and_says_what_to_do(prefect_api):
-    from flows.restarts import CrashLoop, check_restart
+    from flows.orchestration.restarts import CrashLoop, check_restart
 
     deployment = deployment_with_runs("looping", ["FAILED", "CRASHED", "CRASHED", "CRASHED"])
     with pytest.raises(CrashLoop, match=r"the last 3 runs of retrain/looping crashed") as stop:

@@ -11,7 +11,7 @@ import sys
 import psutil
 import pytest
 
-from flows.run_params import (
+from flows.orchestration.run_params import (
     BACKUP_NAME,
     RUN_PARAMS,
     RunParamsError,
@@ -140,7 +140,7 @@ def test_the_next_run_puts_back_what_a_killed_run_left(project):
     assert put_back_left_params(project) is None
     killed = (
         "import os, sys\n"
-        "from flows.run_params import params_for_this_run\n"
+        "from flows.orchestration.run_params import params_for_this_run\n"
         "with params_for_this_run(sys.argv[1], {'ppo.epochs': 2}):\n"
         "    os._exit(9)  # killed in the middle of the run: nothing after this line runs\n"
     )
@@ -164,8 +164,8 @@ def test_a_backup_written_before_params_yaml_was_replaced_is_dropped(project):
 
 
 def test_the_flow_refuses_bad_params_before_it_takes_the_lock(project, monkeypatch):
+    from flows.orchestration.project import PROJECT_ENV
     from flows.pipeline import retrain
-    from flows.project import PROJECT_ENV
 
     monkeypatch.setenv(PROJECT_ENV, str(project))
     before = listing(project)
@@ -191,7 +191,7 @@ def test_the_project_folder_is_not_a_parameter_of_the_flow():
 
 
 def test_the_project_folder_comes_from_where_the_flow_is_served(tmp_path, monkeypatch):
-    from flows.project import PROJECT_ENV, project_dir
+    from flows.orchestration.project import PROJECT_ENV, project_dir
 
     monkeypatch.setenv(PROJECT_ENV, str(tmp_path))
     assert project_dir() == tmp_path.resolve()
@@ -212,8 +212,8 @@ def test_the_project_folder_comes_from_where_the_flow_is_served(tmp_path, monkey
 def test_run_with_a_bad_setting_stops_in_one_line_before_a_server_starts(
     project, assignment, message, monkeypatch
 ):
+    from flows.orchestration.project import PROJECT_ENV
     from flows.pipeline import main
-    from flows.project import PROJECT_ENV
 
     monkeypatch.setenv(PROJECT_ENV, str(project))  # main() sets it: restored after the test
     before = listing(project)

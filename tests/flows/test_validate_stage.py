@@ -78,7 +78,7 @@ def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir
 def test_a_link_in_the_candidate_version_is_never_read_or_published(tmp_path, tiny_model_dir):
     """``data/interim/manifest.json`` linked to a private file: validate refuses it by name and
     publishes nothing, so the file it points to never reaches ``data/prepared``."""
-    from ppo_core.modeling.data import PromptFileError
+    from ppo_core.prompts import PromptFileError
 
     config = stage_config(tmp_path, tiny_model_dir)
     train = [f"The movie number {i} was" for i in range(20)]

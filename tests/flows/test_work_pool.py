@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from flows.ingest import LOCK_NAME
-from flows.run_params import BACKUP_NAME
+from flows.orchestration.run_params import BACKUP_NAME
 from ppo_core.files import file_sha256, tree_sha256
 from tests.flows.conftest import BIN, dvc, read_json
 from tests.flows.servers import (

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import yaml
 
-from flows.run_params import set_params
+from flows.orchestration.run_params import set_params
 from tests.flows.conftest import ROOT
 from tests.flows.servers import (
     WebhookReceiver,
@@ -109,7 +109,7 @@ def test_a_run_whose_worker_died_is_started_again_and_resumes(tiny_project, tmp_
         # The new run's training picked up where the checkpoints end, not at iteration 0.
         assert "(resumed at 0)" not in text
         assert "resumed at " in text, text[-3000:]
-        # someone heard about the crash (flows/notifications.py)
+        # someone heard about the crash (flows/orchestration/notifications.py)
         wait_for(lambda: receiver.with_subject("Crashed"), 60, "the crash notification")
         [message] = receiver.with_subject("Crashed")
         assert f"run {dead['name']} Crashed" in message["subject"]

@@ -12,16 +12,16 @@ import pytest
 import torch
 
 from ppo_core.config import load_config
-from ppo_core.modeling.data import PromptFileError, chat_json, load_prompts, prompt_text
-from ppo_core.modeling.generation import (
+from ppo_core.models.generation import (
     ChatTemplateError,
     check_chat_template,
     encode_prompts,
     prompt_token_ids,
 )
-from ppo_core.modeling.policy import load_tokenizer
-from ppo_core.modeling.reward_loading import build_reward_fn
-from ppo_core.modeling.rewards import SentimentScorer
+from ppo_core.models.policy import load_tokenizer
+from ppo_core.prompts import PromptFileError, chat_json, load_prompts, prompt_text
+from ppo_core.rewards.loading import build_reward_fn
+from ppo_core.rewards.scorers import SentimentScorer
 from tests.helpers import CHAT_TEMPLATE, build_tiny_causal_lm
 
 CHAT = [
@@ -158,8 +158,8 @@ def test_chat_prompts_are_prepared_validated_trained_on_and_evaluated(tmp_path, 
     """prepare keeps the turns, validate counts the rendered tokens, train and evaluate sample
     from rendered prompts, and the user's reward receives the turns."""
     from flows import stages
-    from ppo_core.evaluation import evaluate
-    from ppo_core.trainer import train
+    from ppo_core.evaluation.evaluate import evaluate
+    from ppo_core.training.loop import train
 
     raw = tmp_path / "raw"
     raw.mkdir()

@@ -3,7 +3,8 @@ import json
 import pytest
 import torch
 
-from ppo_core.modeling.checkpoint import (
+from ppo_core.checkpoints.sharded import load_sharded_checkpoint, save_sharded_checkpoint
+from ppo_core.checkpoints.store import (
     CheckpointError,
     list_checkpoints,
     load_checkpoint_state,
@@ -11,7 +12,6 @@ from ppo_core.modeling.checkpoint import (
     remove_partial,
     save_checkpoint,
 )
-from ppo_core.modeling.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 
 
 def _save(folder, iteration, keep=2):

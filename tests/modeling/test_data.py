@@ -7,7 +7,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ppo_core.modeling.data import PromptFileError, load_prompts
+from ppo_core.prompts import PromptFileError, load_prompts
 
 
 def test_jsonl_and_parquet(tmp_path):
@@ -173,7 +173,7 @@ def test_a_parquet_footer_that_aborts_pyarrow_s_column_accessor_is_one_clear_err
             sys.executable,
             "-c",
             "import sys\n"
-            "from ppo_core.modeling.data import PromptFileError, load_prompts\n"
+            "from ppo_core.prompts import PromptFileError, load_prompts\n"
             "try:\n"
             "    load_prompts(sys.argv[1])\n"
             "except PromptFileError as exc:\n"

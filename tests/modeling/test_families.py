@@ -10,12 +10,12 @@ import warnings
 import pytest
 import torch
 
-from ppo_core.modeling.causal_lm import PadTokenWarning, load_tokenizer, position_ids_from_mask
-from ppo_core.modeling.generation import encode_prompts, response_mask_from_ids
-from ppo_core.modeling.policy import load_actor_critic, load_causal_lm
-from ppo_core.modeling.sampling import sample_tokens
-from ppo_core.modeling.scoring import score_sequences
-from ppo_core.trainer import train
+from ppo_core.models.causal_lm import PadTokenWarning, load_tokenizer, position_ids_from_mask
+from ppo_core.models.generation import encode_prompts, response_mask_from_ids
+from ppo_core.models.policy import load_actor_critic, load_causal_lm
+from ppo_core.models.sampling import sample_tokens
+from ppo_core.models.scoring import score_sequences
+from ppo_core.training.loop import train
 from tests.helpers import (
     FAMILIES,
     RECORDED,
@@ -221,9 +221,9 @@ def test_a_reward_model_with_its_own_tokenizer_scores_the_decoded_text(
     prompt and response, tokenized with its own tokenizer."""
     from transformers import AutoTokenizer, LlamaForSequenceClassification
 
-    from ppo_core.modeling.review_grammar import generate_review_corpus
-    from ppo_core.modeling.reward_loading import build_reward_fn
-    from ppo_core.modeling.tiny_default import train_tokenizer
+    from ppo_core.rewards.loading import build_reward_fn
+    from ppo_core.sources.review_grammar import generate_review_corpus
+    from ppo_core.sources.tiny_default import train_tokenizer
     from tests.helpers import tiny_family_config
 
     reward_dir = tmp_path / "reward-model"
@@ -279,7 +279,7 @@ def test_with_pad_equal_to_eos_the_first_eos_counts_and_is_rewarded(family_model
     """Qwen2 ships pad = EOS: the EOS that ends a response is a real token (in the mask, and
     where the score lands); the same id after it is padding (out of the mask, no reward)."""
     from ppo_core.math.kl import token_rewards
-    from ppo_core.modeling.generation import generate_responses
+    from ppo_core.models.generation import generate_responses
 
     model, tokenizer = load_quietly(family_models(("qwen2", "eos", 151936)))
     eos = tokenizer.eos_token_id

@@ -5,10 +5,10 @@ import copy
 
 import torch
 
-from ppo_core.modeling.generation import encode_prompts
-from ppo_core.modeling.policy import fuse_activations, load_actor_critic, load_tokenizer
-from ppo_core.modeling.scoring import score_sequences
-from ppo_core.rollout import RolloutBatch
+from ppo_core.models.generation import encode_prompts
+from ppo_core.models.policy import fuse_activations, load_actor_critic, load_tokenizer
+from ppo_core.models.scoring import score_sequences
+from ppo_core.training.batch import RolloutBatch
 
 
 def _batch(tiny_model_dir):

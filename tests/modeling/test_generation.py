@@ -1,12 +1,12 @@
 import torch
 
-from ppo_core.modeling.generation import (
+from ppo_core.models.generation import (
     decode_responses,
     generate_responses,
     response_mask_from_ids,
 )
-from ppo_core.modeling.policy import load_actor_critic, load_tokenizer
-from ppo_core.modeling.scoring import score_sequences
+from ppo_core.models.policy import load_actor_critic, load_tokenizer
+from ppo_core.models.scoring import score_sequences
 
 
 def test_response_mask_keeps_the_first_eos_and_works_when_pad_is_eos():
@@ -120,7 +120,7 @@ def test_a_response_stops_at_an_end_of_turn_id_the_model_s_generation_config_lis
     generation_config.json: a response ends at the first of them, though sampling sets the
     model's own config aside. Sampled twice with one seed, the second time with an extra stop
     id that the first sample drew, the rows agree up to that id and end there."""
-    from ppo_core.modeling.generation import stop_token_ids
+    from ppo_core.models.generation import stop_token_ids
 
     model = load_actor_critic(tiny_model_dir).policy
     tokenizer = load_tokenizer(tiny_model_dir)

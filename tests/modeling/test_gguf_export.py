@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_core.modeling.gguf_export import GGUFExportError, export_gguf
+from ppo_core.models.gguf_export import GGUFExportError, export_gguf
 from tests.helpers import CHAT_TEMPLATE, build_tiny_causal_lm
 
 PROMPTS = ["the film was", "a great movie 123 and", "worst acting ever, but"]
@@ -83,7 +83,7 @@ def rounded_to_f16(model):
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
-    from ppo_core.modeling.tiny_default import build_tiny_default
+    from ppo_core.sources.tiny_default import build_tiny_default
 
     folders = {
         family: build_tiny_causal_lm(root / family, family, chat_template=CHAT_TEMPLATE)

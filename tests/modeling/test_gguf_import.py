@@ -15,8 +15,8 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.stages import base
 from ppo_core.config import load_config
-from ppo_core.modeling.generation import generate_responses, prompt_token_ids, stop_token_ids
-from ppo_core.modeling.policy import load_causal_lm, load_tokenizer
+from ppo_core.models.generation import generate_responses, prompt_token_ids, stop_token_ids
+from ppo_core.models.policy import load_causal_lm, load_tokenizer
 from tests.helpers import SMOLLM2_GGUF, smollm2_gguf
 
 PROMPTS = [
@@ -155,8 +155,8 @@ def test_each_check_of_a_gguf_file_refuses_on_its_own(tmp_path):
     even where a later one would still refuse the file."""
     import gguf
 
-    from ppo_core.modeling.gguf_header import GGUFHeaderError, check_gguf_header
-    from ppo_core.modeling.gguf_import import (
+    from ppo_core.sources.gguf_header import GGUFHeaderError, check_gguf_header
+    from ppo_core.sources.gguf_import import (
         GGUFImportError,
         _dequantizable,
         is_gguf_file,

@@ -16,8 +16,8 @@ from flows.cli import app
 from flows.stages import base
 from ppo_core.config import load_config
 from ppo_core.files import UnsafeCopyError
-from ppo_core.modeling.hub_cache import HubCacheError, snapshot_of
-from ppo_core.modeling.policy import load_actor_critic
+from ppo_core.models.policy import load_actor_critic
+from ppo_core.sources.hub_cache import HubCacheError, snapshot_of
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
@@ -119,7 +119,7 @@ def test_a_damaged_ref_names_the_cache_entry(cache):
 def test_a_reward_model_by_hub_id_loads_from_the_cache(tmp_path, monkeypatch, tiny_model_dir):
     from transformers import AutoTokenizer, GPT2Config, GPT2ForSequenceClassification
 
-    from ppo_core.modeling.reward_loading import build_reward_fn
+    from ppo_core.rewards.loading import build_reward_fn
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     config = GPT2Config(

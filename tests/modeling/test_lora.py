@@ -14,7 +14,7 @@ import torch
 from safetensors.torch import load_file
 
 from ppo_core.config import ConfigError, load_config
-from ppo_core.modeling.lora import (
+from ppo_core.models.lora import (
     AdapterError,
     AdapterReference,
     LoraSettings,
@@ -22,15 +22,15 @@ from ppo_core.modeling.lora import (
     add_lora,
     save_adapter,
 )
-from ppo_core.modeling.policy import (
+from ppo_core.models.policy import (
     checkpoint_blocks,
     load_actor_critic,
     load_causal_lm,
     load_tokenizer,
 )
-from ppo_core.modeling.scoring import score_sequences
-from ppo_core.registry import load_registry, record_decision
-from ppo_core.trainer import train
+from ppo_core.models.scoring import score_sequences
+from ppo_core.registry.versions import load_registry, record_decision
+from ppo_core.training.loop import train
 from tests.helpers import (
     VARIED,
     adapter_parameters,
@@ -51,7 +51,7 @@ def llama(tmp_path_factory):
 
 def batch_for(folder):
     """Prompts and fixed responses of the tiny tokenizer, left-padded."""
-    from ppo_core.modeling.generation import encode_prompts
+    from ppo_core.models.generation import encode_prompts
 
     tokenizer = load_tokenizer(folder)
     prompt_ids, prompt_mask = encode_prompts(tokenizer, PROMPTS)
@@ -132,9 +132,9 @@ def test_a_lora_runs_logged_kl_is_measured_against_the_model_with_the_adapter_of
     """The run's own reference (the policy's weights with the adapter switched off) against an
     independent one, the base model loaded on its own: by iteration 2 the adapter has moved, and
     the logged KL is the KL of the sampled responses from that base, not from the policy."""
-    from ppo_core import trainer
     from ppo_core.math.kl import kl_penalty
     from ppo_core.math.masked import masked_sum
+    from ppo_core.training import loop as trainer
 
     rollouts = []
     collect = trainer.collect_rollout
@@ -226,7 +226,7 @@ def test_adapter_and_merged_candidates_are_the_same_policy_and_promote(
     assert (from_adapter - logprobs(load_causal_lm(llama), batch)).abs().max() > 1e-4
     torch.testing.assert_close(from_adapter, from_merged, rtol=0, atol=1e-5)
 
-    from ppo_core.registry import GateDecision
+    from ppo_core.registry.versions import GateDecision
 
     registry = tmp_path / "registry.json"
     entry = record_decision(
@@ -350,8 +350,8 @@ def count_block_passes(monkeypatch) -> list[tuple[int, int]]:
     and of the first module inside each block: ``(block calls, inner calls)`` per update. A
     checkpointed block runs its inner modules again during the backward pass (not the block's
     own ``__call__``), so inner = 2 x block with checkpointing and inner = block without."""
-    from ppo_core import trainer
-    from ppo_core.modeling.policy import transformer_blocks
+    from ppo_core.models.policy import transformer_blocks
+    from ppo_core.training import loop as trainer
 
     counts: list[tuple[int, int]] = []
     update = trainer.ppo_update
@@ -452,7 +452,7 @@ def test_a_lora_run_samples_with_the_merged_adapter_and_scores_without_it(
     old logprobs, reference and update are computed on the unmerged model in both)."""
     import contextlib
 
-    from ppo_core.modeling import lora
+    from ppo_core.models import lora
 
     merges = []
     real = lora.merged_for_sampling

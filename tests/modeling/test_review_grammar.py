@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_core.modeling.review_grammar import (
+from ppo_core.rewards.scorers import sentiment_scores
+from ppo_core.sources.review_grammar import (
     _NEGATIVE,
     _NEUTRAL,
     _POSITIVE,
     default_prompts,
     generate_review_corpus,
 )
-from ppo_core.modeling.rewards import sentiment_scores
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from ppo_core.modeling.reward_loading import RewardError, RewardTimeoutError, build_reward_fn
+from ppo_core.rewards.loading import RewardError, RewardTimeoutError, build_reward_fn
 
 
 def test_a_module_in_the_working_folder_is_imported(tmp_path, monkeypatch):
@@ -92,7 +92,8 @@ def hanging():
 def test_every_kind_of_reward_is_stopped_after_the_timeout(kind, hanging, tmp_path, monkeypatch):
     """The watchdog wraps the reward function whatever built it: a user's function, the built-in
     scorer and a reward-model folder (their loaders are replaced by the hanging stand-in)."""
-    from ppo_core.modeling import reward_loading, rewards
+    from ppo_core.rewards import loading as reward_loading
+    from ppo_core.rewards import scorers as rewards
 
     if kind == "module":
         (tmp_path / "hanging_reward_module.py").write_text(
@@ -129,7 +130,7 @@ def test_every_kind_of_reward_is_stopped_after_the_timeout(kind, hanging, tmp_pa
 
 
 def test_a_reward_within_the_timeout_returns_its_scores_and_errors(monkeypatch):
-    from ppo_core.modeling import rewards
+    from ppo_core.rewards import scorers as rewards
 
     calls = []
 
@@ -152,7 +153,7 @@ def test_a_reward_within_the_timeout_returns_its_scores_and_errors(monkeypatch):
 
 
 def test_no_timeout_calls_the_reward_in_the_calling_thread(monkeypatch):
-    from ppo_core.modeling import rewards
+    from ppo_core.rewards import scorers as rewards
 
     seen = []
 
@@ -168,7 +169,7 @@ def test_no_timeout_calls_the_reward_in_the_calling_thread(monkeypatch):
 
 def test_a_negative_reward_timeout_is_refused(tiny_model_dir):
     from ppo_core.config import ConfigError, ModelConfig, load_config
-    from ppo_core.rollout import build_reward
+    from ppo_core.training.models import build_reward
 
     with pytest.raises(ConfigError, match=r"model.reward_timeout must be >= 0, got -1"):
         load_config(overrides=["model.reward_timeout=-1"])

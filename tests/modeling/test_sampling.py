@@ -1,4 +1,4 @@
-"""The sampling loop (:mod:`ppo_core.modeling.sampling`): the draw inverts the distribution,
+"""The sampling loop (:mod:`ppo_core.models.sampling`): the draw inverts the distribution,
 the warpers cut it as ``generate`` cuts it, and dropping ended rows changes no row."""
 
 from __future__ import annotations
@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_core.modeling import sampling
-from ppo_core.modeling.generation import encode_prompts
-from ppo_core.modeling.policy import load_actor_critic, load_tokenizer
-from ppo_core.modeling.sampling import draw_from, sample_tokens
+from ppo_core.models import sampling
+from ppo_core.models.generation import encode_prompts
+from ppo_core.models.policy import load_actor_critic, load_tokenizer
+from ppo_core.models.sampling import draw_from, sample_tokens
 
 
 def test_the_draw_inverts_the_cumulative_distribution_and_never_draws_a_zero():

@@ -33,7 +33,7 @@ from ppo_core.config import (
     flatten,
     load_config,
 )
-from ppo_core.modeling.data import PromptFileError, load_prompts
+from ppo_core.prompts import PromptFileError, load_prompts
 from tests.helpers import examples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -306,7 +306,7 @@ from pathlib import Path
 
 import pyarrow.compute, pyarrow.parquet
 
-from ppo_core.modeling.data import PromptFileError, load_prompts
+from ppo_core.prompts import PromptFileError, load_prompts
 
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 try:

@@ -20,8 +20,8 @@ from flows.stages import base
 from ppo_core import files
 from ppo_core.config import ConfigError, load_config
 from ppo_core.files import copying
-from ppo_core.modeling.policy import load_causal_lm
-from ppo_core.output_paths import PROTECTED
+from ppo_core.files.output_paths import PROTECTED
+from ppo_core.models.policy import load_causal_lm
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -108,7 +108,7 @@ PROTECTED_WHEN_WRITTEN = (
 
 @pytest.mark.parametrize("entry", sorted(set(PROTECTED) | set(PROTECTED_WHEN_WRITTEN)))
 def test_every_protected_entry_is_refused(project, entry):
-    """Every entry of ``ppo_core.output_paths.PROTECTED``, by a relative and an absolute path:
+    """Every entry of ``ppo_core.files.output_paths.PROTECTED``, by a relative and an absolute path:
     the entry itself, a path inside it and (for a nested entry) the folder that holds it."""
     cases = [(entry, "is"), (f"{entry}/out", "lies inside"), (f"{project}/{entry}", "is")]
     if "/" in entry:

@@ -13,10 +13,10 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
+from ppo_core.checkpoints import store as checkpoint_module
+from ppo_core.checkpoints.store import list_checkpoints, load_checkpoint_state
 from ppo_core.config import load_config
-from ppo_core.modeling import checkpoint as checkpoint_module
-from ppo_core.modeling.checkpoint import list_checkpoints, load_checkpoint_state
-from ppo_core.trainer import train
+from ppo_core.training.loop import train
 
 
 def overrides(tmp: Path, model: Path, prompts, checkpoints: Path, output: Path, iterations: int):

@@ -35,7 +35,7 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.stages import prepare
 from ppo_core.config import Config, ConfigError, flatten, load_config
-from ppo_core.modeling.data import MAX_LINE_BYTES, PromptFileError, load_prompts
+from ppo_core.prompts import MAX_LINE_BYTES, PromptFileError, load_prompts
 from tests.helpers import examples
 
 GOOD = [f"I thought the movie number {i} was" for i in range(40)]

@@ -11,7 +11,7 @@ import pytest
 
 from flows import stages
 from ppo_core.config import load_config
-from ppo_core.registry import load_registry
+from ppo_core.registry.versions import load_registry
 
 SIDE = {
     "score": 0.6,

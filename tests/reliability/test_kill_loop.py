@@ -25,7 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from ppo_core.modeling.checkpoint import list_checkpoints, load_checkpoint_state
+from ppo_core.checkpoints.store import list_checkpoints, load_checkpoint_state
 
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 

@@ -13,7 +13,7 @@ import pytest
 from flows.raw_data import raw_changes
 from flows.stages import prepare
 from ppo_core.config import load_config
-from ppo_core.modeling.data import PromptFileError
+from ppo_core.prompts import PromptFileError
 
 
 @contextlib.contextmanager

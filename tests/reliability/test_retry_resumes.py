@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from flows.run_params import set_params
+from flows.orchestration.run_params import set_params
 from tests.flows.conftest import BIN, dvc, environment
 
 pytestmark = pytest.mark.slow

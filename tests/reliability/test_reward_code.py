@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from ppo_core.config import load_config
-from ppo_core.evaluation import check_reward_fn
-from ppo_core.modeling.reward_loading import RewardError
-from ppo_core.runtime import setup_runtime
+from ppo_core.evaluation.evaluate import check_reward_fn
+from ppo_core.parallel.runtime import setup_runtime
+from ppo_core.rewards.loading import RewardError
 
 PLANTED = "import pathlib\npathlib.Path('RAN').write_text('code from a model folder ran')\n"
 

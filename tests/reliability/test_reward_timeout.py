@@ -15,8 +15,8 @@ import pytest
 
 from ppo_core.config import load_config
 from ppo_core.files import exclusive_run
-from ppo_core.modeling.reward_loading import RewardError
-from ppo_core.trainer import train
+from ppo_core.rewards.loading import RewardError
+from ppo_core.training.loop import train
 
 ROOT = Path(__file__).resolve().parents[2]
 HANGING = "tests.reliability.test_reward_timeout:hanging_reward"

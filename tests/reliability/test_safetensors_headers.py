@@ -11,8 +11,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from ppo_core.modeling.folders import ModelFolderError
-from ppo_core.modeling.policy import load_actor_critic, load_causal_lm
+from ppo_core.models.folders import ModelFolderError
+from ppo_core.models.policy import load_actor_critic, load_causal_lm
 
 
 def lying_safetensors(path) -> None:

@@ -11,9 +11,9 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from ppo_core.modeling import generation
-from ppo_core.modeling.adapter_folders import AdapterError, check_adapter_folder
-from ppo_core.modeling.generation import ChatTemplateError, prompt_token_ids
+from ppo_core.models import generation
+from ppo_core.models.adapter_folders import AdapterError, check_adapter_folder
+from ppo_core.models.generation import ChatTemplateError, prompt_token_ids
 
 CHAT = [{"role": "user", "content": "Review a film."}]
 

@@ -16,8 +16,12 @@ import torch
 from typer.testing import CliRunner
 
 from flows.cli import app
-from ppo_core.config import ConfigError, load_config
-from ppo_core.modeling.checkpoint import (
+from ppo_core.checkpoints.sharded import (
+    load_sharded_checkpoint,
+    read_dcp_metadata,
+    save_sharded_checkpoint,
+)
+from ppo_core.checkpoints.store import (
     CheckpointError,
     _write_checksums,
     list_checkpoints,
@@ -25,13 +29,9 @@ from ppo_core.modeling.checkpoint import (
     load_latest_good,
     save_checkpoint,
 )
-from ppo_core.modeling.policy import ModelFolderError, load_actor_critic, load_causal_lm
-from ppo_core.modeling.sharded_checkpoint import (
-    load_sharded_checkpoint,
-    read_dcp_metadata,
-    save_sharded_checkpoint,
-)
-from ppo_core.registry import RegistryError, current_production
+from ppo_core.config import ConfigError, load_config
+from ppo_core.models.policy import ModelFolderError, load_actor_critic, load_causal_lm
+from ppo_core.registry.versions import RegistryError, current_production
 
 
 class Payload:

@@ -1,0 +1,116 @@
+"""Someone hears about it: Prefect notifications for a rejected candidate, a failed run and a
+crashed run of the flow ``retrain``.
+
+``ppo notify --webhook URL`` saves a Custom Webhook notification block (Prefect's own, portable:
+Slack, Teams, Mattermost, Discord, ntfy and most paging services take a JSON POST) and creates
+two automations on the server that send through it:
+
+- ``retrain-notify-rejected``: the event ``ppo.candidate.rejected`` that every run that rejects
+  a candidate emits (:func:`flows.orchestration.outcome.announce_decision`), with the decision, the failed
+  rules and the report's location;
+- ``retrain-notify-failed``: a run of ``retrain`` entering ``Failed`` or ``Crashed`` (a crash is
+  also what the heartbeat automation of ``automations.yaml`` marks when a worker dies), with the
+  run's name, its state and the state's message.
+
+Running it again replaces both automations and the block (a new URL, say), never duplicates them.
+The server sends the notifications itself (its triggers and actions services), so they go out
+whether the run ended normally, failed, or died with its worker.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, cast
+from uuid import UUID
+
+from prefect.automations import Automation
+from prefect.blocks.notifications import CustomWebhookNotificationBlock
+from prefect.events.actions import SendNotification
+from prefect.events.schemas.automations import EventTrigger, Posture
+
+BLOCK_NAME = "ppo-retrain-notify"
+"""The saved webhook block's name (``prefect block ls``)."""
+
+FLOW = {"prefect.resource.role": "flow", "prefect.resource.name": "retrain"}
+"""The flow whose runs the automations watch."""
+
+REJECTED_BODY = (
+    "{{ event.resource['prefect.resource.name'] }}\n"
+    "{% for reason in event.payload.reasons %}{{ reason }}\n{% endfor %}"
+    "report: {{ event.payload.report }}"
+)
+ENDED_BODY = (
+    "flow run {{ flow_run.name }} of retrain ended {{ flow_run.state.name }}: "
+    "{{ flow_run.state.message }}\n"
+    "A failed run changed no production version; a crashed one resumes from its last "
+    "checkpoint when its deployment's trigger starts it again."
+)
+
+AUTOMATIONS: dict[str, dict[str, Any]] = {
+    "retrain-notify-rejected": {
+        "description": "Tell someone when the gate rejects a candidate.",
+        "events": {"ppo.candidate.rejected"},
+        "match": {"prefect.resource.id": "ppo.registry.*"},
+        "match_related": {},
+        "subject": "retrain: candidate rejected",
+        "body": REJECTED_BODY,
+    },
+    "retrain-notify-failed": {
+        "description": "Tell someone when a run of the flow retrain fails or crashes.",
+        "events": {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+        "match": {"prefect.resource.id": "prefect.flow-run.*"},
+        "match_related": FLOW,
+        "subject": "retrain: run {{ flow_run.name }} {{ flow_run.state.name }}",
+        "body": ENDED_BODY,
+    },
+}
+"""Each automation's trigger (the events that fire it, on which resources) and message (Jinja
+templates over the triggering ``event`` and its ``flow_run``)."""
+
+
+def set_up_notifications(url: str, headers: dict[str, str] | None = None) -> list[str]:
+    """Save the webhook block for ``url`` (with ``headers``, e.g. a token) as
+    :data:`BLOCK_NAME` and create the automations of :data:`AUTOMATIONS` that send through it,
+    replacing earlier ones of the same names; returns the names created."""
+    block = CustomWebhookNotificationBlock(
+        name="ppo retraining",
+        url=url,
+        json_data={"subject": "{{subject}}", "body": "{{body}}"},
+        headers=headers or None,
+        cookies=None,
+    )
+    block_id = block.save(BLOCK_NAME, overwrite=True)
+    created = []
+    for name, spec in AUTOMATIONS.items():
+        _delete_existing(name)
+        Automation(
+            name=name,
+            description=spec["description"],
+            enabled=True,
+            trigger=EventTrigger(
+                posture=Posture.Reactive,
+                expect=spec["events"],
+                match=spec["match"],
+                match_related=spec["match_related"],
+                threshold=1,
+                within=timedelta(0),
+            ),
+            actions=[
+                SendNotification(
+                    block_document_id=UUID(str(block_id)),
+                    subject=spec["subject"],
+                    body=spec["body"],
+                )
+            ],
+        ).create()
+        created.append(name)
+    return created
+
+
+def _delete_existing(name: str) -> None:
+    while True:
+        try:
+            # read() is Prefect's sync-or-async dispatch: synchronous here, outside an event loop
+            cast(Automation, Automation.read(name=name)).delete()
+        except ValueError:  # none (left) of that name
+            return

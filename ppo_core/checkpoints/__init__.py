@@ -1,0 +1,1 @@
+"""Training checkpoints (layer 2): atomic, checksummed folders, whole or sharded over ranks."""

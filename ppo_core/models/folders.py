@@ -1,0 +1,48 @@
+"""What a model folder must hold before anything loads it (layer 2).
+
+Models come from local ``save_pretrained`` folders only, with safetensors weights: a missing
+folder, one without ``config.json`` or one holding only pickled weights is a
+:class:`ModelFolderError` naming the folder and its role. A LoRA adapter folder (its
+``adapter_config.json`` without a ``config.json``) passes here; ``ppo_core.models.lora``
+checks it and the base it names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+__all__ = ["ADAPTER_CONFIG", "ModelFolderError", "check_model_folder"]
+
+ADAPTER_CONFIG = "adapter_config.json"
+
+
+class ModelFolderError(FileNotFoundError):
+    """A model folder is missing or is not a Hugging Face ``save_pretrained`` folder."""
+
+
+def check_model_folder(path: str | Path, role: str = "model") -> Path:
+    """Return ``path`` as a Path if it is a local model folder, else raise a clear error."""
+    folder = Path(path)
+    if not folder.exists():
+        raise ModelFolderError(
+            f"{role} folder {str(folder)!r} does not exist; give a local folder written by "
+            "save_pretrained (models are never downloaded), or run `ppo base` to build the "
+            "tiny default"
+        )
+    if (folder / ADAPTER_CONFIG).is_file() and not (folder / "config.json").is_file():
+        return folder  # a LoRA adapter: ppo_core.models.lora checks it and its base
+    if not (folder / "config.json").is_file():
+        raise ModelFolderError(
+            f"{role} folder {str(folder)!r} has no config.json; it is not a Hugging Face "
+            "save_pretrained folder"
+        )
+    if not any(folder.glob("*.safetensors")) and not any(folder.glob("*.safetensors.index.json")):
+        pickled = sorted(p.name for p in folder.glob("*.bin")) + sorted(
+            p.name for p in folder.glob("*.pt*")
+        )
+        found = f" (found {', '.join(pickled)}: pickle files are never loaded)" if pickled else ""
+        raise ModelFolderError(
+            f"{role} folder {str(folder)!r} has no safetensors weights{found}; save the model "
+            "with save_pretrained(..., safe_serialization=True)"
+        )
+    return folder

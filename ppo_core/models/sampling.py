@@ -1,0 +1,246 @@
+"""The sampling loop (layer 2): responses drawn token by token with a KV cache, rows set aside
+as they end, and each sampled token's log-probability kept.
+
+``model.generate`` would do the drawing, but on the rollout's shapes it spends a third of its
+time on work PPO does not need (docs/design.md section 8, docs/benchmarks.md "Where a SmolLM2
+iteration's time goes"): every row runs until the longest one ends, the KV cache grows by
+concatenation (each step copies all of it), and ``torch.multinomial`` draws one exponential
+number per vocabulary entry. Here
+
+- the cache is allocated once for the longest possible response and written in place
+  (:func:`preallocated_cache`);
+- rows that have ended are dropped from the batch (and the cache) once they are a quarter of
+  the rows still running, so a finished row costs at most a few steps;
+- a token is drawn by inverting the cumulative distribution with one uniform number per row
+  and step, ``torch.rand(B)`` for every row of the batch, ended or not: a row's draws do not
+  depend on when the other rows end, nor on when they were dropped;
+- the log-probability of each sampled token under ``softmax(logits / temperature)`` (before
+  top-k and top-p, as the scoring pass computes it) comes out with the tokens, so the rollout
+  can take the old log-probabilities from sampling (``ppo.old_logprobs``).
+
+The distribution is the one ``generate`` samples with the same settings: ``logits /
+temperature``, then transformers' own top-k and top-p warpers, then the softmax.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+from torch import Tensor, nn
+
+from ppo_core.math.losses import logprobs_from_logits
+from ppo_core.models.causal_lm import (
+    logits_to_keep_kwargs,
+    position_ids_from_mask,
+    unwrap_model,
+)
+
+__all__ = ["draw_from", "preallocated_cache", "sample_tokens"]
+
+COMPACT_FRACTION = 0.25
+"""Ended rows are dropped once they are at least this share of the rows still computed: each
+drop copies the cache, so dropping at every end would cost what concatenation costs."""
+
+
+def _cache_classes():
+    # transformers' import takes seconds; the classes are built the first time they are needed.
+    from transformers.cache_utils import Cache, DynamicLayer
+
+    class PreallocatedLayer(DynamicLayer):
+        """One layer's keys and values, ``[B, heads, max_length, head_dim]`` allocated at the
+        first update and written in place; ``keys``/``values`` are views of the filled part."""
+
+        def __init__(self, max_length: int) -> None:
+            super().__init__()
+            self.max_length = max_length
+            self.length = 0
+
+        def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
+            batch, heads, _, key_dim = key_states.shape
+            self.device = key_states.device
+            self.key_buffer = key_states.new_empty(batch, heads, self.max_length, key_dim)
+            self.value_buffer = value_states.new_empty(
+                batch, value_states.shape[1], self.max_length, value_states.shape[-1]
+            )
+            self.is_initialized = True
+
+        def update(self, key_states: Tensor, value_states: Tensor, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            if end > self.max_length:
+                raise RuntimeError(
+                    f"the KV cache holds {self.max_length} positions; {end} were asked for"
+                )
+            self.key_buffer[:, :, self.length : end] = key_states
+            self.value_buffer[:, :, self.length : end] = value_states
+            self.length = end
+            self._views()
+            return self.keys, self.values
+
+        def _views(self) -> None:
+            self.keys = self.key_buffer[:, :, : self.length]
+            self.values = self.value_buffer[:, :, : self.length]
+
+        def get_seq_length(self) -> int:
+            return self.length
+
+        def batch_select_indices(self, indices: Tensor) -> None:
+            if self.is_initialized:
+                self.key_buffer = self.key_buffer[indices]
+                self.value_buffer = self.value_buffer[indices]
+                self._views()
+
+    class Preallocated(Cache):
+        """A cache of :class:`PreallocatedLayer` s, one per decoder layer."""
+
+        def __init__(self, num_layers: int, max_length: int) -> None:
+            super().__init__(layers=[PreallocatedLayer(max_length) for _ in range(num_layers)])
+
+        def keep_rows(self, indices: Tensor) -> None:
+            for layer in self.layers:
+                cast("PreallocatedLayer", layer).batch_select_indices(indices)
+
+    return Preallocated
+
+
+_PREALLOCATED = None
+
+
+def preallocated_cache(num_layers: int, max_length: int):
+    """A transformers ``Cache`` of ``num_layers`` layers that holds up to ``max_length``
+    positions per row, written in place; ``keep_rows(indices)`` drops the other rows."""
+    global _PREALLOCATED
+    if _PREALLOCATED is None:
+        _PREALLOCATED = _cache_classes()
+    return _PREALLOCATED(num_layers, max_length)
+
+
+def _warpers(temperature: float, top_k: int, top_p: float):
+    """transformers' own top-k and top-p warpers for these settings (none when they leave the
+    distribution whole), applied after the temperature as ``generate`` applies them."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    warpers: list[Callable[[Any, Tensor], Tensor]] = []
+    if top_k > 0:
+        warpers.append(TopKLogitsWarper(top_k=top_k))
+    if top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=top_p))
+    return warpers
+
+
+def draw_from(probs: Tensor, uniforms: Tensor) -> Tensor:
+    """One token per row of ``probs`` ``[B, V]`` (rows need not sum to one), by inverting the
+    cumulative distribution at ``uniforms`` ``[B]`` in ``[0, 1)``: token ``v`` is drawn when the
+    uniform falls in ``[cdf(v - 1), cdf(v))``, so a token of probability zero never is. The sum
+    runs in float64, so its rounding (about 1e-16 of the total) shifts no token's chance
+    measurably."""
+    cdf = probs.double().cumsum(dim=-1)
+    targets = uniforms.double().unsqueeze(-1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, targets, right=True).squeeze(-1).clamp_(max=probs.shape[-1] - 1)
+
+
+def _cache_keyword(model: nn.Module) -> str:
+    # transformers 5 renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40).
+    forward = type(unwrap_model(model)).forward
+    return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
+
+
+def _num_layers(model: nn.Module) -> int:
+    config: Any = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    return int(config.num_hidden_layers)
+
+
+@torch.no_grad()
+def sample_tokens(
+    model: nn.Module,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    *,
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    pad_token_id: int,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
+
+    Args:
+        model: a causal LM whose ``forward`` takes a transformers ``Cache`` (every model in
+            transformers does); eval mode.
+        prompt_ids, prompt_mask: ``[B, P]``, left-padded.
+        stop_ids: a row ends at the first of these (included in its response).
+
+    Returns:
+        ``(response_ids [B, T], logprobs [B, T])``, ``T`` the longest response: the tokens, with
+        ``pad_token_id`` after a row's end, and each token's log-probability under
+        ``softmax(logits / temperature)`` (0.0 after the end), float32.
+    """
+    batch, prompt_length = prompt_ids.shape
+    device = prompt_ids.device
+    stops = torch.as_tensor(list(stop_ids), device=device)
+    warpers = _warpers(temperature, top_k, top_p)
+    cache = preallocated_cache(_num_layers(model), prompt_length + max_new_tokens)
+    with_cache = {_cache_keyword(model): cache, "use_cache": True}
+    attention = prompt_mask.long()
+    positions = position_ids_from_mask(attention)
+    logits = model(
+        input_ids=prompt_ids,
+        attention_mask=attention,
+        position_ids=positions,
+        **with_cache,
+        **logits_to_keep_kwargs(model, 1),
+    ).logits[:, -1]
+    next_position = positions[:, -1] + 1
+    tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    rows = torch.arange(batch, device=device)  # the batch row of each row still computed
+    running = torch.ones(batch, dtype=torch.bool, device=device)  # of those, the unended
+    steps = 0
+    for step in range(max_new_tokens):
+        uniforms = torch.rand(batch, device=device)[rows]
+        token, token_logprob = _draw_next(logits, uniforms, temperature, warpers)
+        live = rows[running]
+        tokens[live, step] = token[running]
+        logprobs[live, step] = token_logprob[running]
+        steps = step + 1
+        running &= ~torch.isin(token, stops)
+        ended = int((~running).sum())
+        if ended == len(rows) or steps == max_new_tokens:
+            break
+        if ended >= COMPACT_FRACTION * len(rows):
+            keep = running.nonzero().squeeze(-1)
+            cache.keep_rows(keep)
+            rows, token, attention = rows[keep], token[keep], attention[keep]
+            next_position, running = next_position[keep], running[keep]
+        attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
+        logits = model(
+            input_ids=token.unsqueeze(-1),
+            attention_mask=attention,
+            position_ids=next_position.unsqueeze(-1),
+            **with_cache,
+        ).logits[:, -1]
+        next_position = next_position + 1
+    return tokens[:, :steps], logprobs[:, :steps]
+
+
+def _draw_next(
+    logits: Tensor, uniforms: Tensor, temperature: float, warpers: list
+) -> tuple[Tensor, Tensor]:
+    """A token for each row of ``logits`` ``[B, V]`` and its log-probability under
+    ``softmax(logits / temperature)``, computed as the scoring pass computes it."""
+    logits = logits.float()
+    scaled = logits / temperature if temperature != 1.0 else logits
+    for warp in warpers:
+        scaled = warp(None, scaled)
+    token = draw_from(torch.softmax(scaled, dim=-1), uniforms)
+    token_logprob = logprobs_from_logits(
+        logits.unsqueeze(1), token.unsqueeze(1), temperature
+    ).squeeze(1)
+    return token, token_logprob

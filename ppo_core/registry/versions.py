@@ -1,0 +1,429 @@
+"""The model registry and the promotion gate (layer 3).
+
+Promoted models are immutable versions ``<production_dir>/v0001``, ``v0002``, ...; the registry
+(a JSON file, replaced atomically) records every decision with its lineage and names the current
+version. A rejected or failed run never touches a version or the ``current`` pointer.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ppo_core.config import PromoteConfig
+from ppo_core.files import (
+    atomic_folder,
+    atomic_write_text,
+    copy_regular_tree,
+    exclusive_run,
+    tree_sha256,
+)
+from ppo_core.models.adapter_folders import (
+    adapter_base_folder,
+    is_adapter_folder,
+    point_adapter_at,
+)
+from ppo_core.registry.lineage import store_base
+
+__all__ = [
+    "GateDecision",
+    "check_version",
+    "current_production",
+    "gate",
+    "load_registry",
+    "promoted_entry",
+    "record_decision",
+    "record_export",
+    "roll_back",
+]
+
+
+VERSION_PATTERN = re.compile(r"v\d{4,}")
+
+
+class RegistryError(ValueError):
+    """The model registry file is unreadable or names something that is not a version."""
+
+
+@dataclass
+class GateDecision:
+    """Whether a candidate passes, and why (one reason per rule, passing or not)."""
+
+    promote: bool
+    reasons: list[str]
+
+
+class Unjudgeable(Exception):
+    """A metric a gate rule reads is missing or not a finite number (the reason says which)."""
+
+
+def _metric(metrics: dict[str, float] | None, side: str, key: str, why: str = "") -> float:
+    """``metrics[key]`` as a finite float, else :class:`Unjudgeable` naming the side and key."""
+    if metrics is None:
+        raise Unjudgeable(
+            f"metrics.json has no {side} metrics, so {side} {key} cannot be compared; run "
+            "`ppo evaluate` with a baseline (eval.baseline, the production version or "
+            "model.policy)"
+        )
+    value = metrics.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise Unjudgeable(f"{side} {key} is missing from metrics.json{why}")
+    if not math.isfinite(value):
+        raise Unjudgeable(f"{side} {key} is {value}, not a finite number")
+    return float(value)
+
+
+def gate(
+    candidate: dict[str, float],
+    baseline: dict[str, float] | None,
+    rules: PromoteConfig,
+    max_new_tokens: int | None = None,
+) -> GateDecision:
+    """Apply the promotion rules ``rules`` (``promote.*``) to held-out metrics (as written by
+    ``ppo evaluate``): the score gain, the KL budget, the drift from the chain's origin and the
+    EOS rate, then the guards against a gamed reward, each comparing the candidate with the
+    baseline (docs/design.md section 8).
+
+    The gate refuses what it cannot judge: a metric that a rule reads, of the candidate or the
+    baseline, that is missing, NaN or infinite fails that rule, naming the metric, and so does
+    a missing baseline. ``max_new_tokens`` (``generation.max_new_tokens``) is named in the EOS
+    rule's reason when the rule fails."""
+    checks = [
+        lambda: _score_rule(candidate, baseline, rules),
+        lambda: _at_most(
+            _metric(candidate, "candidate", "kl_to_reference"),
+            rules.max_kl,
+            "KL to reference {:.3f} nats (budget {})",
+        ),
+    ]
+    drift_limit = rules.max_kl_from_origin
+    if drift_limit is not None:
+        checks.append(
+            lambda: _at_most(
+                _metric(candidate, "candidate", "kl_to_origin"),
+                drift_limit,
+                "KL to the chain's origin {:.3f} nats (promote.max_kl_from_origin {})",
+            )
+        )
+    checks.append(lambda: _eos_rule(candidate, baseline, rules, max_new_tokens))
+    margins = {
+        "distinct_2": rules.max_distinct_2_drop,
+        "reference_nll": rules.max_nll_increase,
+        "check_score": None if rules.check_reward is None else rules.max_check_drop,
+    }
+    checks += [
+        functools.partial(_guard, candidate, baseline, metric, margin)
+        for metric, margin in margins.items()
+        if margin is not None
+    ]
+    rules_met: list[tuple[bool, str]] = []
+    for check in checks:
+        try:
+            rules_met.append(check())
+        except Unjudgeable as missing:
+            rules_met.append((False, f"cannot judge: {missing}"))
+    return GateDecision(
+        all(ok for ok, _ in rules_met),
+        [("pass: " if ok else "FAIL: ") + text for ok, text in rules_met],
+    )
+
+
+def _at_most(value: float, limit: float, text: str) -> tuple[bool, str]:
+    return value <= limit, text.format(value, limit)
+
+
+def _score_rule(
+    candidate: dict[str, float], baseline: dict[str, float] | None, rules: PromoteConfig
+) -> tuple[bool, str]:
+    score = _metric(candidate, "candidate", "score")
+    base_score = _metric(baseline, "baseline", "score")
+    gain = score - base_score
+    return gain >= rules.min_improvement, (
+        f"score {score:.4f} vs baseline {base_score:.4f}: gain {gain:+.4f} (needs >= "
+        f"{rules.min_improvement:+.4f})"
+    )
+
+
+def _eos_rule(
+    candidate: dict[str, float],
+    baseline: dict[str, float] | None,
+    rules: PromoteConfig,
+    max_new_tokens: int | None,
+) -> tuple[bool, str]:
+    """The EOS floor; a failing reason shows the baseline's rate, that responses without EOS
+    were cut at ``generation.max_new_tokens``, and the keys that change the outcome."""
+    rate = _metric(candidate, "candidate", "eos_rate")
+    text = f"EOS rate {rate:.3f} (needs >= {rules.min_eos_rate})"
+    if rate >= rules.min_eos_rate:
+        return True, text
+    base_rate = (baseline or {}).get("eos_rate")
+    if isinstance(base_rate, int | float) and math.isfinite(base_rate):
+        text += f"; the baseline's is {base_rate:.3f}"
+        if base_rate < rules.min_eos_rate:
+            text += " (below the floor too)"
+    cut = "" if max_new_tokens is None else f"={max_new_tokens}"
+    text += (
+        f"; responses without EOS were cut at generation.max_new_tokens{cut}: raise it, or "
+        "lower promote.min_eos_rate"
+    )
+    return False, text
+
+
+GUARDS = {
+    "distinct_2": ("distinct-2", "promote.max_distinct_2_drop", -1),
+    "reference_nll": ("reference NLL (nats/token)", "promote.max_nll_increase", +1),
+    "check_score": ("check score", "promote.check_reward", -1),
+}
+"""The guard metrics: how a reason names each, the key that switches it on, and which way is
+worse (-1: falling, +1: rising)."""
+
+
+def _guard(
+    candidate: dict[str, float], baseline: dict[str, float] | None, metric: str, margin: float
+) -> tuple[bool, str]:
+    """The rule that ``metric`` gets worse (the way :data:`GUARDS` names) by at most ``margin``
+    from the baseline's. A metric missing on either side (not measured, or a baseline with
+    another tokenizer than the reference, which has no reference NLL) is :class:`Unjudgeable`,
+    and the reason names the key that turns the guard off."""
+    name, key, worse = GUARDS[metric]
+    off = f" ({key} asks for it; set it to null to promote without this guard)"
+    value = _metric(candidate, "candidate", metric, f": run `ppo evaluate` again{off}")
+    base_value = _metric(baseline, "baseline", metric, off)
+    change = value - base_value
+    return change * worse <= margin, (
+        f"{name} {value:.4f} vs baseline {base_value:.4f}: change "
+        f"{change:+.4f} (may {'fall' if worse < 0 else 'rise'} by at most {margin})"
+    )
+
+
+def load_registry(path: str | Path) -> dict[str, Any]:
+    """The registry, or an empty one when the file does not exist yet.
+
+    The file holds ``{"current": <version or null>, "entries": [<object>, ...]}``; anything else
+    (not JSON, not UTF-8, nested past the parser's limit, an entry that is not an object, a
+    version name that is not ``vNNNN``) is one :class:`RegistryError`, never a reset.
+    """
+    path = Path(path)
+    if not path.exists():
+        return {"current": None, "entries": []}
+    if not path.is_file():
+        raise RegistryError(f"model registry {path} is not a file; restore it from git or DVC")
+
+    def broken(why: str) -> RegistryError:
+        return RegistryError(
+            f"model registry {path} {why}; restore it from git or DVC before promoting"
+        )
+
+    try:
+        registry = json.loads(path.read_bytes())
+    except json.JSONDecodeError as exc:
+        raise broken(f"is not valid JSON ({exc.msg})") from None
+    except UnicodeDecodeError:
+        raise broken("is not UTF-8 text") from None
+    except RecursionError:
+        raise broken("is nested too deeply to be a registry") from None
+    if not isinstance(registry, dict) or not isinstance(registry.get("entries"), list):
+        raise RegistryError(f"model registry {path} has no 'entries' list")
+    for number, entry in enumerate(registry["entries"], start=1):
+        if not isinstance(entry, dict):
+            raise broken(f"has entry {number} that is not an object ({type(entry).__name__})")
+    # Version names become folder names under promote.production_dir: only vNNNN is accepted, so
+    # an edited registry cannot point a run at (or make it write to) a folder outside it.
+    names = [registry.get("current")] + [e.get("version") for e in registry["entries"]]
+    for name in names:
+        if name is not None and not (isinstance(name, str) and VERSION_PATTERN.fullmatch(name)):
+            raise RegistryError(
+                f"model registry {path} names version {name!r}; versions are "
+                "v0001, v0002, ...; restore the registry from git or DVC"
+            )
+    return registry
+
+
+def current_production(registry_path: str | Path, production_dir: str | Path) -> Path | None:
+    """Folder of the current production version, or None before the first promotion, checked
+    as :func:`check_version` checks a version."""
+    current = load_registry(registry_path).get("current")
+    if not current:
+        return None
+    return check_version(registry_path, production_dir, current)
+
+
+def promoted_entry(registry_path: str | Path, version: str) -> dict[str, Any] | None:
+    """The registry entry that promoted ``version``, or None when no entry did."""
+    entries = load_registry(registry_path)["entries"]
+    return next((e for e in entries if e.get("version") == version), None)
+
+
+def check_version(registry_path: str | Path, production_dir: str | Path, version: str) -> Path:
+    """The folder of production version ``version``, checked: it exists, its content is the
+    SHA-256 recorded when it was promoted, and an adapter version's base is there with the
+    fingerprint the adapter records. A version changed on disk since is refused
+    (:class:`RegistryError`) rather than used as a baseline, a base or the next production. An
+    entry without a recorded hash (absent, null, or not a SHA-256) is refused the same way: the
+    check cannot be switched off by editing the registry."""
+    if not VERSION_PATTERN.fullmatch(version):
+        raise RegistryError(f"{version!r} is not a version name (v0001, v0002, ...)")
+    folder = Path(production_dir) / version
+    if not (folder / "config.json").is_file() and not is_adapter_folder(folder):
+        raise FileNotFoundError(
+            f"the registry names production version {version} but {folder} "
+            "is missing; restore it (e.g. `dvc pull`) before going on"
+        )
+    entry = promoted_entry(registry_path, version)
+    if entry is None:
+        raise RegistryError(f"the registry {registry_path} has no production version {version}")
+    recorded = entry.get("content_sha256")
+    if not isinstance(recorded, str) or not re.fullmatch(r"[0-9a-f]{64}", recorded):
+        raise RegistryError(
+            f"production version {version} has no content hash in the registry "
+            f"(content_sha256 is {recorded!r}), so {folder} cannot be checked; restore the "
+            "registry (e.g. `dvc pull`) or promote a version again"
+        )
+    if tree_sha256(folder) != recorded:
+        raise RegistryError(
+            f"production version {version} in {folder} no longer matches the content hash the "
+            f"registry recorded when it was promoted ({str(recorded)[:12]}...); a file in it "
+            "was changed, added or removed. Restore it (e.g. `dvc pull` or "
+            "`dvc checkout`) before evaluating or promoting"
+        )
+    if is_adapter_folder(folder):
+        adapter_base_folder(folder)  # missing or changed: AdapterError naming it
+    return folder
+
+
+def record_decision(
+    *,
+    registry_path: str | Path,
+    production_dir: str | Path,
+    candidate_dir: str | Path,
+    decision: GateDecision,
+    lineage: dict[str, Any],
+    base_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Append the decision to the registry; on promotion, first copy the candidate to a new
+    version folder. Returns the registry entry.
+
+    ``lineage`` holds ``parent_version`` and ``origin`` (:class:`ppo_core.registry.lineage.Lineage`) with
+    the rest of what the entry records. A promoted version is self-contained: the base of an
+    adapter version, and the origin of a chain that starts here (``base_dir``, the base the
+    candidate trained from), are stored under ``<production_dir>/bases/``
+    (:func:`ppo_core.registry.lineage.store_base`) and the version names them there, so that no later
+    ``ppo base`` can take from a version what it needs to load."""
+    registry_path = Path(registry_path)
+    with _registry_lock(registry_path, "promotion into"):
+        return _record(registry_path, production_dir, candidate_dir, decision, lineage, base_dir)
+
+
+def _registry_lock(registry_path: Path, what: str):
+    """The registry's run lock: two promotions or rollbacks at once would pick the same version
+    number or drop each other's entry."""
+    return exclusive_run(
+        registry_path.with_name(f".{registry_path.name}.lock"), f"{what} {registry_path}"
+    )
+
+
+def _record(
+    registry_path: Path,
+    production_dir: str | Path,
+    candidate_dir: str | Path,
+    decision: GateDecision,
+    lineage: dict[str, Any],
+    base_dir: str | Path | None,
+) -> dict[str, Any]:
+    registry = load_registry(registry_path)
+    promoted = [e for e in registry["entries"] if e.get("version")]
+    entry: dict[str, Any] = {
+        "decision": "promoted" if decision.promote else "rejected",
+        "reasons": decision.reasons,
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "candidate": str(candidate_dir),
+        **lineage,
+    }
+    if decision.promote:
+        version = f"v{len(promoted) + 1:04d}"
+        target = Path(production_dir) / version
+        if target.exists():
+            raise FileExistsError(
+                f"{target} exists but the registry does not know it; refusing "
+                "to overwrite a production version"
+            )
+        stored_base = None
+        if is_adapter_folder(candidate_dir):  # the adapter's base, checked, kept with it
+            stored_base = store_base(production_dir, adapter_base_folder(candidate_dir))
+            entry["adapter_base"] = stored_base
+        if entry.get("origin") is None and base_dir is not None:
+            entry["origin"] = store_base(production_dir, base_dir)
+        atomic_folder(target, lambda tmp: _write_version(candidate_dir, tmp, stored_base))
+        entry["version"] = version
+        entry["path"] = str(target)
+        entry["content_sha256"] = tree_sha256(target)
+        registry["current"] = version
+    registry["entries"].append(entry)
+    atomic_write_text(registry_path, json.dumps(registry, indent=1))
+    return entry
+
+
+def _write_version(candidate_dir: str | Path, folder: Path, stored_base: dict | None) -> None:
+    """The candidate's files in ``folder``; an adapter is pointed at its stored base."""
+    # Regular files only, within a size cap: a link in the candidate (to a private key, to
+    # /dev/zero) is refused by name instead of copied into production and pushed by DVC.
+    copy_regular_tree(candidate_dir, folder)
+    if stored_base is not None:
+        point_adapter_at(folder, stored_base["path"], stored_base["base_sha256"])
+
+
+def record_export(registry_path: str | Path, version: str, export: dict[str, Any]) -> None:
+    """Name an export of ``version`` (``{"file", "type", "sha256", ...}``) in the list
+    ``exports`` of the registry entry that promoted it; an export of the same file replaces
+    its earlier record."""
+    registry_path = Path(registry_path)
+    with _registry_lock(registry_path, "export record in"):
+        registry = load_registry(registry_path)
+        entry = next((e for e in registry["entries"] if e.get("version") == version), None)
+        if entry is None:
+            raise RegistryError(f"the registry {registry_path} has no production version {version}")
+        kept = [e for e in entry.get("exports") or [] if e.get("file") != export["file"]]
+        entry["exports"] = [*kept, export]
+        atomic_write_text(registry_path, json.dumps(registry, indent=1))
+
+
+def roll_back(
+    *,
+    registry_path: str | Path,
+    production_dir: str | Path,
+    version: str,
+    reason: str,
+    by: str,
+) -> dict[str, Any]:
+    """Make the earlier production version ``version`` current again and record who did it,
+    when and why (an entry ``{"decision": "rolled back", "rolled_back_to": ..., "previous":
+    ..., "reason": ..., "by": ..., "date": ...}``). The version is checked first as
+    :func:`check_version` checks it (its content hash, an adapter's stored base); nothing is
+    copied or removed, so a later promotion or rollback can return to any version."""
+    registry_path = Path(registry_path)
+    if not reason.strip():
+        raise RegistryError("a rollback needs a reason (--reason): the registry records it")
+    with _registry_lock(registry_path, "rollback in"):
+        registry = load_registry(registry_path)
+        check_version(registry_path, production_dir, version)
+        previous = registry.get("current")
+        if previous == version:
+            raise RegistryError(f"{version} is already the current production version")
+        entry = {
+            "decision": "rolled back",
+            "rolled_back_to": version,
+            "previous": previous,
+            "reason": reason,
+            "by": by,
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        }
+        registry["current"] = version
+        registry["entries"].append(entry)
+        atomic_write_text(registry_path, json.dumps(registry, indent=1))
+    return entry

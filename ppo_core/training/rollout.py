@@ -1,0 +1,302 @@
+"""Experience (layer 3): sample responses, score them, and turn the scores into advantages.
+
+:func:`sample_responses` and :func:`score_in_chunks` are shared by the PPO rollout and by
+evaluation, so both see the same prompts, positions and sampling distribution
+(docs/design.md section 8). :func:`collect_rollout` adds the reward shaping of Ziegler et al.
+(2019), "Fine-Tuning Language Models from Human Preferences": the per-token KL penalty plus the
+score on the last response token (the score alone when the KL is in the loss instead), then the
+advantages of ``ppo.advantage_estimator`` once per batch: GAE (Schulman et al. 2016) with the
+critic's values, or a critic-free one (:mod:`ppo_core.math.advantages`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ppo_core.config import GenerationConfig, KLConfig, PPOConfig
+from ppo_core.math.advantages import ESTIMATORS, AdvantageInputs, consecutive_groups
+from ppo_core.math.batching import by_length, kept_columns, micro_batch_slices
+from ppo_core.math.kl import kl_penalty, token_rewards
+from ppo_core.math.masked import masked_moments, masked_sum
+from ppo_core.math.running_mean import RunningMean
+from ppo_core.models.generation import (
+    GeneratedBatch,
+    concat_generated,
+    decode_responses,
+    generate_responses,
+)
+from ppo_core.models.policy import ActorCritic
+from ppo_core.models.scoring import ScoredBatch, score_sequences
+from ppo_core.parallel.runtime import Runtime
+from ppo_core.prompts import Prompt
+from ppo_core.rewards.loading import RewardFn, checked_scores
+from ppo_core.training.batch import RolloutBatch
+from ppo_core.training.stopwatch import Stopwatch
+
+__all__ = [
+    "collect_rollout",
+    "sample_responses",
+    "score_in_chunks",
+]
+
+POSITIVE_SCORE = 0.05
+"""A response counts as positive above this score (the sentiment scorer's neutral band)."""
+
+
+@torch.no_grad()
+def sample_responses(
+    policy: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    generation: GenerationConfig,
+    runtime: Runtime,
+    chunk_size: int,
+    chunk_seeds: Sequence[int] | None = None,
+) -> GeneratedBatch:
+    """One sampled response per prompt, ``chunk_size`` prompts per ``generate`` call.
+
+    With ``chunk_seeds`` chunk ``i`` is sampled after ``torch.manual_seed(chunk_seeds[i])`` (one
+    seed per chunk), so a chunk's responses do not depend on which process samples it; without
+    them the global generator runs on from chunk to chunk.
+    """
+    starts = range(0, len(prompts), chunk_size)
+    if chunk_seeds is not None and len(chunk_seeds) != len(starts):
+        raise ValueError(
+            f"{len(prompts)} prompts in chunks of {chunk_size} need {len(starts)} "
+            f"seeds, got {len(chunk_seeds)}"
+        )
+    pieces = []
+    for index, start in enumerate(starts):
+        if chunk_seeds is not None:
+            torch.manual_seed(chunk_seeds[index])
+        with runtime.autocast():
+            pieces.append(
+                generate_responses(
+                    policy,
+                    tokenizer,
+                    prompts[start : start + chunk_size],
+                    max_new_tokens=generation.max_new_tokens,
+                    temperature=generation.temperature,
+                    top_k=generation.top_k,
+                    top_p=generation.top_p,
+                    device=runtime.device,
+                )
+            )
+    return concat_generated(pieces, tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def score_in_chunks(
+    model: torch.nn.Module,
+    generated: GeneratedBatch,
+    temperature: float,
+    runtime: Runtime,
+    chunk_size: int,
+    with_values: bool,
+) -> ScoredBatch:
+    """Logprobs (and values) of every sampled response token, ``chunk_size`` rows per forward
+    pass; ``[B, T]`` each, aligned with ``generated.response_ids`` (0.0 after a row's end).
+
+    Rows go through in order of length (:func:`~ppo_core.math.batching.by_length`), each chunk
+    cut to its own longest prompt and response (:func:`~ppo_core.math.batching.kept_columns`),
+    so a chunk of short responses costs what its tokens cost."""
+    rows_total, width = generated.response_ids.shape
+    device = generated.response_ids.device
+    order = by_length(generated.prompt_mask, generated.response_mask)
+    logprobs = torch.zeros((rows_total, width), dtype=torch.float32, device=device)
+    values = torch.zeros_like(logprobs) if with_values else None
+    for rows in micro_batch_slices(rows_total, chunk_size):
+        index = order[rows]
+        prompt_mask, response_mask = generated.prompt_mask[index], generated.response_mask[index]
+        first, end = kept_columns(prompt_mask, response_mask)
+        with runtime.autocast():
+            out = score_sequences(
+                model,
+                generated.prompt_ids[index, first:],
+                prompt_mask[:, first:],
+                generated.response_ids[index, :end],
+                response_mask[:, :end],
+                temperature=temperature,
+                with_values=with_values,
+            )
+        logprobs[index, :end] = out.logprobs.float()
+        if values is not None and out.values is not None:
+            values[index, :end] = out.values.float()
+    return ScoredBatch(logprobs=logprobs, values=values, entropy=None)
+
+
+def score_responses(
+    reward_fn: RewardFn, tokenizer, prompts: list[Prompt], generated: GeneratedBatch
+) -> tuple[list[str], Tensor]:
+    """Decode each response up to EOS and score it: ``(texts, scores [B] float32 on CPU)``; a
+    reward that returns the wrong shape or a non-finite number is a ``RewardError``."""
+    texts = decode_responses(tokenizer, generated.response_ids, generated.response_mask)
+    return texts, checked_scores(reward_fn(prompts, texts), len(prompts))
+
+
+@torch.no_grad()
+def collect_rollout(
+    actor_critic: ActorCritic,
+    reference: torch.nn.Module,
+    tokenizer,
+    prompts: list[Prompt],
+    reward_fn: RewardFn,
+    *,
+    ppo: PPOConfig,
+    generation: GenerationConfig,
+    kl: KLConfig,
+    kl_coef: float,
+    runtime: Runtime,
+    chunk_seeds: Sequence[int] | None = None,
+    merge_adapter: bool = True,
+) -> tuple[RolloutBatch, dict[str, float], list[str]]:
+    """Generate, score and turn one batch of prompts into advantages and returns.
+
+    ``kl_coef`` is the controller's current ``beta`` (``kl.coef`` only at the start); with
+    ``kl.in_loss`` the rewards hold the score alone and the update adds the KL term. Under data
+    parallelism batch-wide statistics (whitening, REINFORCE++'s normalisation, the metrics) are
+    taken over every rank's rows; the groups of ``ppo.samples_per_prompt`` consecutive rows lie
+    whole on this rank, so group statistics need no communication. With LoRA and
+    ``merge_adapter`` the responses are sampled with the adapter merged into copies of the
+    weights (``ActorCritic.sampling_model``); scoring always runs on the unmerged model.
+
+    Returns:
+        the batch, its ``rollout/*`` metrics, and the decoded responses.
+    """
+    all_ranks = runtime.parallel.active
+    watch = Stopwatch()
+    with watch.step("generate"), actor_critic.sampling_model(merge_adapter) as sampler:
+        generated = sample_responses(
+            sampler,
+            tokenizer,
+            prompts,
+            generation,
+            runtime,
+            chunk_size=ppo.generation_batch_size or len(prompts),
+            chunk_seeds=chunk_seeds,
+        )
+    with watch.step("score"):
+        policy_scored, reference_scored = _score_with_both(
+            actor_critic, reference, generated, generation.temperature, runtime, ppo
+        )
+    mask = generated.response_mask
+    with watch.step("reward"):
+        responses, raw_scores = score_responses(reward_fn, tokenizer, prompts, generated)
+    raw_scores = raw_scores.to(runtime.device)
+    scores = raw_scores
+    if ppo.missing_eos_penalty is not None:
+        scores = torch.where(generated.has_eos, scores, scores - ppo.missing_eos_penalty)
+
+    token_kl = kl_penalty(policy_scored.logprobs, reference_scored.logprobs, kl.estimator, mask)
+    reward_kl_coef = 0.0 if kl.in_loss else kl_coef
+    rewards = token_rewards(scores, token_kl, mask, reward_kl_coef)
+    advantages, returns = _advantages(
+        ppo, scores, token_kl, reward_kl_coef, rewards, mask, policy_scored.values, all_ranks
+    )
+
+    batch = RolloutBatch(
+        prompt_ids=generated.prompt_ids,
+        prompt_mask=generated.prompt_mask,
+        response_ids=generated.response_ids,
+        response_mask=mask,
+        old_logprobs=policy_scored.logprobs,
+        ref_logprobs=reference_scored.logprobs,
+        old_values=policy_scored.values,
+        scores=scores,
+        rewards=rewards,
+        advantages=advantages,
+        returns=returns,
+    )
+    metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
+    metrics["rollout/kl_coef"] = float(kl_coef)
+    metrics.update(watch.metrics())
+    return batch, metrics, responses
+
+
+def _score_with_both(
+    actor_critic: ActorCritic,
+    reference: torch.nn.Module,
+    generated: GeneratedBatch,
+    temperature: float,
+    runtime: Runtime,
+    ppo: PPOConfig,
+) -> tuple[ScoredBatch, ScoredBatch]:
+    """The sampled responses scored by the policy (log-probabilities, values when it has a
+    critic) and by the reference, in gradient-free passes of ``ppo.scoring_batch_size`` rows
+    (``ppo.micro_batch_size`` when unset). With ``ppo.old_logprobs=sampling`` the policy's
+    log-probabilities are those the sampling loop kept, and its pass runs only for a critic."""
+    size = ppo.scoring_batch_size or ppo.micro_batch_size
+    sampled = generated.logprobs if ppo.old_logprobs == "sampling" else None
+    if sampled is not None and not actor_critic.has_critic:
+        policy_scored = ScoredBatch(logprobs=sampled, values=None, entropy=None)
+    else:
+        policy_scored = score_in_chunks(
+            actor_critic, generated, temperature, runtime, size, actor_critic.has_critic
+        )
+        if sampled is not None:
+            policy_scored.logprobs = sampled
+    reference_scored = score_in_chunks(
+        reference, generated, temperature, runtime, size, with_values=False
+    )
+    return policy_scored, reference_scored
+
+
+def _advantages(
+    ppo: PPOConfig,
+    scores: Tensor,
+    token_kl: Tensor,
+    reward_kl_coef: float,
+    rewards: Tensor,
+    mask: Tensor,
+    values: Tensor | None,
+    all_ranks: bool,
+) -> tuple[Tensor, Tensor | None]:
+    """``(advantages, returns)`` of ``ppo.advantage_estimator`` for this rank's rows, whose
+    groups of ``ppo.samples_per_prompt`` consecutive rows are whole here."""
+    # The group estimators compare whole responses: each one's return is its score minus the
+    # KL penalty of all its tokens (the sum of its per-token rewards), as in RLOO's paper.
+    sequence_returns = scores - reward_kl_coef * masked_sum(token_kl, mask, dim=1)
+    return ESTIMATORS[ppo.advantage_estimator](
+        AdvantageInputs(
+            scores=sequence_returns,
+            rewards=rewards,
+            response_mask=mask,
+            gamma=ppo.gamma,
+            lam=ppo.lam,
+            values=values,
+            group_ids=consecutive_groups(len(scores), ppo.samples_per_prompt, mask.device),
+            whiten=ppo.whiten_advantages,
+            all_ranks=all_ranks,
+        )
+    )
+
+
+def _rollout_metrics(
+    batch: RolloutBatch, raw_scores: Tensor, token_kl: Tensor, has_eos: Tensor, all_ranks: bool
+) -> dict[str, float]:
+    """Per-sequence means of score, KL, reward, length and EOS rate (over every rank's rows with
+    ``all_ranks``), the token-weighted value mean (with a critic) and the score's standard
+    deviation."""
+    mask = batch.response_mask
+    per_sequence = {
+        "rollout/score": raw_scores,
+        "rollout/positive_rate": (raw_scores > POSITIVE_SCORE).float(),
+        "rollout/kl": masked_sum(token_kl, mask, dim=1),
+        "rollout/reward": masked_sum(batch.rewards, mask, dim=1),
+        "rollout/response_length": mask.sum(dim=1).float(),
+        "rollout/eos_rate": has_eos.float(),
+    }
+    means = {name: RunningMean.from_sum(v.sum(), len(v)) for name, v in per_sequence.items()}
+    if batch.old_values is not None:
+        means["rollout/value_mean"] = RunningMean.from_masked(batch.old_values, mask)
+    metrics = {name: (m.all_reduce() if all_ranks else m).item() for name, m in means.items()}
+    every_row = torch.ones_like(raw_scores, dtype=torch.bool)
+    metrics["rollout/score_std"] = (
+        float(masked_moments(raw_scores, every_row, all_ranks=all_ranks)[1]) ** 0.5
+        if len(raw_scores) > 1 or all_ranks
+        else 0.0
+    )
+    return metrics
