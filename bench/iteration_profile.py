@@ -44,6 +44,7 @@ this code, and prints both and their ratio: one invocation, one machine.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import shutil
@@ -143,13 +144,25 @@ def top_operators(profiler, count: int = 8) -> list[dict]:
     ]
 
 
+def newer_or_older(*names: str):
+    """The first module of ``names`` that imports: the library's rooms were renamed, and
+    ``--against`` may profile a revision from before (``ppo_core.training.loop`` was
+    ``ppo_core.trainer``)."""
+    for name in names:
+        try:
+            return importlib.import_module(name)
+        except ModuleNotFoundError:
+            continue
+    raise ModuleNotFoundError(f"none of {names} imports")
+
+
 def install(timer: PassTimer) -> None:
     """Wrap the functions each pass runs through (module attributes, so the trainer's own
     calls go through the wrappers)."""
-    from ppo_core.models.policy import ActorCritic
-    from ppo_core.training import loop as trainer
-    from ppo_core.training import rollout, update
-
+    ActorCritic = newer_or_older("ppo_core.models.policy", "ppo_core.modeling.policy").ActorCritic
+    trainer = newer_or_older("ppo_core.training.loop", "ppo_core.trainer")
+    rollout = newer_or_older("ppo_core.training.rollout", "ppo_core.rollout")
+    update = newer_or_older("ppo_core.training.update", "ppo_core.update")
     timer.wrap(rollout, "sample_responses", "generate")
     timer.wrap(
         rollout,
@@ -163,8 +176,7 @@ def install(timer: PassTimer) -> None:
     timer.wrap(trainer, "ppo_update", "update")
     timer.wrap(update, "score_sequences", lambda *a, **k: "micro_batch")
     try:  # the sampling loop (code before it sampled with model.generate)
-        from ppo_core.models import sampling
-
+        sampling = newer_or_older("ppo_core.models.sampling", "ppo_core.modeling.sampling")
         timer.wrap(sampling, "_draw_next", lambda *a, **k: "draw")
     except ImportError:
         pass
@@ -180,9 +192,8 @@ def install(timer: PassTimer) -> None:
 
 def model_sizes(folder: str) -> dict[str, float]:
     """N (the blocks' weights) and V x d (the output layer) of the policy in ``folder``."""
-    from ppo_core.models.policy import load_causal_lm
-
-    model = load_causal_lm(folder)
+    policy = newer_or_older("ppo_core.models.policy", "ppo_core.modeling.policy")
+    model = policy.load_causal_lm(folder)
     total = sum(p.numel() for p in model.parameters())
     output = model.get_output_embeddings().weight.numel()
     blocks = total - output - (0 if model.config.tie_word_embeddings else output)
