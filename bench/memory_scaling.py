@@ -56,9 +56,6 @@ goes to stderr. The full measurement, then a small check (20M only, no Qwen2, re
     .venv/bin/python bench/memory_scaling.py
     .venv/bin/python bench/memory_scaling.py --sizes 20M --no-qwen2 --out /tmp/ms.json
     .venv/bin/python bench/memory_scaling.py --smoke   # seconds: see SMOKE_SHAPE
-
-Options: ``--sizes`` (any of 20M 100M 350M), ``--modes`` (any of full lora lora+ckpt),
-``--qwen2/--no-qwen2``, ``--out``.
 """
 
 from __future__ import annotations
@@ -104,19 +101,11 @@ SMOKE_SHAPE: dict[str, int] = dict(
 )
 """``--smoke``: a two-layer Llama of width 64 (about 0.1M parameters), ``lora+ckpt`` only (the
 mode that uses the most of the trainer: adapters and gradient checkpointing), no Qwen2."""
+LORA = ["model.lora.enabled=true", "model.lora.rank=8", "model.lora.target_modules=[all-linear]"]
 MODES: dict[str, list[str]] = {
     "full": [],
-    "lora": [
-        "model.lora.enabled=true",
-        "model.lora.rank=8",
-        "model.lora.target_modules=[all-linear]",
-    ],
-    "lora+ckpt": [
-        "model.lora.enabled=true",
-        "model.lora.rank=8",
-        "model.lora.target_modules=[all-linear]",
-        "train.gradient_checkpointing=true",
-    ],
+    "lora": LORA,
+    "lora+ckpt": [*LORA, "train.gradient_checkpointing=true"],
 }
 ROLLOUT, MINI, MICRO, EPOCHS, NEW_TOKENS = 8, 8, 4, 1, 16
 
@@ -372,6 +361,26 @@ def print_tables(peak_gflops: float, rows: list[dict], fits: dict, qwen2: dict |
         )
 
 
+def run_mode(
+    task: dict, size: str, built: dict, peak_gflops: float, device: str, precision: str
+) -> dict:
+    """One PPO iteration of a built model in one mode, in a child process, as a table row."""
+    mode = task["mode"]
+    task = {"kind": "ppo", **task, "device": device, "precision": precision}
+    result = run_child(task, f"{size} {mode}")
+    row = describe_run(size, mode, built, result, peak_gflops)
+    shutil.rmtree(task["work"], ignore_errors=True)
+    if "error" in row:
+        print(f"{size} {mode}: FAILED ({row['error']})", file=sys.stderr)
+    else:
+        print(
+            f"{size} {mode}: peak {row['peak_gib']:.2f} GiB, rollout {row['rollout_s']:.1f} s, "
+            f"update {row['update_s']:.1f} s, child {row['child_wall_s']:.0f} s",
+            file=sys.stderr,
+        )
+    return row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
@@ -443,34 +452,13 @@ def main() -> None:
                 file=sys.stderr,
             )
             for mode in modes:
-                work = Path(tmp, f"run-{size}-{mode}")
-                task = {
-                    "kind": "ppo",
-                    "folder": str(folder),
-                    "mode": mode,
-                    "work": str(work),
-                    "train_file": str(train_file),
-                    "eval_file": str(eval_file),
-                    "device": args.device,
-                    "precision": args.precision,
-                }
-                row = describe_run(
-                    size, mode, built, run_child(task, f"{size} {mode}"), peak_gflops
-                )
-                shutil.rmtree(work, ignore_errors=True)
+                files = {"train_file": str(train_file), "eval_file": str(eval_file)}
+                task = {"folder": str(folder), "mode": mode, "work": str(Path(tmp, "run")), **files}
+                row = run_mode(task, size, built, peak_gflops, args.device, args.precision)
                 if family == "qwen2":
                     qwen2 = row
                 else:
                     rows.append(row)
-                if "error" in row:
-                    print(f"{size} {mode}: FAILED ({row['error']})", file=sys.stderr)
-                else:
-                    print(
-                        f"{size} {mode}: peak {row['peak_gib']:.2f} GiB, rollout "
-                        f"{row['rollout_s']:.1f} s, update {row['update_s']:.1f} s, child "
-                        f"{row['child_wall_s']:.0f} s",
-                        file=sys.stderr,
-                    )
             shutil.rmtree(folder, ignore_errors=True)
     fits = {mode: fit_max_params([r for r in rows if r["mode"] == mode]) for mode in args.modes}
     print_tables(peak_gflops, rows, fits, qwen2)

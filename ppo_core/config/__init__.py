@@ -16,11 +16,11 @@ from ppo_core.config.checks import (
     code_free_folders,
     validate_config,
 )
+from ppo_core.config.choices import CHOICES
 from ppo_core.config.docs import field_docs, save_config, to_yaml
 from ppo_core.config.keys import MAX_VALUE_CHARS, ConfigError, flatten
 from ppo_core.config.loading import load_config
 from ppo_core.config.schema import (
-    CHOICES,
     BaseConfig,
     Config,
     DataConfig,

@@ -14,8 +14,9 @@ from dataclasses import fields, is_dataclass, replace
 from typing import Any
 
 from ppo_core.config.bounds import Bounds
+from ppo_core.config.choices import CHOICES
 from ppo_core.config.keys import MAX_VALUE_CHARS, ConfigError, flatten, shown_value
-from ppo_core.config.schema import CHOICES, Config, ModelConfig, PPOConfig
+from ppo_core.config.schema import Config, ModelConfig, PPOConfig
 from ppo_core.files.output_paths import OutputPathError, check_output, overlap, real_path
 from ppo_core.math.choices import (
     check_batch_sizes,

@@ -57,13 +57,17 @@ def _comment(doc: str, indent: str, width: int = 99) -> list[str]:
 
 
 @functools.cache
-def _docs_by_key() -> dict[str, str]:
-    source = ast.parse(Path(inspect.getfile(Config)).read_text(encoding="utf-8"))
-    classes = {node.name: node for node in source.body if isinstance(node, ast.ClassDef)}
+def _classes_in(path: str) -> dict[str, ast.ClassDef]:
+    source = ast.parse(Path(path).read_text(encoding="utf-8"))
+    return {node.name: node for node in source.body if isinstance(node, ast.ClassDef)}
 
+
+@functools.cache
+def _docs_by_key() -> dict[str, str]:
     def documented(cls: type) -> dict[str, str]:
-        """Field name to the string literal under it, in ``cls``'s body."""
-        body = classes[cls.__name__].body
+        """Field name to the string literal under it, in ``cls``'s body (in the file that
+        defines it: the schema's sections are spread over two)."""
+        body = _classes_in(inspect.getfile(cls))[cls.__name__].body
         return {
             node.target.id: inspect.cleandoc(after.value.value)
             for node, after in itertools.pairwise(body)
@@ -94,8 +98,9 @@ def field_docs() -> dict[str, str]:
     """The documentation of every key, by dotted key (``ppo.epochs``), and of every section
     (``ppo``, its class docstring).
 
-    The text is the string literal written under each field in ``schema.py``, so that the
-    definition stays the one place a key is documented; an undocumented key maps to ``""``.
+    The text is the string literal written under each field in ``schema.py`` or
+    ``stage_sections.py``, so that the definition stays the one place a key is documented; an
+    undocumented key maps to ``""``.
     """
     return dict(_docs_by_key())
 

@@ -202,11 +202,11 @@ def test_a_warning_is_one_line_without_the_source_line(tmp_path, monkeypatch):
     """`ppo` prints a warning as what happened, not as the project's file:line and code."""
     import warnings
 
-    from flows.cli import _load
+    from flows.command import load_settings
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(warnings, "formatwarning", warnings.formatwarning)
-    _load(None, [])
+    load_settings(None, [])
     text = warnings.formatwarning("not resuming from step-000080", UserWarning, __file__, 1)
     assert text == "warning: not resuming from step-000080\n"
 

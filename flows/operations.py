@@ -1,0 +1,227 @@
+"""The ``ppo`` commands that operate production between runs: ``rollback`` (an earlier
+version made current again), ``notify`` (a person told when a scheduled run needs one),
+``ingest`` (new prompt files for the next run) and ``compare`` (runs side by side).
+
+``flows/cli.py`` registers them after the stage commands, so ``ppo --help`` lists the stages
+first. Like every subcommand, each imports what it runs when it runs.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from flows.command import ConfigOption, Overrides, console, load_settings, run_or_exit
+
+
+def rollback(
+    version: Annotated[
+        str, typer.Argument(help="The earlier production version, e.g. v0002.", show_default=False)
+    ],
+    reason: Annotated[
+        str,
+        typer.Option("--reason", "-m", help="Why: the registry records it.", show_default=False),
+    ],
+    by: Annotated[
+        str | None,
+        typer.Option(help="Who rolls back (default: the user running the command)."),
+    ] = None,
+    backup: Annotated[
+        bool,
+        typer.Option(
+            help="Back production and the registry up in the DVC remote afterwards, as a "
+            "deployment run does (only where they are backed up already: a .dvc pointer exists)."
+        ),
+    ] = True,
+    config: ConfigOption = None,
+    overrides: Overrides = None,
+) -> None:
+    """Make an earlier production version current again.
+
+    The version is checked against the content hash the registry recorded when it was promoted
+    (and an adapter version's stored base against its fingerprint) before anything changes;
+    nothing is copied or deleted. The registry records who rolled back, when, why, and from
+    which version; the next `from_production` run (scheduled retraining) starts from it.
+    """
+    import getpass
+
+    from flows.orchestration.records import back_up_production, pointer_files
+    from ppo_core.registry.versions import roll_back
+
+    cfg = load_settings(config, overrides)
+    entry = run_or_exit(
+        lambda: roll_back(
+            registry_path=cfg.promote.registry,
+            production_dir=cfg.promote.production_dir,
+            version=version,
+            reason=reason,
+            by=by or getpass.getuser(),
+        )
+    )
+    console.print(
+        f"production is [bold]{version}[/] again (was {entry['previous']}); recorded in "
+        f"{cfg.promote.registry}",
+        soft_wrap=True,
+    )
+    if backup and all(Path(p).is_file() for p in pointer_files(cfg)):
+        console.print(back_up_production(".", cfg).message, soft_wrap=True)
+    elif backup:
+        console.print(
+            "not backed up: production has no DVC pointer yet (a deployment run with backup "
+            "makes one)",
+            soft_wrap=True,
+        )
+
+
+def notify(
+    webhook: Annotated[
+        str,
+        typer.Option(
+            "--webhook",
+            help="The URL that receives a JSON POST {subject, body} for each notification.",
+            show_default=False,
+        ),
+    ],
+    header: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--header",
+            metavar="NAME=VALUE",
+            help="A header to send with each notification (e.g. Authorization=Bearer ...).",
+        ),
+    ] = None,
+) -> None:
+    """Tell someone when a retraining run needs a person: a rejected candidate, a failed run, a
+    crashed run.
+
+    Saves a Prefect Custom Webhook notification block and creates the server automations
+    `retrain-notify-rejected` and `retrain-notify-failed` (replacing earlier ones) on the server
+    of PREFECT_API_URL; the server sends the notifications itself. Run it once per server.
+    """
+    if not os.environ.get("PREFECT_API_URL"):
+        console.print(
+            "[bold red]error:[/] PREFECT_API_URL is not set: notifications are kept by a Prefect "
+            "server (`prefect server start`, then export PREFECT_API_URL=http://127.0.0.1:4200/api)",
+            soft_wrap=True,
+        )
+        raise typer.Exit(code=2)
+    headers = {}
+    for item in header or []:
+        name, sep, value = item.partition("=")
+        if not sep or not name:
+            console.print(f"[bold red]error:[/] --header {item!r} is not NAME=VALUE")
+            raise typer.Exit(code=2)
+        headers[name] = value
+    from flows.orchestration.notifications import BLOCK_NAME, set_up_notifications
+
+    created = set_up_notifications(webhook, headers)
+    console.print(
+        f"notification block {BLOCK_NAME} and automations {', '.join(created)} created: "
+        "a rejected candidate, a failed and a crashed run of retrain are sent to the webhook",
+        soft_wrap=True,
+    )
+
+
+def ingest(
+    files: Annotated[
+        list[Path],
+        typer.Argument(
+            help="Prompt files (.jsonl, .parquet) to add.", metavar="FILE", show_default=False
+        ),
+    ],
+    config: ConfigOption = None,
+    no_event: Annotated[
+        bool,
+        typer.Option("--no-event", help="Add the files without telling the Prefect server."),
+    ] = False,
+) -> None:
+    """Add new raw prompt files for the next retraining run, and tell Prefect.
+
+    Each file is read as `ppo prepare` reads raw files (a malformed one is refused, naming the
+    file and line, before anything is written), then copied into `ingest.inbox_dir`, all files
+    or none. The next run of the Prefect flow `retrain` moves them into `data.raw_dir` before it
+    prepares; files that arrive during a run wait for the next one.
+
+    With `PREFECT_API_URL` set, the event `ppo.data.ingested` goes to that server, where it
+    starts the deployment `retrain/on-new-data` (`prefect deploy --all`, see prefect.yaml).
+    Without it, nothing is triggered: `python -m flows.pipeline run` (or `make run`) takes them.
+    """
+    from prefect.settings import PREFECT_API_URL
+
+    from flows.ingest import emit_ingested, ingest_files
+
+    cfg = load_settings(config, None)
+    result = run_or_exit(lambda: ingest_files(cfg, files))
+    for path in result.already_there:
+        console.print(f"{path} already holds these bytes: nothing to add", soft_wrap=True)
+    for path in result.added:
+        console.print(f"added {path} ({result.prompts[path.name]} prompts)", soft_wrap=True)
+    if not result.added:
+        return
+    if no_event:
+        return
+    if not PREFECT_API_URL.value():
+        console.print(
+            "PREFECT_API_URL is not set, so no run was triggered: the next run of the flow takes "
+            "these files (`python -m flows.pipeline run`, or a served or deployed `retrain`)",
+            soft_wrap=True,
+        )
+        return
+    try:
+        emit_ingested(result, Path.cwd())
+    except Exception as exc:  # the files are in; only the trigger failed
+        console.print(
+            f"[bold red]error:[/] the files are in {cfg.ingest.inbox_dir}, but the event could "
+            f"not reach the Prefect server at {PREFECT_API_URL.value()} ({exc}); the next run "
+            "takes them",
+            soft_wrap=True,
+        )
+        raise typer.Exit(code=1) from None
+    console.print(
+        f"sent ppo.data.ingested to {PREFECT_API_URL.value()}: it starts retrain/on-new-data",
+        soft_wrap=True,
+    )
+
+
+def compare(
+    all_commits: Annotated[
+        bool, typer.Option("--all-commits", help="Every commit's runs, not only HEAD's.")
+    ] = False,
+) -> None:
+    """Compare runs: experiments (`dvc exp run`) and commits side by side.
+
+    One row a run, with the params that differ between the runs and the headline numbers:
+    held-out score, positive rate, KL to the reference, EOS rate and distinct-2 of the candidate
+    (`reports/eval/metrics.json`), and training tokens/s. Reads `dvc exp show --json`; `dvc exp
+    show` has every param and metric, `dvc exp diff A B` two runs change by change.
+    """
+    from rich import box
+    from rich.table import Table
+
+    from flows.experiments import HEADLINE, compare_runs, format_number
+
+    try:
+        comparison = compare_runs(".", all_commits=all_commits)
+    except RuntimeError as exc:
+        console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
+        raise typer.Exit(code=2) from None
+    # a rule under the header and no cell borders: eight numbers and the changed params fit in
+    # 100 columns, where a boxed table cut the param names to "ppo.clip…"
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    table.add_column("run", no_wrap=True)
+    for key in comparison.changed:  # the param's name is the point of its column: never cut
+        table.add_column(key, justify="right", min_width=len(key), no_wrap=True)
+    for _, title in HEADLINE:
+        table.add_column(title, justify="right")
+    for run in comparison.runs:
+        params = [str(run.params.get(key, "-")) for key in comparison.changed]
+        numbers = [format_number(run.metrics.get(key)) for key, _ in HEADLINE]
+        table.add_row(run.name, *params, *numbers)
+    out = Console()
+    out.print(table)
+    if not comparison.changed:
+        out.print("no param differs between these runs")
