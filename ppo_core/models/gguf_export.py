@@ -361,11 +361,9 @@ def _pre_tokenizer_name(pre: dict | None) -> str:
     )
 
 
-def _tokenizer_fields(tokenizer: Any, model: Any) -> dict[str, Any]:
-    """Everything the file says of the tokenizer, read from the loaded fast tokenizer."""
-    from gguf import TokenType
-
-    config = model.config
+def _byte_level_spec(tokenizer: Any) -> tuple[dict[str, Any], list[str]]:
+    """The fast tokenizer's ``tokenizer.json`` as a dict, and the notes for the record; refused
+    unless it is a byte-level BPE that llama.cpp reads the same way."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     if backend is None:
         raise GGUFExportError(
@@ -393,18 +391,23 @@ def _tokenizer_fields(tokenizer: Any, model: Any) -> dict[str, Any]:
             f"the tokenizer has a normalizer ({json.dumps(normalizer)[:120]}), which llama.cpp's "
             "byte-level BPE does not apply"
         )
-    pre = _pre_tokenizer_name(spec.get("pre_tokenizer"))
+    return spec, notes
+
+
+def _token_table(tokenizer: Any, spec: dict[str, Any], vocab_size: int) -> tuple[list, list]:
+    """The token of each embedding row and its GGUF type: ``[PAD<i>]`` for rows no token uses."""
+    from gguf import TokenType
+
     vocab = tokenizer.get_vocab()
-    rows = max(int(config.vocab_size), max(vocab.values()) + 1)
-    if max(vocab.values()) + 1 > int(config.vocab_size):
+    if max(vocab.values()) + 1 > vocab_size:
         raise GGUFExportError(
             f"the tokenizer has ids up to {max(vocab.values())} but the model's embedding has "
-            f"{config.vocab_size} rows"
+            f"{vocab_size} rows"
         )
     by_id: dict[int, str] = {index: token for token, index in vocab.items()}
     added = {int(t["id"]): bool(t.get("special")) for t in spec.get("added_tokens") or []}
     tokens, types = [], []
-    for index in range(rows):
+    for index in range(vocab_size):
         if index not in by_id:
             # embedding rows no token uses (Qwen2 pads 151,646 tokens to 151,936 rows)
             tokens.append(f"[PAD{index}]")
@@ -415,49 +418,44 @@ def _tokenizer_fields(tokenizer: Any, model: Any) -> dict[str, Any]:
         else:
             tokens.append(by_id[index])
             types.append(TokenType.NORMAL)
-    merges = [
-        " ".join(pair) if isinstance(pair, list) else str(pair)
-        for pair in model_spec.get("merges") or []
-    ]
-    if any(
-        " " in part for m in model_spec.get("merges") or [] if isinstance(m, list) for part in m
-    ):
+    return tokens, types
+
+
+def _tokenizer_fields(tokenizer: Any, model: Any) -> dict[str, Any]:
+    """Everything the file says of the tokenizer, read from the loaded fast tokenizer."""
+    spec, notes = _byte_level_spec(tokenizer)
+    pre = _pre_tokenizer_name(spec.get("pre_tokenizer"))
+    tokens, types = _token_table(tokenizer, spec, int(model.config.vocab_size))
+    pairs = spec["model"].get("merges") or []
+    if any(" " in part for pair in pairs if isinstance(pair, list) for part in pair):
         raise GGUFExportError("the tokenizer has merges with spaces, which GGUF cannot spell")
+    merges = [" ".join(pair) if isinstance(pair, list) else str(pair) for pair in pairs]
+    # whether the tokenizer adds BOS / EOS itself: what it does to one letter
     probe = tokenizer("a").input_ids
-    bare = tokenizer("a", add_special_tokens=False).input_ids
-    add_bos = (
-        tokenizer.bos_token_id is not None
-        and len(probe) > len(bare)
-        and probe[0] == tokenizer.bos_token_id
-    )
-    add_eos = (
-        tokenizer.eos_token_id is not None
-        and len(probe) > len(bare)
-        and probe[-1] == tokenizer.eos_token_id
-    )
+    grew = len(probe) > len(tokenizer("a", add_special_tokens=False).input_ids)
+    bos, eos = tokenizer.bos_token_id, tokenizer.eos_token_id
     template = tokenizer.chat_template
     if isinstance(template, dict):
         template = template.get("default")
     # a chat model's end of turn, listed by its generation config beside the tokenizer's EOS:
     # llama.cpp stops at the end-of-turn token too
-    stops = [i for i in stop_token_ids(model, tokenizer) if i != tokenizer.eos_token_id]
-    fields: dict[str, Any] = {
+    stops = [i for i in stop_token_ids(model, tokenizer) if i != eos]
+    return {
         "model": "gpt2",
         "pre": pre,
         "tokens": tokens,
         "types": types,
         "merges": merges,
-        "add_bos": add_bos,
-        "add_eos": add_eos,
-        "bos_token_id": tokenizer.bos_token_id,
-        "eos_token_id": tokenizer.eos_token_id,
+        "add_bos": bos is not None and grew and probe[0] == bos,
+        "add_eos": eos is not None and grew and probe[-1] == eos,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
         "unk_token_id": tokenizer.unk_token_id,
         "pad_token_id": tokenizer.pad_token_id,
         "eot_token_id": stops[0] if stops else None,
         "chat_template": template,
         "notes": notes,
     }
-    return fields
 
 
 def _add_tokenizer(writer: Any, fields: dict[str, Any]) -> None:
