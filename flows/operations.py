@@ -209,14 +209,14 @@ def compare(
     except RuntimeError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(code=2) from None
-    # a rule under the header and no cell borders: eight numbers and the changed params fit in
-    # 100 columns, where a boxed table cut the param names to "ppo.clip…"
-    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
+    # a rule under the header, no cell borders and one space between columns: a flow run's
+    # experiment name (retrain-<flow run>), one changed param and the seven numbers fit in 100
+    # columns, where a boxed table cut the headers to "ppo.clip…" and "positi…"
+    table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     table.add_column("run", no_wrap=True)
-    for key in comparison.changed:  # the param's name is the point of its column: never cut
-        table.add_column(key, justify="right", min_width=len(key), no_wrap=True)
-    for _, title in HEADLINE:
-        table.add_column(title, justify="right")
+    # a column's name is the point of it: never cut
+    for title in [*comparison.changed, *(title for _, title in HEADLINE)]:
+        table.add_column(title, justify="right", min_width=len(title), no_wrap=True)
     for run in comparison.runs:
         params = [str(run.params.get(key, "-")) for key in comparison.changed]
         numbers = [format_number(run.metrics.get(key)) for key, _ in HEADLINE]
