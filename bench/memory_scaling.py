@@ -118,9 +118,6 @@ def varied_reward(prompts: list, responses: list[str]):
     return torch.tensor([(sum(map(ord, r)) % 11) / 10.0 for r in responses])
 
 
-# -- children -------------------------------------------------------------------------------------
-
-
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
@@ -263,9 +260,6 @@ def run_child(task: dict, label: str) -> dict:
     return result
 
 
-# -- the parent -----------------------------------------------------------------------------------
-
-
 def update_flops(mode: str, params: int, mean_prompt_tokens: float, response_length: float):
     """(useful, done) FLOPs of the update: forward 2NT, backward 4NT (full) or 2NT (LoRA),
     plus one more forward 2NT done but not counted as useful with gradient checkpointing."""
@@ -329,14 +323,14 @@ def fmt(value, spec: str) -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_tables(peak_gflops: float, rows: list[dict], fits: dict, qwen2: dict | None) -> None:
+def print_tables(peak_gflops: float, every_run: list[dict], fits: dict) -> None:
     print(f"fp32 matmul peak (1 thread, 1024^3): {peak_gflops:.1f} GFLOP/s\n")
     print(
         "| size | mode | params | peak GiB | bytes/param | reference share | rollout s "
         "| update s | update GFLOP/s | of peak |"
     )
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
-    for r in [*rows, *([qwen2] if qwen2 else [])]:
+    for r in every_run:
         if "error" in r:
             print(f"| {r['size']} | {r['mode']} | {r['params']:,} | failed: {r['error']} |")
             continue
@@ -381,7 +375,7 @@ def run_mode(
     return row
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     parser.add_argument("--modes", nargs="+", choices=list(MODES), default=list(MODES))
@@ -402,57 +396,43 @@ def main() -> None:
 
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
-    if args.child:
-        task = json.loads(args.child)
-        kind = task.pop("kind")
-        handler = {"build": build_child, "matmul": matmul_child, "ppo": ppo_child}[kind]
-        print(json.dumps(handler(**task)))
-        return
-    sizes = {size: SIZES[size] for size in args.sizes}
+    args.sizes = {size: SIZES[size] for size in args.sizes}
     if args.smoke:
-        sizes, args.modes, args.qwen2 = {"smoke": SMOKE_SHAPE}, ["lora+ckpt"], False
+        args.sizes, args.modes, args.qwen2 = {"smoke": SMOKE_SHAPE}, ["lora+ckpt"], False
         args.out = _smoke.output_folder("memory_scaling") / "memory_scaling.json"
+    return args
 
+
+def measure(args: argparse.Namespace, peak_gflops: float) -> tuple[list, dict | None, dict]:
+    """Every (size, mode) run, the Qwen2 run (or ``None``) and the models built, by size."""
     from ppo_core.sources.review_grammar import default_prompts
 
-    started = time.perf_counter()
-    peak = run_child({"kind": "matmul", **({"repeats": 1} if args.smoke else {})}, "matmul")
-    if "error" in peak:
-        sys.exit(f"the matmul peak measurement failed ({peak['error']})")
-    peak_gflops = peak["peak_gflops"]
-    print(f"matmul peak: {peak_gflops:.1f} GFLOP/s", file=sys.stderr)
     rows: list[dict] = []
     qwen2: dict | None = None
     builds: dict[str, dict] = {}
+    jobs = [("llama", size, shape, args.modes) for size, shape in args.sizes.items()]
+    if args.qwen2:
+        jobs.append(("qwen2", "qwen2-0.5B", QWEN2_SHAPE, ["lora+ckpt"]))
     with tempfile.TemporaryDirectory(prefix="memory_scaling-") as tmp:
         prompts = default_prompts(80, seed=0)
         train_file, eval_file = Path(tmp, "train.jsonl"), Path(tmp, "eval.jsonl")
         for path, chosen in ((train_file, prompts[:64]), (eval_file, prompts[64:])):
             path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in chosen))
-        jobs = [("llama", size, shape, args.modes) for size, shape in sizes.items()]
-        if args.qwen2:
-            jobs.append(("qwen2", "qwen2-0.5B", QWEN2_SHAPE, ["lora+ckpt"]))
+        files = {"train_file": str(train_file), "eval_file": str(eval_file)}
         for family, size, shape, modes in jobs:
             folder = Path(tmp, f"model-{size}")
+            build = {"family": family, "shape": shape, "folder": str(folder)}
             built = run_child(
-                {
-                    "kind": "build",
-                    "family": family,
-                    "shape": shape,
-                    "folder": str(folder),
-                    "prompt_file": str(train_file),
-                },
-                f"build {size}",
+                {"kind": "build", **build, "prompt_file": str(train_file)}, f"build {size}"
             )
             if "error" in built:
                 sys.exit(f"building the {size} model failed ({built['error']})")
-            builds[size] = {"family": family, "shape": shape, **built}
+            seconds = built["child_wall_s"]
             print(
-                f"built {size}: {built['params']:,} parameters in {built['child_wall_s']:.0f} s",
-                file=sys.stderr,
+                f"built {size}: {built['params']:,} parameters in {seconds:.0f} s", file=sys.stderr
             )
+            builds[size] = {"family": family, "shape": shape, **built}
             for mode in modes:
-                files = {"train_file": str(train_file), "eval_file": str(eval_file)}
                 task = {"folder": str(folder), "mode": mode, "work": str(Path(tmp, "run")), **files}
                 row = run_mode(task, size, built, peak_gflops, args.device, args.precision)
                 if family == "qwen2":
@@ -460,38 +440,52 @@ def main() -> None:
                 else:
                     rows.append(row)
             shutil.rmtree(folder, ignore_errors=True)
+    return rows, qwen2, builds
+
+
+def main() -> None:
+    args = parse_args()
+    if args.child:
+        task = json.loads(args.child)
+        kind = task.pop("kind")
+        handler = {"build": build_child, "matmul": matmul_child, "ppo": ppo_child}[kind]
+        print(json.dumps(handler(**task)))
+        return
+    started = time.perf_counter()
+    peak = run_child({"kind": "matmul", **({"repeats": 1} if args.smoke else {})}, "matmul")
+    if "error" in peak:
+        sys.exit(f"the matmul peak measurement failed ({peak['error']})")
+    peak_gflops = peak["peak_gflops"]
+    print(f"matmul peak: {peak_gflops:.1f} GFLOP/s", file=sys.stderr)
+    rows, qwen2, builds = measure(args, peak_gflops)
+    every_run = [*rows, *([qwen2] if qwen2 else [])]
     fits = {mode: fit_max_params([r for r in rows if r["mode"] == mode]) for mode in args.modes}
-    print_tables(peak_gflops, rows, fits, qwen2)
-    for row in [*rows, *([qwen2] if qwen2 else [])]:
+    print_tables(peak_gflops, every_run, fits)
+    for row in every_run:
         if "cuda_peak_gib" in row:
             print(f"{row['size']} {row['mode']}: GPU peak {row['cuda_peak_gib']:.2f} GiB")
+    settings = {
+        "rollout_batch_size": ROLLOUT,
+        "mini_batch_size": MINI,
+        "micro_batch_size": MICRO,
+        "epochs": EPOCHS,
+        "max_new_tokens": NEW_TOKENS,
+        "threads": 1,
+        "device": args.device,
+        "precision": args.precision,
+    }
+    results = {
+        "settings": settings,
+        "matmul": peak,
+        "models": builds,
+        "runs": rows,
+        "fits_24gib_extrapolation": fits,
+        "qwen2": qwen2,
+        "total_s": time.perf_counter() - started,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "settings": {
-                    "rollout_batch_size": ROLLOUT,
-                    "mini_batch_size": MINI,
-                    "micro_batch_size": MICRO,
-                    "epochs": EPOCHS,
-                    "max_new_tokens": NEW_TOKENS,
-                    "threads": 1,
-                    "device": args.device,
-                    "precision": args.precision,
-                },
-                "matmul": peak,
-                "models": builds,
-                "runs": rows,
-                "fits_24gib_extrapolation": fits,
-                "qwen2": qwen2,
-                "total_s": time.perf_counter() - started,
-            },
-            indent=1,
-        )
-    )
-    failed = [
-        f"{r['size']} {r['mode']}" for r in [*rows, *([qwen2] if qwen2 else [])] if "error" in r
-    ]
+    args.out.write_text(json.dumps(results, indent=1))
+    failed = [f"{r['size']} {r['mode']}" for r in every_run if "error" in r]
     if args.smoke and failed:  # a full run reports its failures in the table and goes on
         sys.exit(f"failed: {', '.join(failed)}")
 

@@ -31,10 +31,7 @@ from ppo_core.models.adapter_folders import (
     recorded_fingerprint,
 )
 from ppo_core.registry.lineage import Lineage, store_base
-from ppo_core.registry.versions import (
-    check_version,
-    promoted_entry,
-)
+from ppo_core.registry.versions import check_version, promoted_entry
 from ppo_core.sources.hub_cache import resolve_model_source, snapshot_blobs
 
 

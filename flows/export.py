@@ -8,13 +8,8 @@ import json
 from pathlib import Path
 
 from ppo_core.config import WRITE_KEYS, Config, check_write_paths, flatten
-from ppo_core.files import (
-    atomic_write_text,
-    file_sha256,
-)
-from ppo_core.models.adapter_folders import (
-    is_adapter_folder,
-)
+from ppo_core.files import atomic_write_text, file_sha256
+from ppo_core.models.adapter_folders import is_adapter_folder
 from ppo_core.registry.versions import (
     check_version,
     promoted_entry,

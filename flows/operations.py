@@ -209,9 +209,10 @@ def compare(
     except RuntimeError as exc:
         console.print(f"[bold red]error:[/] {exc}", soft_wrap=True)
         raise typer.Exit(code=2) from None
-    # a rule under the header, no cell borders and one space between columns: a flow run's
-    # experiment name (retrain-<flow run>), one changed param and the seven numbers fit in 100
-    # columns, where a boxed table cut the headers to "ppo.clip…" and "positi…"
+    # a rule under the header, no cell borders and the cells' padding collapsed (two spaces
+    # between columns): a flow run's experiment name (retrain-<flow run>), one changed param
+    # and the seven numbers fit in 100 columns, where a boxed table cut the headers to
+    # "ppo.clip…" and "positi…"
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     table.add_column("run", no_wrap=True)
     # a column's name is the point of it: never cut
