@@ -74,6 +74,15 @@ def prepare(config: ConfigOption = None, overrides: Overrides = None) -> None:
         f"({c['duplicates']} duplicates, {c['empty']} empty dropped) in [bold]{path}[/]; "
         f"data version {info['content_hash'][:12]}"
     )
+    feedback = json.loads((path / "feedback" / "manifest.json").read_text())
+    if feedback["pairs"] or feedback["sources"]:
+        f = feedback["counts"]
+        console.print(
+            f"feedback: {f['train']} train / {f['eval']} eval pairs from {f['pair_rows']} pair "
+            f"rows and {f['rating_rows']} ratings ({f['ratings_pairs']} pairs made from "
+            f"ratings, {f['ratings_unpaired']} ratings without a counterpart, "
+            f"{f['duplicates']} duplicates dropped)"
+        )
 
 
 @app.command()
@@ -92,6 +101,27 @@ def validate(config: ConfigOption = None, overrides: Overrides = None) -> None:
     console.print(
         f"data valid; published to [bold]{path}[/] (report in {cfg.validation.report_dir})"
     )
+
+
+@app.command()
+def reward(config: ConfigOption = None, overrides: Overrides = None) -> None:
+    """Train a reward model on the feedback pairs in data.prepared_dir/feedback and promote it
+    as the next reward version when it passes its gate.
+
+    The model starts from reward_model.base (default: model.policy) with a new scalar head and
+    learns the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - reward_model.margin), its
+    mini-batches accumulated exactly over micro-batches. It is judged on the held-out pairs
+    (accuracy, margin, calibration, accuracy by length bias) against the current version on the
+    same pairs: it must reach reward_model.gate.min_accuracy and fall at most
+    reward_model.gate.max_accuracy_drop below the current one. A pass writes
+    reward_model.versions_dir/rNNNN and makes it current; PPO uses it with
+    model.reward=reward:current. Reports go to reward_model.report_dir. Without feedback pairs
+    it trains nothing.
+    """
+    from flows.reward_stage import reward as run_reward
+
+    cfg = load_settings(config, overrides)
+    run_or_exit(lambda: run_reward(cfg, progress=lambda line: console.print(line, soft_wrap=True)))
 
 
 @app.command()

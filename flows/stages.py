@@ -19,6 +19,7 @@ from pathlib import Path
 
 from flows.base_model import base
 from flows.export import export
+from flows.feedback_data import prepare_feedback, publish_feedback, validate_feedback
 from flows.provenance import code_version
 from flows.raw_data import (
     check_raw_data_is_prepared,
@@ -64,7 +65,8 @@ def prepare(config: Config) -> Path:
     normalises whitespace, drops empty prompts and duplicates (first occurrence wins), splits by a
     hash of each prompt, and writes ``train.parquet``, ``eval.parquet`` and ``manifest.json``
     (content hash, counts, source files with their hashes) into ``data.interim_dir``, atomically;
-    ``validate`` publishes it to ``data.prepared_dir``.
+    ``validate`` publishes it to ``data.prepared_dir``. The feedback in ``data.feedback_dir``
+    becomes a pair version in ``feedback/`` beside the splits (:mod:`flows.feedback_data`).
     A malformed line fails the stage naming its file and line; nothing is written then. So does a
     raw file over ``data.max_rows_per_file`` or ``data.max_bytes_per_file``, and a split over them
     (training and evaluation read the splits under the same caps). The manifest names each source
@@ -95,6 +97,8 @@ def prepare(config: Config) -> Path:
     for split, items in (("train", trains), ("eval", evals)):
         for prompt in items:
             content.update(f"{split}\x00{prompt}\n".encode())
+    # the feedback's pair version, read (and refused when malformed) before anything is written
+    feedback = prepare_feedback(config)
     manifest = {
         "content_hash": content.hexdigest(),
         "counts": {**counts, "train": len(trains), "eval": len(evals)},
@@ -115,6 +119,7 @@ def prepare(config: Config) -> Path:
                     f"so {readers[split]} could not read it; raise the limit"
                 )
         (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        feedback.write(tmp)
 
     return atomic_folder(data.interim_dir, write)
 
@@ -251,6 +256,10 @@ def validate(config: Config) -> Path:
     )
     if not result.success:
         raise DataValidationError(result)
+    # the feedback's pairs pass too, or nothing is published
+    feedback_result = validate_feedback(config)
+    if feedback_result is not None and not feedback_result.success:
+        raise DataValidationError(feedback_result)
 
     def publish(tmp: Path) -> None:
         for name in ("train.parquet", "eval.parquet", "manifest.json"):
@@ -260,6 +269,7 @@ def validate(config: Config) -> Path:
                 copy_regular_file(interim / name, fd, MAX_COPY_BYTES)
             finally:
                 os.close(fd)
+        publish_feedback(config, tmp)
 
     return atomic_folder(config.data.prepared_dir, publish)
 

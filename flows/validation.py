@@ -58,16 +58,20 @@ class ValidationResult:
     docs_index: Path  # the Data Docs index.html under report_dir
     summary_path: Path  # report_dir / "summary.json"
     splits: dict[str, int] = field(default_factory=dict)  # rows per split, for the summary line
+    what: str = "Prompt data validation"  # what was validated, as describe() names it
+    data: str = "prompt data"  # the data to fix, as DataValidationError names it
+    notes: list[str] = field(default_factory=list)  # lines describe() adds, pass or fail
 
     def describe(self) -> str:
         """A multi-line summary for people: one line per failed expectation."""
         rows = ", ".join(f"{name} {count} rows" for name, count in self.splits.items())
         rows = f" ({rows})" if rows else ""
         if self.success:
-            return f"Prompt data validation passed: {self.evaluated} expectations{rows}."
+            return "\n".join(
+                [f"{self.what} passed: {self.evaluated} expectations{rows}.", *self.notes]
+            )
         lines = [
-            f"Prompt data validation failed: {len(self.failures)} of {self.evaluated} "
-            f"expectations{rows}."
+            f"{self.what} failed: {len(self.failures)} of {self.evaluated} expectations{rows}."
         ]
         for failure in self.failures:
             column = f" on '{failure.column}'" if failure.column is not None else ""
@@ -76,19 +80,20 @@ class ValidationResult:
             if failure.examples:
                 line += "; e.g. " + " | ".join(failure.examples)
             lines.append(line)
+        lines += self.notes
         lines.append(f"Full results: {self.summary_path}")
         return "\n".join(lines)
 
 
 class DataValidationError(ValueError):
-    """The prepared prompt data broke at least one expectation."""
+    """The validated data (prepared prompts, feedback pairs) broke at least one expectation."""
 
     def __init__(self, result: ValidationResult):
         self.result = result
         super().__init__(
             f"{result.describe()}\n"
             f"Data Docs: {result.docs_index}\n"
-            "Fix the prompt data (or the validation bounds in the config) and rerun."
+            f"Fix the {result.data} (or the validation bounds in the config) and rerun."
         )
 
 
@@ -115,10 +120,10 @@ def validate_prompt_splits(
         raise ValueError(f"min_tokens ({min_tokens}) is larger than max_tokens ({max_tokens})")
     report_dir = Path(report_dir).resolve()
     docs_dir = report_dir / "data_docs"
-    ge = _fresh_context(docs_dir)
+    ge = fresh_context(docs_dir)
     frames = {"train": train, "eval": eval}
     min_rows = {"train": min_train_rows, "eval": min_eval_rows}
-    train_prompts = _string_values(train[prompt_field]) if prompt_field in train.columns else []
+    train_prompts = string_values(train[prompt_field]) if prompt_field in train.columns else []
     split_reports: dict[str, dict[str, Any]] = {}
     for split in SPLITS:
         frame, tokens_column = _frame_for_ge(frames[split], prompt_field, count_tokens, split)
@@ -148,7 +153,7 @@ def validate_prompt_splits(
 
     checks = [check for report in split_reports.values() for check in report["expectations"]]
     failures = [
-        FailedExpectation(**{k: check[k] for k in _FAILURE_FIELDS})
+        FailedExpectation(**{k: check[k] for k in FAILURE_FIELDS})
         for check in checks
         if not check["success"]
     ]
@@ -188,38 +193,42 @@ def _write_summary(
         "settings": settings,
         "splits": split_reports,
         "failures": [asdict(failure) for failure in result.failures],
-        "docs_index": _recorded_path(result.docs_index, result.summary_path.parent),
+        "docs_index": recorded_path(result.docs_index, result.summary_path.parent),
         "great_expectations_version": gx_version,
     }
     atomic_write_text(result.summary_path, json.dumps(summary, indent=2, default=str) + "\n")
 
 
 @dataclass
-class _GreatExpectations:
+class GreatExpectations:
     """One validation's Great Expectations: the module, an ephemeral context, its pandas data
-    source, and the run identifier both splits share (one run, one time stamp)."""
+    source, the run identifier both splits share (one run, one time stamp), the Data Docs site's
+    name and the prefix of each split's suite, validation definition and checkpoint names."""
 
     gx: Any
     context: Any
     source: Any
     run_id: Any
+    site: str = DOCS_SITE
+    prefix: str = "prompts"
 
     def check(self, split: str, expectations: list[Any], frame: pd.DataFrame) -> list[dict]:
         """Each expectation's outcome (as JSON) on ``frame``, through a checkpoint of ``split``
         (suite, batch definition, validation definition) that also updates the Data Docs."""
         gx, context = self.gx, self.context
-        suite = context.suites.add(gx.ExpectationSuite(name=f"prompts_{split}"))
+        name = f"{self.prefix}_{split}"
+        suite = context.suites.add(gx.ExpectationSuite(name=name))
         for expectation in expectations:
             suite.add_expectation(expectation)
         batch = self.source.add_dataframe_asset(split).add_batch_definition_whole_dataframe(split)
         definition = context.validation_definitions.add(
-            gx.ValidationDefinition(name=f"prompts_{split}", data=batch, suite=suite)
+            gx.ValidationDefinition(name=name, data=batch, suite=suite)
         )
         checkpoint = context.checkpoints.add(
             gx.Checkpoint(
-                name=f"prompts_{split}",
+                name=name,
                 validation_definitions=[definition],
-                actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=[DOCS_SITE])],
+                actions=[gx.checkpoint.UpdateDataDocsAction(name="docs", site_names=[self.site])],
                 result_format={"result_format": "SUMMARY"},
             )
         )
@@ -228,28 +237,37 @@ class _GreatExpectations:
         return [outcome.to_json_dict() for outcome in suite_result.results]
 
 
-def _fresh_context(docs_dir: Path) -> _GreatExpectations:
-    """Great Expectations with an ephemeral context whose Data Docs site is ``docs_dir``,
-    emptied first: a rebuilt site would otherwise keep the pages of earlier runs beside this
-    one's; a link at its place (or inside it) is removed, never followed."""
+def fresh_context(
+    docs_dir: Path,
+    *,
+    site: str = DOCS_SITE,
+    run_name: str = "prompt_validation",
+    prefix: str = "prompts",
+) -> GreatExpectations:
+    """Great Expectations with an ephemeral context whose Data Docs site ``site`` is
+    ``docs_dir``, emptied first: a rebuilt site would otherwise keep the pages of earlier runs
+    beside this one's; a link at its place (or inside it) is removed, never followed. Only
+    ``docs_dir`` itself is cleared, so sites in sibling or parent folders stay as they are."""
     docs_dir.parent.mkdir(parents=True, exist_ok=True)
     clear_output_folder(docs_dir)
     gx = _import_gx()
     from great_expectations.core.run_identifier import RunIdentifier  # after _import_gx's setup
 
-    context = _ephemeral_context(gx, docs_dir)
-    return _GreatExpectations(
+    context = _ephemeral_context(gx, docs_dir, site)
+    return GreatExpectations(
         gx,
         context,
-        context.data_sources.add_pandas("prompts"),
-        RunIdentifier(run_name="prompt_validation"),
+        context.data_sources.add_pandas(prefix),
+        RunIdentifier(run_name=run_name),
+        site=site,
+        prefix=prefix,
     )
 
 
-_FAILURE_FIELDS = ("expectation", "split", "column", "unexpected_count", "examples", "details")
+FAILURE_FIELDS = ("expectation", "split", "column", "unexpected_count", "examples", "details")
 
 
-def _recorded_path(path: Path, report_dir: Path) -> str:
+def recorded_path(path: Path, report_dir: Path) -> str:
     """``path`` (under the resolved ``report_dir``) as the summary records it: relative to the
     working folder when it lies inside it, else to the report folder. The summary is shared (DVC,
     CI artifacts); an absolute path would record the user's folders."""
@@ -270,8 +288,8 @@ def _import_gx():
     return gx
 
 
-def _ephemeral_context(gx, docs_dir: Path):
-    """An in-memory context whose only Data Docs site writes HTML into ``docs_dir``."""
+def _ephemeral_context(gx, docs_dir: Path, site: str):
+    """An in-memory context whose only Data Docs site, ``site``, writes HTML into ``docs_dir``."""
     from great_expectations.data_context.types.base import (
         DataContextConfig,
         InMemoryStoreBackendDefaults,
@@ -282,7 +300,7 @@ def _ephemeral_context(gx, docs_dir: Path):
         # init_temp_docs_sites=False: no default site in a temporary folder beside ours.
         store_backend_defaults=InMemoryStoreBackendDefaults(init_temp_docs_sites=False),
         data_docs_sites={
-            DOCS_SITE: {
+            site: {
                 "class_name": "SiteBuilder",
                 "show_how_to_buttons": False,
                 "site_index_builder": {"class_name": "DefaultSiteIndexBuilder"},
@@ -298,7 +316,7 @@ def _ephemeral_context(gx, docs_dir: Path):
     return gx.get_context(mode="ephemeral", project_config=config)
 
 
-def _string_values(column: pd.Series) -> list[str]:
+def string_values(column: pd.Series) -> list[str]:
     """The distinct string values of a column, in first-seen order."""
     return list(dict.fromkeys(value for value in column if isinstance(value, str)))
 

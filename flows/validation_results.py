@@ -28,12 +28,12 @@ def read_result(
     column = kwargs.get("column")
     details = result.get("result") or {}
     unexpected = int(details.get("unexpected_count") or 0)
-    error = _exception_message(result.get("exception_info") or {})
+    error = exception_message(result.get("exception_info") or {})
     examples: list[Any]
     if error is not None:
         text, examples = f"could not be evaluated: {error}", []
     elif kind == "expect_table_columns_to_match_set":
-        text, examples = _columns_details(details, kwargs["column_set"])
+        text, examples = columns_details(details, kwargs["column_set"])
     elif kind == "expect_table_row_count_to_be_between":
         text = f"observed {details.get('observed_value')} rows, expected at least {kwargs['min_value']}"
         examples = []
@@ -51,7 +51,7 @@ def read_result(
     }
 
 
-def _exception_message(info: dict[str, Any]) -> str | None:
+def exception_message(info: dict[str, Any]) -> str | None:
     """The first line of the error GE caught while evaluating an expectation, if any."""
     # Either {"raised_exception": ..., "exception_message": ...} or, when a metric failed,
     # {<metric id>: {"exception_message": ...}}.
@@ -65,7 +65,8 @@ def _exception_message(info: dict[str, Any]) -> str | None:
     return None
 
 
-def _columns_details(details: dict[str, Any], expected: list[str]) -> tuple[str, list[str]]:
+def columns_details(details: dict[str, Any], expected: list[str]) -> tuple[str, list[str]]:
+    """The observed columns against the expected ones; the unexpected and missing ones."""
     observed = details.get("observed_value")
     mismatch = (details.get("details") or {}).get("mismatched") or {}
     examples = [f"unexpected column {name!r}" for name in mismatch.get("unexpected", [])]
@@ -109,7 +110,7 @@ def _examples(
             prompt = frame.at[int(row), prompt_field]
         else:
             prompt = html.unescape(value) if isinstance(value, str) else value
-        text = _short_repr(prompt)
+        text = short_repr(prompt)
         if column == tokens_column and row is not None:
             n_tokens = int(frame.at[int(row), tokens_column])
             if n_tokens >= 0:
@@ -122,7 +123,8 @@ def _examples(
     return examples
 
 
-def _short_repr(value: Any) -> str:
+def short_repr(value: Any) -> str:
+    """``repr(value)`` cut to ``EXAMPLE_CHARS`` characters; ``null`` for a missing value."""
     import pandas as pd
 
     if pd.api.types.is_scalar(value) and pd.isna(value):
@@ -132,6 +134,7 @@ def _short_repr(value: Any) -> str:
 
 
 def token_stats(tokens: pd.Series) -> dict[str, float | int | None]:
+    """Min, max and mean of the counted token lengths (-1 marks a value that was not counted)."""
     counted = tokens[tokens >= 0]
     if counted.empty:
         return {"min": None, "max": None, "mean": None}

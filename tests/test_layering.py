@@ -52,16 +52,18 @@ def test_ppo_core_never_imports_orchestration():
 
 
 # Each room of ppo_core and the rooms it may import (docs/design.md section 2). Layer 1: math and
-# files (under everything); layer 2, model I/O: prompts, models, sources, rewards, checkpoints;
-# layer 3, composition: config, parallel, registry, training, evaluation. A room missing here
+# files (under everything); layer 2, model I/O: prompts, feedback, models, sources, rewards,
+# checkpoints; layer 3, composition: config, parallel, registry, training, preference,
+# evaluation. A room missing here
 # fails the test, so a new room states its place.
 ROOM_IMPORTS: dict[str, set[str]] = {
     "math": set(),
     "files": set(),
     "prompts": set(),
+    "feedback": {"files", "prompts"},
     "models": {"math", "files", "prompts"},
     "sources": {"files", "models"},
-    "rewards": {"files", "models", "prompts", "sources"},
+    "rewards": {"math", "files", "models", "prompts", "sources"},
     "checkpoints": {"files"},
     "config": {"math", "files", "prompts"},
     "parallel": {"config", "models"},
@@ -75,6 +77,18 @@ ROOM_IMPORTS: dict[str, set[str]] = {
         "checkpoints",
         "config",
         "parallel",
+        "registry",
+    },
+    "preference": {
+        "math",
+        "files",
+        "prompts",
+        "feedback",
+        "models",
+        "rewards",
+        "checkpoints",
+        "config",
+        "registry",
     },
     "evaluation": {
         "math",

@@ -90,6 +90,10 @@ WRITE_KEYS = (
     "export.dir",
     "ingest.inbox_dir",
     "ingest.rejected_dir",
+    "reward_model.output_dir",
+    "reward_model.checkpoint_dir",
+    "reward_model.versions_dir",
+    "reward_model.report_dir",
 )
 # Inputs no output may be, sit in or contain (model.policy is written by the base stage only).
 READ_KEYS = (
@@ -100,6 +104,8 @@ READ_KEYS = (
     "data.raw_dir",
     "data.train_file",
     "data.eval_file",
+    "data.feedback_dir",
+    "reward_model.base",
 )
 
 

@@ -26,6 +26,7 @@ from ppo_core.config.stage_sections import (
     FlowConfig,
     IngestConfig,
     PromoteConfig,
+    RewardModelConfig,
     ScheduleConfig,
     ValidationConfig,
 )
@@ -300,3 +301,4 @@ class Config:
     schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     flow: FlowConfig = field(default_factory=FlowConfig)
+    reward_model: RewardModelConfig = field(default_factory=RewardModelConfig)

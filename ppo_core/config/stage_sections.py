@@ -5,7 +5,7 @@ promotion gate (``eval``, ``promote``), the export (``export``) and the schedule
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from ppo_core.config.bounds import MAX_ROWS, MAX_SEED, MAX_TOKENS, bounded
 from ppo_core.config.choices import Choice, ExportType, Precision
@@ -63,6 +63,12 @@ class DataConfig:
     """Most bytes one prompt file may hold (1 GiB): a JSONL file's size; for Parquet, its data's
     uncompressed size in the metadata (all columns) and then the prompt column's text, measured
     before it is built (a compressed file of a few kB can hold gigabytes of repeated text)."""
+    feedback_dir: str = "data/feedback"
+    """Folder of preference feedback files (``*.jsonl``, ``*.parquet``): pairs (``prompt`` or
+    ``messages``, ``chosen``, ``rejected``) or ratings (``prompt``, ``response``, ``rating``).
+    When it holds any, ``ppo prepare`` and ``ppo validate`` make a pair version of them beside
+    the prompts (``feedback/`` in ``data.interim_dir`` and ``data.prepared_dir``), split by
+    prompt with ``data.eval_fraction``, and ``ppo reward`` trains a reward model on it."""
 
 
 @dataclass
@@ -77,6 +83,10 @@ class ValidationConfig:
     """Smallest acceptable train split."""
     min_eval_rows: int = bounded(16, ge=0, most=MAX_ROWS)
     """Smallest acceptable eval split."""
+    min_train_pairs: int = bounded(32, ge=0, most=MAX_ROWS)
+    """Fewest preference pairs the feedback's train split may hold (when there is feedback)."""
+    min_eval_pairs: int = bounded(8, ge=0, most=MAX_ROWS)
+    """Fewest held-out preference pairs: the reward model's gate judges on them."""
     report_dir: str = "reports/validation"
     """Where the Data Docs HTML and ``summary.json`` go (written on failure too)."""
 
@@ -213,3 +223,60 @@ class FlowConfig:
     slot of while they run, so that runs of several projects on one machine take turns on its
     accelerators (``prefect gcl create ppo-gpu --limit 1``); when no limit of that name exists
     the stages run without one."""
+
+
+@dataclass
+class RewardGateConfig:
+    """When a newly trained reward model replaces the current one (``ppo reward``)."""
+
+    min_accuracy: float = bounded(0.6, ge=0, le=1)
+    """Held-out pair accuracy a reward model needs at least, whatever the incumbent's."""
+    max_accuracy_drop: float = bounded(0.0, ge=0, le=1)
+    """How far the new model's held-out accuracy may fall below the incumbent's, both measured
+    on the same held-out pairs (0: it must be at least as accurate)."""
+
+
+@dataclass
+class RewardModelConfig:
+    """The reward model trained from preference feedback (``ppo reward``), its versions and
+    its gate. PPO uses it with ``model.reward=reward:current``."""
+
+    base: str | None = None
+    """Model folder the reward model starts from: a causal LM whose trunk is kept and given a
+    new scalar head; ``None`` is ``model.policy`` (the policy's base)."""
+    lora: bool = False
+    """Train LoRA adapters on the trunk (rank ``lora_rank``, every linear layer) and the whole
+    head instead of every weight; the version is saved with the adapters merged in."""
+    lora_rank: int = bounded(8, gt=0, most=65_536)
+    """Rank of each adapter with ``lora``."""
+    lora_alpha: float = bounded(16.0, gt=0)
+    """Scale of each adapter (``alpha / rank``) with ``lora``."""
+    epochs: int = bounded(3, gt=0, most=10_000)
+    """Passes over the train pairs."""
+    batch_size: int = bounded(16, gt=0, most=MAX_ROWS)
+    """Pairs per optimizer step (per rank under torchrun); the loss of a step is the sum over its
+    pairs divided by the step's global pair count, whatever ``micro_batch_size``."""
+    micro_batch_size: int = bounded(8, gt=0, most=MAX_ROWS)
+    """Pairs per forward pass; a memory setting that never changes the gradient."""
+    lr: float = bounded(3e-4, gt=0, lt=1)
+    """AdamW learning rate (the default suits the tiny default's full weights; a pretrained
+    model of 100M+ parameters wants about 1e-5 in full, 1e-4 with ``lora``)."""
+    weight_decay: float = bounded(0.0, ge=0)
+    """AdamW weight decay."""
+    margin: float = bounded(0.0, ge=0)
+    """Margin of the loss ``-log sigmoid(r_chosen - r_rejected - margin)`` (0: none)."""
+    max_grad_norm: float | None = bounded(1.0, gt=0)
+    """Gradient norm clip (``None``: none)."""
+    seed: int = bounded(0, most=MAX_SEED)
+    """Seed of the head's initialisation and the pair shuffles."""
+    checkpoint_every: int = bounded(1, gt=0, most=10_000)
+    """Save a checkpoint after this many epochs; a killed run resumes from the newest."""
+    output_dir: str = "models/reward_candidate"
+    """Where ``ppo reward`` writes the newly trained reward model before the gate judges it."""
+    checkpoint_dir: str = "models/reward_checkpoints"
+    """The reward model's training checkpoints."""
+    versions_dir: str = "models/rewards"
+    """The promoted reward versions (``r0001``, ...) and their ``registry.json``."""
+    report_dir: str = "reports/reward"
+    """``metrics.json`` (held-out accuracy, margin, calibration) and the gate's decision."""
+    gate: RewardGateConfig = field(default_factory=RewardGateConfig)

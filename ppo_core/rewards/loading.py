@@ -37,11 +37,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ppo_core.models.causal_lm import from_pretrained_checked, fuse_activations
 from ppo_core.models.folders import check_model_folder
-from ppo_core.models.generation import render_chat
 from ppo_core.prompts import Prompt
 from ppo_core.rewards import scorers as rewards
+from ppo_core.rewards.classifier import (
+    has_scalar_head,
+    load_reward_classifier,
+    padded,
+    scored_token_ids,
+    sequence_logits,
+)
 from ppo_core.sources.hub_cache import HUB_ID, snapshot_of
 
 __all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
@@ -70,14 +75,22 @@ def build_reward_fn(
     timeout: float = 0.0,
     key: str = "model.reward",
     code_free: Sequence[str] = (),
+    normalization: tuple[float, float] | None = None,
+    name: str | None = None,
 ) -> RewardFn:
     """The reward function described by ``spec`` (see the module docstring), which the setting
     ``key`` names; each call that takes longer than ``timeout`` seconds raises
     :class:`RewardTimeoutError` (0: no limit). A ``module:function`` whose top-level module lies
     in one of the folders ``code_free`` (model, data, checkpoint and report folders: what a
-    run writes or a model brings) is refused before it is imported."""
+    run writes or a model brings) is refused before it is imported. ``normalization``
+    (mean, std) standardises a reward model folder's scores; ``name`` is what errors call the
+    reward (default ``spec``)."""
     callable_ = _reward_callable(spec, device, trust_remote_code, key, tuple(code_free))
-    return _checked(callable_, spec, timeout)
+    if normalization is not None:
+        if not isinstance(callable_, _RewardModel):
+            raise RewardError(f"{key}={spec!r}: only a reward model's scores are normalised")
+        callable_.normalization = normalization
+    return _checked(callable_, name or spec, timeout)
 
 
 def _reward_callable(
@@ -259,55 +272,46 @@ def checked_scores(raw: object, expected: int, name: str = "reward") -> Tensor:
 
 
 class _RewardModel:
-    """A sequence-classification reward model from a local folder."""
+    """A sequence-classification reward model from a local folder, its scores optionally
+    standardised by ``normalization`` (the mean and standard deviation a reward version
+    recorded on its reference set), so that PPO sees one scale whichever version scores."""
 
-    def __init__(self, folder: str, device: torch.device | str, trust_remote_code: bool):
-        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    def __init__(
+        self,
+        folder: str,
+        device: torch.device | str,
+        trust_remote_code: bool,
+        normalization: tuple[float, float] | None = None,
+    ):
+        from transformers import AutoTokenizer
 
         path = check_model_folder(folder, "reward model")
         self.tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-        self.tokenizer.padding_side = "right"
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
-        self.model: Any = (
-            fuse_activations(
-                from_pretrained_checked(
-                    AutoModelForSequenceClassification,
-                    path,
-                    "reward model",
-                    trust_remote_code=trust_remote_code,
-                )
-            )
-            .to(device)
-            .eval()
-        )
+        self.model: Any = load_reward_classifier(path, "reward model", trust_remote_code).to(device)
         if self.model.config.pad_token_id is None:
             self.model.config.pad_token_id = self.tokenizer.pad_token_id
         self.device = device
+        self.normalization = normalization
 
     @torch.no_grad()
     def __call__(self, prompts: list[Prompt], responses: list[str]) -> Tensor:
-        rows = [self._token_ids(p, r) for p, r in zip(prompts, responses, strict=True)]
+        rows = [
+            scored_token_ids(self.tokenizer, p, r) for p, r in zip(prompts, responses, strict=True)
+        ]
         limit = self.tokenizer.model_max_length
         if isinstance(limit, int) and 0 < limit < 1_000_000:
             rows = [row[:limit] for row in rows]
-        width = max(map(len, rows))
-        pad = self.tokenizer.pad_token_id
-        input_ids = torch.tensor([row + [pad] * (width - len(row)) for row in rows])
-        attention_mask = torch.tensor([[1] * len(row) + [0] * (width - len(row)) for row in rows])
-        logits = self.model(
-            input_ids=input_ids.to(self.device), attention_mask=attention_mask.to(self.device)
-        ).logits.float()
-        if logits.shape[-1] == 1:
-            return logits[:, 0].cpu()
-        return (logits[:, -1] - logits[:, 0]).cpu()
-
-    def _token_ids(self, prompt: Prompt, response: str) -> list[int]:
-        """The reward model's own tokens of one scored text (module docstring)."""
-        if isinstance(prompt, str):
-            return list(self.tokenizer(prompt + response)["input_ids"])
-        turns = [*prompt, {"role": "assistant", "content": response}]
-        if getattr(self.tokenizer, "chat_template", None) is not None:
-            text = render_chat(self.tokenizer, turns)
-            return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
-        return list(self.tokenizer("\n".join(turn["content"] for turn in turns))["input_ids"])
+        input_ids, attention_mask = padded(rows, self.tokenizer.pad_token_id)
+        input_ids, attention_mask = input_ids.to(self.device), attention_mask.to(self.device)
+        if has_scalar_head(self.model):
+            # the score at the last real token, wherever the pad token id also occurs
+            logits = sequence_logits(self.model, input_ids, attention_mask)
+        else:
+            logits = self.model(input_ids=input_ids, attention_mask=attention_mask).logits.float()
+        scores = logits[:, 0] if logits.shape[-1] == 1 else logits[:, -1] - logits[:, 0]
+        if self.normalization is not None:
+            mean, std = self.normalization
+            scores = (scores - mean) / std
+        return scores.cpu()

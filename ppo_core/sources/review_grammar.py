@@ -381,3 +381,31 @@ def default_prompts(n: int, seed: int) -> list[str]:
         )
     random.Random(seed).shuffle(pool)
     return pool[:n]
+
+
+def example_feedback(n: int, seed: int, ratings: bool = False) -> list[dict]:
+    """``n`` rows of simulated feedback on replies to the default prompts, for trying the
+    feedback loop on the tiny default: a reader who prefers positive reviews. Pair rows
+    (``prompt``, ``chosen`` a positive continuation, ``rejected`` a negative one) or, with
+    ``ratings``, rating rows (``prompt``, ``response``, ``rating`` 1 for a positive
+    continuation and -1 for a negative one, two a prompt). Deterministic in ``seed``."""
+    rng = random.Random(seed)
+    grammar = _ReviewGrammar(rng)
+    prompts = default_prompts(min(n, len(_prompt_pool())), seed)
+
+    def continuation(polarity: str) -> str:
+        return " " + grammar.adj(polarity) + "."
+
+    rows: list[dict] = []
+    for i in range(n):
+        prompt = prompts[i % len(prompts)]
+        if ratings:
+            polarity = "pos" if i % 2 == 0 else "neg"
+            prompt = prompts[(i // 2) % len(prompts)]
+            rating = 1 if polarity == "pos" else -1
+            rows.append({"prompt": prompt, "response": continuation(polarity), "rating": rating})
+        else:
+            rows.append(
+                {"prompt": prompt, "chosen": continuation("pos"), "rejected": continuation("neg")}
+            )
+    return rows

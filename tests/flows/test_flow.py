@@ -119,7 +119,7 @@ def test_a_first_run_then_retraining_from_production_then_bad_data_stopping_at_v
 
     # 3. Bad data stops the flow at validation and changes nothing that was published.
     prepared = tiny_project / "data" / "prepared"
-    before = {p.name: p.read_bytes() for p in prepared.iterdir()}
+    before = {p.name: p.read_bytes() for p in prepared.rglob("*") if p.is_file()}
     production = (
         tiny_project / "models" / "production" / "v0002" / "model.safetensors"
     ).read_bytes()
@@ -134,7 +134,7 @@ def test_a_first_run_then_retraining_from_production_then_bad_data_stopping_at_v
     summary = read_json(report / "summary.json")
     assert summary["success"] is False
     assert (report / "data_docs" / "index.html").is_file()
-    assert {p.name: p.read_bytes() for p in prepared.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in prepared.rglob("*") if p.is_file()} == before
     assert (
         tiny_project / "models" / "production" / "v0002" / "model.safetensors"
     ).read_bytes() == production

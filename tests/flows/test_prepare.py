@@ -71,7 +71,7 @@ def test_new_data_keeps_old_prompts_on_their_side(tmp_path):
 def test_malformed_raw_data_fails_and_keeps_the_previous_version(tmp_path):
     write_raw(tmp_path, [f"Prompt {i}" for i in range(50)])
     out = prepare(config_for(tmp_path))
-    previous = {p.name: p.read_bytes() for p in out.iterdir()}
+    previous = {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()}
     with (tmp_path / "raw" / "a.jsonl").open("a") as handle:
         handle.write('{"prompt": "fine"}\n{broken\n')
     with pytest.raises(PromptFileError) as info:
@@ -81,7 +81,7 @@ def test_malformed_raw_data_fails_and_keeps_the_previous_version(tmp_path):
         str(info.value)
         == f"{raw}:52: not valid JSON (Expecting property name enclosed in double quotes)"
     )
-    assert {p.name: p.read_bytes() for p in out.iterdir()} == previous
+    assert {p.name: p.read_bytes() for p in out.rglob("*") if p.is_file()} == previous
     assert sorted(p.name for p in tmp_path.iterdir()) == ["prepared", "raw"]  # no temporary folder
 
 

@@ -40,7 +40,7 @@ def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir
     evals = [f"The film number {i} is" for i in range(5)]
     write_version(tmp_path / "interim", train, evals)
     published = validate(config)
-    before = {p.name: p.read_bytes() for p in published.iterdir()}
+    before = {p.name: p.read_bytes() for p in published.rglob("*") if p.is_file()}
     report = tmp_path / "report"
     passing_docs = (report / "data_docs" / "index.html").read_bytes()
 
@@ -72,7 +72,7 @@ def test_bad_data_fails_and_keeps_the_published_version(tmp_path, tiny_model_dir
     assert summary["success"] is False
     assert {(f["expectation"], f["split"]) for f in summary["failures"]} == expected
     assert (report / "data_docs" / "index.html").read_bytes() != passing_docs
-    assert {p.name: p.read_bytes() for p in published.iterdir()} == before
+    assert {p.name: p.read_bytes() for p in published.rglob("*") if p.is_file()} == before
 
 
 def test_a_link_in_the_candidate_version_is_never_read_or_published(tmp_path, tiny_model_dir):

@@ -1,0 +1,674 @@
+"""Reading preference feedback (layer 2): what people said about a model's replies, from the
+``.jsonl`` and ``.parquet`` files of a folder such as ``data/feedback/``.
+
+A row holds a prompt, as a prompt file does (:mod:`ppo_core.prompts`): a plain ``prompt`` string
+or a chat, ``messages``, a list of ``{"role", "content"}`` turns (in Parquet a list column or
+the JSON text of the list). Besides the prompt a row is one of two kinds:
+
+- a **pair** (:class:`PreferencePair`): ``chosen`` and ``rejected``, two replies to the prompt,
+  the first preferred;
+- a **rating** (:class:`Rating`): one ``response`` and its ``rating``: a number (above 0 liked,
+  below 0 disliked, 0 neutral), a bool (true liked) or one of the words ``up``, ``like``,
+  ``thumbs_up`` (liked), ``down``, ``dislike``, ``thumbs_down`` (disliked), in any case.
+
+Either kind may carry an ``id`` (a string, or an integer read as its digits) and a ``source``
+(a string). Any other field is an error naming it, so that a misspelt ``choosen`` is never
+read as a row without that field; so is a row of both kinds or of neither, one with both
+``prompt`` and ``messages``, a value of the wrong type, a rating that is NaN or infinite, or a
+word not in the list. A null value (JSON ``null``, a Parquet null) counts as an absent field:
+in Parquet every row has every column, and a file mixing pairs and ratings leaves the other
+kind's columns null. Empty strings are kept: validation reports them, reading does not.
+
+Every error is a :class:`FeedbackFileError` on one line naming the file and the line (JSONL,
+counted from 1, blank lines included) or the row (Parquet, counted from 0 as in
+:func:`~ppo_core.prompts.load_prompts`), the field and what is wrong with its value.
+
+A file is bounded before it is read whole, as a prompt file is: at most ``max_rows`` rows and
+``max_bytes`` bytes. A JSONL file is measured by its size and then line by line (a line at most
+:data:`~ppo_core.prompts.MAX_LINE_BYTES`); a Parquet file first by its metadata (rows, the
+uncompressed size of its data), then by the length of its text, read as dictionaries so that a
+small file holding one long string many times is refused without the strings being built.
+
+Ratings become pairs by one rule (:func:`pairs_from_ratings`): ratings are grouped by the key
+of their prompt, a normaliser the caller passes (whitespace-normalised text, the canonical JSON
+of a chat), so that the same question asked twice gathers its replies. Within a prompt every
+liked reply is paired with every disliked one, the liked reply as ``chosen``, in the order the
+ratings came. A reply (the same text) rated both liked and disliked for the same prompt is
+contradictory and enters no pair; neutral ratings enter none either; and a liked or disliked
+reply whose prompt has no reply of the other kind stays unpaired.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ppo_core.files import printable
+from ppo_core.prompts import (
+    CHAT_FIELD,
+    MAX_BYTES_PER_FILE,
+    MAX_LINE_BYTES,
+    MAX_ROWS_PER_FILE,
+    Prompt,
+    PromptFileError,
+    _metadata_size,
+    _one_line,
+    chat_json,
+    parse_messages,
+)
+
+__all__ = [
+    "DISLIKED_WORDS",
+    "FEEDBACK_FIELDS",
+    "FEEDBACK_SUFFIXES",
+    "LIKED_WORDS",
+    "FeedbackFileError",
+    "PreferencePair",
+    "Rating",
+    "feedback_sources",
+    "load_feedback_file",
+    "pairs_from_ratings",
+]
+
+FEEDBACK_SUFFIXES = (".jsonl", ".parquet")
+"""The suffixes of the files :func:`feedback_sources` lists; other files are not feedback."""
+
+PROMPT_FIELD = "prompt"
+PAIR_FIELDS = ("chosen", "rejected")
+RATING_FIELDS = ("response", "rating")
+OPTIONAL_FIELDS = ("id", "source")
+FEEDBACK_FIELDS = (PROMPT_FIELD, CHAT_FIELD, *PAIR_FIELDS, *RATING_FIELDS, *OPTIONAL_FIELDS)
+"""Every field (JSONL) or column (Parquet) a feedback row may have."""
+_FIELDS_HELP = (
+    "a row has prompt or messages; chosen and rejected (a pair) or response and rating "
+    "(a rating); and optionally id and source"
+)
+
+LIKED_WORDS = ("up", "like", "thumbs_up")
+"""The words (any case) of a liked ``rating``."""
+DISLIKED_WORDS = ("down", "dislike", "thumbs_down")
+"""The words (any case) of a disliked ``rating``."""
+_RATING_HELP = (
+    "a rating is a number (>0 liked, <0 disliked, 0 neutral), true or false, or one of "
+    f"{', '.join(LIKED_WORDS + DISLIKED_WORDS)}"
+)
+_RAISE = "; split the file or raise the limit"
+
+
+class FeedbackFileError(PromptFileError):
+    """A feedback file is missing or malformed; the message names the file and line or row.
+
+    A :class:`~ppo_core.prompts.PromptFileError`, so that code which reports a bad prompt file
+    in one line (the ``ppo`` command) reports this one the same way.
+    """
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """Two replies to one prompt, ``chosen`` preferred to ``rejected``: a pair row as read, or
+    one that :func:`pairs_from_ratings` made from two ratings."""
+
+    prompt: Prompt
+    chosen: str
+    rejected: str
+    id: str | None = None
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class Rating:
+    """One reply to a prompt and whether it was liked: ``True``, ``False``, or ``None`` for a
+    neutral rating (0), which :func:`pairs_from_ratings` does not use."""
+
+    prompt: Prompt
+    response: str
+    liked: bool | None
+    id: str | None = None
+    source: str | None = None
+
+
+def feedback_sources(folder: Path) -> list[Path]:
+    """The feedback files of ``folder``, sorted by name: its entries ending ``.jsonl`` or
+    ``.parquet`` that are regular files, or links to regular files (DVC's symlink cache makes
+    those). Other files (a README, ``.gitkeep``) are not feedback and are left out; a missing
+    folder has none.
+
+    Raises:
+        FeedbackFileError: ``folder`` is not a folder, or an entry with a feedback suffix is
+            not a regular file (a FIFO, a device, a folder, a dangling link), saying what it
+            is, before anything reads it: reading one would block, or never end.
+    """
+    folder = Path(folder)
+    if not folder.exists():
+        return []
+    if not folder.is_dir():
+        raise FeedbackFileError(f"{printable(str(folder))} is not a folder of feedback files")
+    sources = sorted(path for path in folder.iterdir() if path.suffix in FEEDBACK_SUFFIXES)
+    for path in sources:
+        kind = _entry_kind(path)
+        if kind is not None:
+            raise FeedbackFileError(
+                f"{printable(str(path))} is {kind}, not a feedback file; feedback files are "
+                "regular files (or links to them)"
+            )
+    return sources
+
+
+def _entry_kind(path: Path) -> str | None:
+    """What ``path`` is when it is not a regular file (links followed), else None."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a link to nothing"
+    if stat.S_ISREG(mode):
+        return None
+    kinds = (
+        (stat.S_ISDIR, "a folder"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    )
+    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
+    return f"{kind} (through a link)" if path.is_symlink() else kind
+
+
+def load_feedback_file(
+    path: str | Path,
+    *,
+    max_rows: int = MAX_ROWS_PER_FILE,
+    max_bytes: int = MAX_BYTES_PER_FILE,
+) -> tuple[list[PreferencePair], list[Rating]]:
+    """The pair rows and the rating rows of one ``.jsonl`` or ``.parquet`` feedback file, each
+    in file order (a file may mix the two kinds). A file with no rows gives two empty lists.
+
+    Raises:
+        FeedbackFileError: a missing file, one that is not a regular file, an unknown suffix,
+            more than ``max_rows`` rows or ``max_bytes`` bytes (module docstring), or a row that
+            is not valid feedback, named by its line or row, field and problem.
+    """
+    path = Path(path)
+    name = printable(str(path))
+    if not path.exists() and not path.is_symlink():
+        raise FeedbackFileError(f"feedback file {name} does not exist")
+    kind = _entry_kind(path)
+    if kind is not None:
+        raise FeedbackFileError(f"{name} is {kind}, not a feedback file")
+    if path.suffix == ".jsonl":
+        records = _jsonl_records(path, name, max_rows, max_bytes)
+    elif path.suffix == ".parquet":
+        records = _parquet_records(path, name, max_rows, max_bytes)
+    else:
+        raise FeedbackFileError(
+            f"{name}: unknown feedback file type {path.suffix!r}; use .jsonl or .parquet"
+        )
+    pairs: list[PreferencePair] = []
+    ratings: list[Rating] = []
+    for where, record in records:
+        row = _feedback_row(record, where)
+        if isinstance(row, PreferencePair):
+            pairs.append(row)
+        else:
+            ratings.append(row)
+    return pairs, ratings
+
+
+def pairs_from_ratings(
+    ratings: list[Rating], prompt_key: Callable[[Prompt], str]
+) -> tuple[list[PreferencePair], dict[str, int]]:
+    """Preference pairs made from ratings, and counts of what happened to the ratings.
+
+    The rule: ratings are grouped by ``prompt_key(rating.prompt)`` (the caller's normaliser,
+    e.g. whitespace-normalised text or the canonical JSON of a chat). Within a group, every
+    liked reply is paired with every disliked reply, the liked one as ``chosen``: liked replies
+    in the order they first came, each with the disliked ones in the order they first came, and
+    the groups in the order their first rating came. A reply is its text: the same text rated
+    liked twice is one reply (its first rating gives the pair's prompt, id and source), so no
+    pair is made twice. A text rated both liked and disliked for the same prompt is
+    contradictory and is used in no pair. Neutral ratings are used in none.
+
+    A pair's prompt and source are the liked rating's; its id is ``"<liked id>|<disliked id>"``
+    when both ratings have one, else None.
+
+    Returns:
+        The pairs, and counts: ``ratings`` (all), ``liked``, ``disliked``, ``neutral``,
+        ``contradictory`` (liked and disliked ratings of a contradictory reply), ``pairs``
+        (made), ``unpaired`` (liked or disliked ratings, not contradictory, whose prompt had
+        no usable reply of the other kind).
+    """
+    groups: dict[str, list[Rating]] = {}
+    for rating in ratings:
+        groups.setdefault(prompt_key(rating.prompt), []).append(rating)
+    counts = {
+        "ratings": len(ratings),
+        "liked": sum(rating.liked is True for rating in ratings),
+        "disliked": sum(rating.liked is False for rating in ratings),
+        "neutral": sum(rating.liked is None for rating in ratings),
+        "contradictory": 0,
+        "pairs": 0,
+        "unpaired": 0,
+    }
+    pairs: list[PreferencePair] = []
+    for group in groups.values():
+        liked = _replies(group, True)
+        disliked = _replies(group, False)
+        contradictory = liked.keys() & disliked.keys()
+        counts["contradictory"] += sum(
+            rating.liked is not None and rating.response in contradictory for rating in group
+        )
+        usable_liked = [rating for text, rating in liked.items() if text not in contradictory]
+        usable_disliked = [rating for text, rating in disliked.items() if text not in contradictory]
+        if not (usable_liked and usable_disliked):
+            counts["unpaired"] += sum(
+                rating.liked is not None and rating.response not in contradictory
+                for rating in group
+            )
+            continue
+        for good in usable_liked:
+            for bad in usable_disliked:
+                pair_id = (
+                    f"{good.id}|{bad.id}" if good.id is not None and bad.id is not None else None
+                )
+                pairs.append(
+                    PreferencePair(good.prompt, good.response, bad.response, pair_id, good.source)
+                )
+    counts["pairs"] = len(pairs)
+    return pairs, counts
+
+
+def _replies(group: list[Rating], liked: bool) -> dict[str, Rating]:
+    """The first rating of each distinct reply text of ``group`` rated ``liked``, in order."""
+    replies: dict[str, Rating] = {}
+    for rating in group:
+        if rating.liked is liked:
+            replies.setdefault(rating.response, rating)
+    return replies
+
+
+# --- one row --------------------------------------------------------------------------------
+
+
+def _feedback_row(record: dict[str, Any], where: str) -> PreferencePair | Rating:
+    """The pair or rating a row holds; ``where`` names the file and line or row.
+
+    Unknown fields are refused even when null, so that a misspelt field is named wherever it
+    is; the null ones of the rest then count as absent (module docstring).
+    """
+    unknown = [key for key in record if key not in FEEDBACK_FIELDS]
+    if unknown:
+        names = ", ".join(repr(printable(str(key))[:40]) for key in unknown)
+        field_word = "field" if len(unknown) == 1 else "fields"
+        raise FeedbackFileError(f"{where}: unknown {field_word} {names}; {_FIELDS_HELP}")
+    record = {key: value for key, value in record.items() if value is not None}
+    prompt = _row_prompt(record, where)
+    pair_fields = [field for field in PAIR_FIELDS if field in record]
+    rating_fields = [field for field in RATING_FIELDS if field in record]
+    if pair_fields and rating_fields:
+        raise FeedbackFileError(
+            f"{where}: has both a pair's fields ({', '.join(pair_fields)}) and a rating's "
+            f"({', '.join(rating_fields)}); a row is one or the other"
+        )
+    kind_fields = PAIR_FIELDS if pair_fields else RATING_FIELDS if rating_fields else ()
+    if not kind_fields:
+        raise FeedbackFileError(
+            f"{where}: neither a pair (chosen and rejected) nor a rating (response and rating)"
+        )
+    for field in kind_fields:
+        if field not in record:
+            kind = "pair" if pair_fields else "rating"
+            present = (pair_fields or rating_fields)[0]
+            raise FeedbackFileError(
+                f"{where}: a {kind} row with {present!r} but no {field!r} (missing or null)"
+            )
+    row_id = _row_id(record.get("id"), where)
+    source = _optional_text(record, "source", where)
+    if pair_fields:
+        chosen = _text(record, "chosen", where)
+        rejected = _text(record, "rejected", where)
+        return PreferencePair(prompt, chosen, rejected, row_id, source)
+    response = _text(record, "response", where)
+    return Rating(prompt, response, _liked(record["rating"], where), row_id, source)
+
+
+def _row_prompt(record: dict[str, Any], where: str) -> Prompt:
+    if PROMPT_FIELD in record and CHAT_FIELD in record:
+        raise FeedbackFileError(
+            f"{where}: has both {PROMPT_FIELD!r} and {CHAT_FIELD!r}; a row's prompt is one or "
+            "the other"
+        )
+    if PROMPT_FIELD in record:
+        return _text(record, PROMPT_FIELD, where)
+    if CHAT_FIELD not in record:
+        raise FeedbackFileError(
+            f"{where}: no prompt: a row needs {PROMPT_FIELD!r} (text) or {CHAT_FIELD!r} "
+            "(a list of turns)"
+        )
+    try:
+        messages = parse_messages(record[CHAT_FIELD], where)
+    except PromptFileError as exc:  # the same one-line message, as this module's error
+        raise FeedbackFileError(str(exc)) from None
+    _check_encodable(chat_json(messages), CHAT_FIELD, where)
+    return messages
+
+
+def _text(record: dict[str, Any], field: str, where: str) -> str:
+    value = record[field]
+    if not isinstance(value, str):
+        raise FeedbackFileError(f"{where}: {field!r} must be a string, got {type(value).__name__}")
+    _check_encodable(value, field, where)
+    return value
+
+
+def _optional_text(record: dict[str, Any], field: str, where: str) -> str | None:
+    return _text(record, field, where) if field in record else None
+
+
+def _row_id(value: Any, where: str) -> str | None:
+    if value is None:
+        return None
+    # bool is an int in Python; an id of true is a mistake, not the id "True"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return str(value)
+    if not isinstance(value, str):
+        raise FeedbackFileError(
+            f"{where}: 'id' must be a string or an integer, got {type(value).__name__}"
+        )
+    _check_encodable(value, "id", where)
+    return value
+
+
+def _liked(value: Any, where: str) -> bool | None:
+    """Whether a rating's value says liked (True), disliked (False) or neutral (None)."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int):  # exact, however large: no float conversion
+        return None if value == 0 else value > 0
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            raise FeedbackFileError(
+                f"{where}: 'rating' is {value}, not a finite number; {_RATING_HELP}"
+            )
+        return None if value == 0 else value > 0
+    if isinstance(value, str):
+        word = value.lower()
+        if word in LIKED_WORDS:
+            return True
+        if word in DISLIKED_WORDS:
+            return False
+        raise FeedbackFileError(
+            f"{where}: 'rating' is the unknown word {printable(value)[:40]!r}; {_RATING_HELP}"
+        )
+    raise FeedbackFileError(
+        f"{where}: 'rating' must be a number, a bool or a word, got {type(value).__name__}; "
+        f"{_RATING_HELP}"
+    )
+
+
+def _check_encodable(value: str, field: str, where: str) -> None:
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:  # a JSON escape of a lone surrogate, e.g. "\\ud800"
+        raise FeedbackFileError(
+            f"{where}: {field!r} holds a lone UTF-16 surrogate, which is not text"
+        ) from None
+
+
+# --- JSONL ----------------------------------------------------------------------------------
+
+
+class _DuplicateKeyError(ValueError):
+    """A JSON object with a key twice: ``json`` would keep the last value without a word."""
+
+
+def _object_without_duplicates(items: list[tuple[str, Any]]) -> dict[str, Any]:
+    record: dict[str, Any] = {}
+    for key, value in items:
+        if key in record:
+            raise _DuplicateKeyError(key)
+        record[key] = value
+    return record
+
+
+def _jsonl_records(
+    path: Path, name: str, max_rows: int, max_bytes: int
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each non-blank line's object, and where it is
+    (``<file> line <n>``), the caps checked before and while the file is read."""
+    size = path.stat().st_size
+    if size > max_bytes:
+        raise FeedbackFileError(
+            f"{name}: {size} bytes, more than the limit of {max_bytes} bytes a file{_RAISE}"
+        )
+    with path.open("rb") as handle:
+        number = read = rows = 0
+        while raw := handle.readline(MAX_LINE_BYTES + 1):
+            number += 1
+            where = f"{name} line {number}"
+            read += len(raw)
+            if read > max_bytes:  # the file grew while it was read
+                raise FeedbackFileError(
+                    f"{name}: at least {read} bytes, more than the limit of {max_bytes} bytes "
+                    f"a file{_RAISE}"
+                )
+            if len(raw) > MAX_LINE_BYTES:
+                raise FeedbackFileError(
+                    f"{where}: longer than the limit of {MAX_LINE_BYTES} bytes a line"
+                )
+            record = _json_object(raw, where)
+            if record is None:
+                continue
+            rows += 1
+            if rows > max_rows:
+                raise FeedbackFileError(
+                    f"{where}: more than the limit of {max_rows} rows a file{_RAISE}"
+                )
+            yield where, record
+
+
+def _json_object(raw: bytes, where: str) -> dict[str, Any] | None:
+    """The JSON object of one line, None for a blank line."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise FeedbackFileError(f"{where}: not valid UTF-8 ({exc.reason})") from None
+    if not text.strip():
+        return None
+    try:
+        record = json.loads(text, object_pairs_hook=_object_without_duplicates)
+    except _DuplicateKeyError as exc:
+        key = printable(str(exc.args[0]))[:40]
+        raise FeedbackFileError(f"{where}: the key {key!r} appears twice in one object") from None
+    except json.JSONDecodeError as exc:
+        raise FeedbackFileError(f"{where}: not valid JSON ({exc.msg})") from None
+    except RecursionError:  # caught before ValueError: deep nesting is its own message
+        raise FeedbackFileError(f"{where}: JSON nested too deeply") from None
+    except ValueError as exc:  # e.g. an integer of more than 4300 digits
+        reason = " ".join(str(exc).split(":")[0].split())
+        raise FeedbackFileError(f"{where}: not valid JSON ({reason})") from None
+    if not isinstance(record, dict):
+        raise FeedbackFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+# --- Parquet --------------------------------------------------------------------------------
+
+
+def _parquet_records(
+    path: Path, name: str, max_rows: int, max_bytes: int
+) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Each row's values by column, and where it is (``<file> row <n>``), after the
+    whole file is measured against the caps.
+
+    Order matters, as in :func:`ppo_core.prompts.load_prompts`: the schema and the metadata
+    alone (columns, rows, the data's declared uncompressed size), then the columns a row group
+    at a time with every text leaf (a ``messages`` list's contents too) read as a dictionary,
+    its length added up from the dictionary without any row's text being built, and only under
+    every cap the Python values built.
+    """
+    import pyarrow.parquet as pq  # here: only a Parquet file needs pyarrow
+
+    try:
+        plain = pq.ParquetFile(path)
+        schema = plain.schema_arrow
+        leaves = [plain.schema.column(i) for i in range(len(plain.schema))]
+        text_leaves = [leaf.path for leaf in leaves if leaf.physical_type == "BYTE_ARRAY"]
+        file = pq.ParquetFile(path, read_dictionary=text_leaves)
+        rows, declared = _metadata_size(file.metadata, "")
+    except Exception as exc:  # pyarrow raises many kinds for a damaged or foreign file
+        raise FeedbackFileError(f"{name}: not a readable parquet file ({_one_line(exc)})") from None
+    columns = _parquet_columns(schema, name)
+    if rows > max_rows:
+        raise FeedbackFileError(
+            f"{name}: {rows} rows, more than the limit of {max_rows} rows a file{_RAISE}"
+        )
+    if declared > max_bytes:
+        raise FeedbackFileError(
+            f"{name}: its data is {declared} bytes uncompressed, more than the limit of "
+            f"{max_bytes} bytes a file{_RAISE}"
+        )
+    tables = _measured_row_groups(file, name, columns, rows, max_rows, max_bytes)
+    values = {column: _column_values(tables, column, name) for column in columns}
+    if "id" in values and _is_float_column(schema, "id"):
+        values["id"] = [_integral_id(value) for value in values["id"]]
+    for row in range(sum(table.num_rows for table in tables)):
+        yield f"{name} row {row}", {column: values[column][row] for column in columns}
+
+
+def _parquet_columns(schema: Any, name: str) -> list[str]:
+    """The columns to read: every column but a pandas index, refused when one is not a
+    feedback field or two share a name."""
+    try:
+        metadata = schema.pandas_metadata or {}
+        described = list(metadata.get("index_columns", []))
+    except Exception:  # metadata that is not pandas' JSON: no index is known to be there
+        described = []
+    # a range index is described (a dict), not stored; any other index is a column, named here
+    index = {column for column in described if isinstance(column, str)}
+    columns = [column for column in schema.names if column not in index]
+    unknown = [column for column in columns if column not in FEEDBACK_FIELDS]
+    if unknown:
+        names = ", ".join(repr(printable(str(column))[:40]) for column in unknown)
+        word = "column" if len(unknown) == 1 else "columns"
+        raise FeedbackFileError(f"{name}: unknown {word} {names}; {_FIELDS_HELP}")
+    repeated = next((column for column in columns if columns.count(column) > 1), None)
+    if repeated is not None:
+        raise FeedbackFileError(f"{name}: {columns.count(repeated)} columns named {repeated!r}")
+    return columns
+
+
+def _measured_row_groups(
+    file: Any, name: str, columns: list[str], rows: int, max_rows: int, max_bytes: int
+) -> list[Any]:
+    """The file's row groups (``columns`` only, text as dictionaries), refused as soon as the
+    rows or the bytes their values take (text lengths from the dictionaries, fixed-width
+    columns by their width) pass a cap."""
+    # fixed-width values (numbers, fixed-size binary) are not dictionaries: count them by width
+    # before reading, as a column stored with a dictionary is small on disk however many rows
+    measured = rows * sum(_byte_width(file.schema_arrow.field(column).type) for column in columns)
+    read = 0
+    tables = []
+    for group in range(file.num_row_groups):
+        try:
+            table = file.read_row_group(group, columns=columns)
+            measured += sum(
+                _text_bytes(chunk) for column in table.columns for chunk in column.chunks
+            )
+        # a damaged file: pages that do not decode, indices past a dictionary
+        except Exception as exc:
+            raise FeedbackFileError(
+                f"{name}: not a readable parquet file ({_one_line(exc)})"
+            ) from None
+        read += table.num_rows
+        tables.append(table)
+        if read > max_rows:  # metadata that does not match the data
+            raise FeedbackFileError(
+                f"{name}: at least {read} rows, more than the limit of {max_rows} rows a "
+                f"file{_RAISE}"
+            )
+        if measured > max_bytes:
+            raise FeedbackFileError(
+                f"{name}: its values are at least {measured} bytes, more than the limit of "
+                f"{max_bytes} bytes a file{_RAISE}"
+            )
+    return tables
+
+
+def _byte_width(kind: Any) -> int:
+    """The bytes a value of a fixed-width Arrow type takes (a bool counted as one), else 0."""
+    try:
+        bits = kind.bit_width
+    except ValueError:  # a variable-width type: text, lists, structs
+        return 0
+    return max(1, bits // 8) if bits else 0
+
+
+def _text_bytes(array: Any) -> int:
+    """The bytes of text and binary in ``array``, nested ones included; a dictionary's values
+    are measured through it, no row's value copied."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    kind = array.type
+    if pa.types.is_dictionary(kind):
+        if not _holds_bytes(kind.value_type):
+            return 0
+        lengths = pc.take(pc.binary_length(array.dictionary), array.indices)
+        return pc.sum(lengths).as_py() or 0
+    if _holds_bytes(kind):
+        return pc.sum(pc.binary_length(array)).as_py() or 0
+    if pa.types.is_map(kind):
+        return _text_bytes(array.keys) + _text_bytes(array.items)
+    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
+        return _text_bytes(array.flatten())
+    if pa.types.is_struct(kind):
+        return sum(_text_bytes(child) for child in array.flatten())
+    return 0
+
+
+def _holds_bytes(kind: Any) -> bool:
+    """Whether an Arrow type is text or binary of variable length."""
+    import pyarrow as pa
+
+    checks = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary)
+    return any(check(kind) for check in (*checks, pa.types.is_large_binary))
+
+
+def _column_values(tables: list[Any], column: str, name: str) -> list[Any]:
+    """The Python values of ``column`` over every row group; text not valid UTF-8 (a damaged
+    or foreign file) is named by its first row."""
+    values: list[Any] = []
+    for table in tables:
+        chunked = table.column(column)
+        try:
+            values.extend(chunked.to_pylist())
+        except UnicodeDecodeError:
+            for row, scalar in enumerate(chunked):
+                try:
+                    scalar.as_py()
+                except UnicodeDecodeError:
+                    raise FeedbackFileError(
+                        f"{name} row {len(values) + row}: {column!r} is not valid UTF-8"
+                    ) from None
+            raise FeedbackFileError(f"{name}: column {column!r} is not valid UTF-8") from None
+    return values
+
+
+def _is_float_column(schema: Any, column: str) -> bool:
+    import pyarrow as pa
+
+    return bool(pa.types.is_floating(schema.field(column).type))
+
+
+def _integral_id(value: Any) -> Any:
+    """An id of a float column as the integer it is: pandas stores a column of integers with a
+    missing value as floats, so ``3.0`` there means the id 3. Other values are left for the
+    row's check to refuse."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
