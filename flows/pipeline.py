@@ -96,12 +96,12 @@ if TYPE_CHECKING:
 
     from flows.orchestration.records import DvcRunner
 
-STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
+STAGES = ("prepare", "base", "validate", "reward", "train", "evaluate", "promote")
 # Stages that run the models (on the accelerator, when there is one): they hold a slot of
 # flow.gpu_limit while they run.
-ACCELERATED = ("train", "evaluate")
+ACCELERATED = ("reward", "train", "evaluate")
 # Stages worth retrying: the long, resumable ones. A validation failure is not retried.
-RETRIED = {"train": 2, "evaluate": 1}
+RETRIED = {"reward": 1, "train": 2, "evaluate": 1}
 
 
 class StageFailed(RuntimeError):

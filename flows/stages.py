@@ -369,6 +369,7 @@ def promote(config: Config) -> dict:
             "baseline_metrics": side("baseline"),
             "baseline": models.get("baseline"),
             "reward": models.get("reward"),
+            "previous_reward": models.get("previous_reward"),
         },
     )
     # The report is a DVC output, so it holds only what the stage's inputs determine (a rerun of

@@ -89,6 +89,7 @@ WRITE_KEYS = (
     "promote.report",
     "export.dir",
     "ingest.inbox_dir",
+    "ingest.feedback_inbox_dir",
     "ingest.rejected_dir",
     "reward_model.output_dir",
     "reward_model.checkpoint_dir",

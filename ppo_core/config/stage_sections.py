@@ -187,16 +187,22 @@ class ScheduleConfig:
 
 @dataclass
 class IngestConfig:
-    """New prompt files arriving while the pipeline runs unattended (``ppo ingest FILE...``)."""
+    """New prompt and feedback files arriving while the pipeline runs unattended
+    (``ppo ingest FILE...``, ``ppo ingest --feedback FILE...``)."""
 
     inbox_dir: str = "data/inbox"
     """Where ``ppo ingest`` puts checked files; the next run of the Prefect flow moves them into
     ``data.raw_dir`` under the retraining lock before it prepares, so that a file arriving during
     a run never changes the data that run is training on."""
+    feedback_inbox_dir: str = "data/inbox-feedback"
+    """Where ``ppo ingest --feedback`` puts checked preference feedback files; the next run of
+    the Prefect flow moves them into ``data.feedback_dir`` with the prompt files, under the same
+    lock. A folder of its own beside ``inbox_dir``, not inside it: no output may hold another."""
     rejected_dir: str = "data/rejected"
-    """Where the flow sets aside the files a run took from the inbox when validation rejects the
-    data they made (one folder a run, with the failed expectations), so that ``data.raw_dir`` is
-    again what the production model was trained on and later files are not held up by them."""
+    """Where the flow sets aside the files a run took from the inboxes when validation rejects
+    the data they made (one folder a run, with the failed expectations; feedback files in its
+    ``feedback/``), so that ``data.raw_dir`` and ``data.feedback_dir`` are again what the
+    production model was trained on and later files are not held up by them."""
 
 
 @dataclass
@@ -212,6 +218,9 @@ class FlowConfig:
     """Seconds ``base`` may run (building the tiny model, or copying ``base.source``)."""
     validate_timeout: float = bounded(3600.0, ge=0)
     """Seconds ``validate`` may run (the data checks)."""
+    reward_timeout: float = bounded(86400.0, ge=0)
+    """Seconds ``reward`` may run, each attempt (training the reward model on the feedback; the
+    flow retries a failed one once, and it resumes from its checkpoints)."""
     train_timeout: float = bounded(172800.0, ge=0)
     """Seconds ``train`` may run, each attempt (the flow retries a failed one twice)."""
     evaluate_timeout: float = bounded(21600.0, ge=0)

@@ -47,6 +47,7 @@ from ppo_core.models.vocabulary import (
 from ppo_core.parallel.runtime import Runtime, setup_runtime
 from ppo_core.prompts import Prompt, load_prompts, prompt_text
 from ppo_core.registry.lineage import origin_folder
+from ppo_core.registry.rewards import REWARD_SPEC_PREFIX, resolve_reward_spec
 from ppo_core.rewards.loading import RewardError, RewardFn, checked_scores
 from ppo_core.training.models import build_reward, load_reference
 from ppo_core.training.rollout import (
@@ -150,6 +151,11 @@ def evaluation_reward(config: Config, candidate: str | Path) -> RewardChoice:
         return RewardChoice(config.eval.reward, "eval.reward")
     if recorded is not None and recorded[0] != config.model.reward:
         spec, file = recorded
+        if spec.startswith(REWARD_SPEC_PREFIX) and config.model.reward.startswith(
+            REWARD_SPEC_PREFIX
+        ):
+            # a reward version of the registry, not code: the one the candidate trained on
+            return RewardChoice(spec, f"the reward version recorded in {file}")
         raise RewardError(
             f"the candidate was trained with the reward {spec!r} (recorded in {file}), not "
             f"model.reward={config.model.reward!r}; a model folder does not choose the code that "
@@ -175,11 +181,14 @@ def evaluate_model(
     runtime: Runtime,
     check_fn: RewardFn | None = None,
     origin: torch.nn.Module | None = None,
+    previous_fn: RewardFn | None = None,
 ) -> ModelReport:
     """Sample ``eval.samples_per_prompt`` responses per prompt from the model in ``path`` with
     its own ``tokenizer``, with the rollout's own sampling and scoring code, and measure them.
     ``reference`` is None when the model's tokenizer is not the reference's: no KL and no
-    reference NLL then. ``check_fn``, when given, scores the same responses as ``check_score``.
+    reference NLL then. ``check_fn``, when given, scores the same responses as ``check_score``,
+    and ``previous_fn`` (the reward version before the one the candidate trained on) as
+    ``previous_reward_score``.
     ``origin``, the first model of a chain of generations when it is not the reference, gives
     ``kl_to_origin`` and ``origin_nll`` as the reference gives its two (without it they are the
     reference's: the chain starts at the reference)."""
@@ -210,12 +219,13 @@ def evaluate_model(
             guard_metrics.update(kl_to_origin=kl, origin_nll=nll)
     del model
     responses, score = score_responses(reward_fn, tokenizer, expanded, generated)
-    if check_fn is not None:
-        guard_metrics["check_score"] = (
-            checked_scores(check_fn(expanded, responses), len(responses), "promote.check_reward")
-            .mean()
-            .item()
-        )
+    for metric, scorer, what in (
+        ("check_score", check_fn, "promote.check_reward"),
+        ("previous_reward_score", previous_fn, "the previous reward version"),
+    ):
+        if scorer is not None:
+            scores = checked_scores(scorer(expanded, responses), len(responses), what)
+            guard_metrics[metric] = scores.mean().item()
     metrics = {
         "score": score.mean().item(),
         "score_std": score.std().item() if len(score) > 1 else 0.0,
@@ -302,6 +312,7 @@ def evaluate(
             replace(config.model, reward=reward.spec),
             runtime.device,
             code_free=code_free_folders(config),
+            versions_dir=config.reward_model.versions_dir,
         )
     except RewardError as exc:
         if reward.source == "model.reward":
@@ -309,6 +320,17 @@ def evaluate(
         # The message names model.reward; say where this spec really came from.
         raise RewardError(f"{exc} (the reward set by eval.reward)") from None
     check_fn = check_reward_fn(config, runtime)
+    previous = previous_reward_version(config, reward.spec)
+    previous_fn = (
+        build_reward(
+            replace(config.model, reward=previous),
+            runtime.device,
+            key="the previous reward version",
+            versions_dir=config.reward_model.versions_dir,
+        )
+        if previous
+        else None
+    )
     reference = load_reference(config.model, runtime.device)
     origin_path, origin = _origin_model(config, reference_vocab, runtime)
     reports = {
@@ -323,6 +345,7 @@ def evaluate(
             runtime,
             check_fn,
             origin,
+            previous_fn,
         )
         for name, path in models.items()
     }
@@ -332,6 +355,7 @@ def evaluate(
         config,
         len(prompts),
         reward=reward,
+        previous_reward=previous,
         reference=reference_vocab.folder,
         origin=str(origin_path),
     )
@@ -387,13 +411,27 @@ def _origin_model(
     return folder, model.to(runtime.device)
 
 
+def previous_reward_version(config: Config, spec: str) -> str | None:
+    """The reward version before the one ``spec`` names (its ``parent`` in the reward
+    registry), as a spec ``reward:rNNNN``; None for a reward that is not a version, or the
+    first version. Evaluation scores both models with it too, so that a candidate that wins
+    only on a new reward model is seen to (docs/design.md section 3, "Reward versions")."""
+    version = resolve_reward_spec(spec, config.reward_model.versions_dir, "model.reward")
+    parent = version.entry.get("parent") if version else None
+    return f"{REWARD_SPEC_PREFIX}{parent}" if isinstance(parent, str) else None
+
+
 def check_reward_fn(config: Config, runtime: Runtime) -> RewardFn | None:
     """The gate's independent scorer (``promote.check_reward``), or None when it is off."""
     if config.promote.check_reward is None:
         return None
     spec = replace(config.model, reward=config.promote.check_reward)
     return build_reward(
-        spec, runtime.device, key="promote.check_reward", code_free=code_free_folders(config)
+        spec,
+        runtime.device,
+        key="promote.check_reward",
+        code_free=code_free_folders(config),
+        versions_dir=config.reward_model.versions_dir,
     )
 
 

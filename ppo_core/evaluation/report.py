@@ -63,9 +63,11 @@ def write_reports(
     reward: RewardChoice,
     reference: str,
     origin: str | None = None,
+    previous_reward: str | None = None,
 ) -> None:
     """``metrics.json`` (flat, for ``dvc metrics``; a metric a model lacks is absent),
-    ``models.json`` (which folders were compared, the KL reference and the reward),
+    ``models.json`` (which folders were compared, the KL reference, the reward and the
+    previous reward version that also scored them),
     ``samples.json`` and a Markdown report."""
 
     def write(tmp: Path) -> None:
@@ -86,6 +88,7 @@ def write_reports(
             "origin": origin or reference,
             "reward": reward.spec,
             "reward_source": reward.source,
+            **({"previous_reward": previous_reward} if previous_reward else {}),
             **(
                 {"check_reward": config.promote.check_reward}
                 if config.promote.check_reward is not None

@@ -281,10 +281,6 @@ def train_reward_model(
                 **{f"reward_train/{name}": value.item() for name, value in stats.items()},
             }
             history.append(row)
-            say(
-                f"reward model epoch {epoch + 1}/{rm.epochs}: loss {row['reward_train/loss']:.4f}"
-                f"  accuracy {row.get('reward_train/accuracy', math.nan):.3f}"
-            )
             if rank == 0 and ((epoch + 1) % rm.checkpoint_every == 0 or epoch + 1 == rm.epochs):
                 save_checkpoint(
                     checkpoint_dir,
@@ -294,6 +290,10 @@ def train_reward_model(
                     None,
                     {"data_hash": data_hash, "settings": settings, "history": history},
                 )
+            say(
+                f"reward model epoch {epoch + 1}/{rm.epochs}: loss {row['reward_train/loss']:.4f}"
+                f"  accuracy {row.get('reward_train/accuracy', math.nan):.3f}"
+            )
         replies = [pair.chosen_ids for pair in tokenised] + [p.rejected_ids for p in tokenised]
         scores = score_texts(model, replies, pad_id, device, 2 * rm.micro_batch_size)
         mean = float(scores.mean()) if len(scores) else 0.0

@@ -116,6 +116,11 @@ def gate(
         "distinct_2": rules.max_distinct_2_drop,
         "reference_nll": rules.max_nll_increase,
         "check_score": None if rules.check_reward is None else rules.max_check_drop,
+        # measured when the candidate trained on a reward version that replaced another: a gain
+        # the new reward model alone sees is not a gain
+        "previous_reward_score": (
+            rules.max_check_drop if "previous_reward_score" in candidate else None
+        ),
     }
     checks += [
         functools.partial(_guard, candidate, baseline, metric, margin)
@@ -179,6 +184,11 @@ GUARDS = {
     "distinct_2": ("distinct-2", "promote.max_distinct_2_drop", -1),
     "reference_nll": ("reference NLL (nats/token)", "promote.max_nll_increase", +1),
     "check_score": ("check score", "promote.check_reward", -1),
+    "previous_reward_score": (
+        "score on the previous reward version",
+        "promote.max_check_drop bounds it; model.reward",
+        -1,
+    ),
 }
 """The guard metrics: how a reason names each, the key that switches it on, and which way is
 worse (-1: falling, +1: rising)."""

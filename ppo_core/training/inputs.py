@@ -66,7 +66,12 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
         train_prompts=train_prompts,
         tokenizer=tokenizer,
         data_hash=read_manifest_hash(config.data.train_file),
-        reward_fn=build_reward(model, runtime.device, code_free=code_free_folders(config)),
+        reward_fn=build_reward(
+            model,
+            runtime.device,
+            code_free=code_free_folders(config),
+            versions_dir=config.reward_model.versions_dir,
+        ),
         base_sha256=base_fingerprint(model.policy),
     )
 

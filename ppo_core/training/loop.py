@@ -39,7 +39,7 @@ from ppo_core.parallel.runtime import Runtime, setup_runtime
 from ppo_core.parallel.strategies import make_strategy
 from ppo_core.prompts import Prompt, prompt_text
 from ppo_core.training.inputs import RunInputs, check_inputs
-from ppo_core.training.models import Models, build_models
+from ppo_core.training.models import Models, build_models, with_resolved_reward
 from ppo_core.training.resume import resolve_resume
 from ppo_core.training.rollout import collect_rollout
 from ppo_core.training.seeds import RandomStream, draw_prompts, sampling_seeds, stream_seed
@@ -163,6 +163,7 @@ def train(
     A second run on the same checkpoint folder refuses to start while the first one runs.
     """
     checkpoints = Path(config.train.checkpoint_dir)
+    config = with_resolved_reward(config)  # reward:current -> the version it names now
     if not is_main_process():  # under torchrun, rank 0 holds the lock
         return _run(config, loggers, on_samples)
     lock = checkpoints.parent / f".{checkpoints.name}.lock"

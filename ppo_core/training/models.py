@@ -6,7 +6,7 @@ learning-rate schedule. Evaluation builds its reference and reward here too
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,6 +17,7 @@ from ppo_core.models.policy import ActorCritic, checkpoint_blocks, load_actor_cr
 from ppo_core.models.weights import FullWeights, PolicyWeights
 from ppo_core.parallel.runtime import Runtime
 from ppo_core.parallel.strategies import ParallelStrategy
+from ppo_core.registry.rewards import resolve_reward_spec
 from ppo_core.rewards.loading import RewardFn, build_reward_fn
 
 
@@ -140,20 +141,36 @@ def build_reward(
     device: torch.device,
     key: str = "model.reward",
     code_free: Sequence[str] = (),
+    versions_dir: str = "models/rewards",
 ) -> RewardFn:
-    """The reward named by ``model.reward`` (built-in, user function or reward-model folder),
-    each call limited to ``model.reward_timeout`` seconds; errors name the spec as ``key``. A
-    reward module is never imported from the folders ``code_free``
-    (:func:`ppo_core.config.code_free_folders`)."""
+    """The reward named by ``model.reward`` (built-in, user function, reward-model folder, or a
+    reward version ``reward:current`` / ``reward:rNNNN`` of ``versions_dir``, its scores
+    standardised by the statistics the version recorded), each call limited to
+    ``model.reward_timeout`` seconds; errors name the spec as ``key``. A reward module is never
+    imported from the folders ``code_free`` (:func:`ppo_core.config.code_free_folders`)."""
     if model.reward_timeout < 0:
         raise ConfigError(
             f"model.reward_timeout must be >= 0 (0: no limit), got {model.reward_timeout}"
         )
+    version = resolve_reward_spec(model.reward, versions_dir, key)
     return build_reward_fn(
-        model.reward,
+        str(version.folder) if version else model.reward,
         device=device,
         trust_remote_code=model.trust_remote_code,
         timeout=model.reward_timeout,
         key=key,
         code_free=code_free,
+        normalization=(version.score_mean, version.score_std) if version else None,
+        name=version.spec if version else None,
     )
+
+
+def with_resolved_reward(config: Config) -> Config:
+    """``config`` with ``model.reward=reward:current`` replaced by the version it names now
+    (``reward:r0002``), so that a run, its checkpoints and its candidate record the reward
+    version it trained on, not one that may change under it."""
+    spec = config.model.reward
+    version = resolve_reward_spec(spec, config.reward_model.versions_dir, "model.reward")
+    if version is None or spec == version.spec:
+        return config
+    return replace(config, model=replace(config.model, reward=version.spec))
