@@ -20,6 +20,7 @@ COMMANDS = [
     "config",
     "prepare",
     "validate",
+    "reward",
     "base",
     "train",
     "evaluate",
