@@ -109,12 +109,13 @@ def reward(config: ConfigOption = None, overrides: Overrides = None) -> None:
     as the next reward version when it passes its gate.
 
     The model starts from reward_model.base (default: model.policy) with a new scalar head and
-    learns the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - reward_model.margin), its
-    mini-batches accumulated exactly over micro-batches. It is judged on the held-out pairs
-    (accuracy, margin, calibration, accuracy by length bias) against the current version on the
-    same pairs: it must reach reward_model.gate.min_accuracy and fall at most
-    reward_model.gate.max_accuracy_drop below the current one. A pass writes
-    reward_model.versions_dir/rNNNN and makes it current; PPO uses it with
+    learns the Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - reward_model.margin).
+
+    It is judged on the held-out pairs (accuracy, margin, calibration, accuracy by length bias)
+    against the current version on the same pairs: it must reach
+    reward_model.gate.min_accuracy and fall at most reward_model.gate.max_accuracy_drop below.
+
+    A pass writes reward_model.versions_dir/rNNNN and makes it current; PPO uses it with
     model.reward=reward:current. Reports go to reward_model.report_dir. Without feedback pairs
     it trains nothing.
     """

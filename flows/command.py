@@ -122,6 +122,7 @@ USER_ERRORS = (
     ("ppo_core.models.policy", "ModelFolderError"),
     ("ppo_core.rewards.loading", "RewardError"),
     ("ppo_core.registry.versions", "RegistryError"),
+    ("ppo_core.registry.rewards", "RewardRegistryError"),
     ("flows.stages", "StaleEvaluationError"),
 )
 

@@ -38,7 +38,6 @@ from ppo_core.feedback import (
 from ppo_core.files import MAX_COPY_BYTES, copy_regular_file, file_sha256
 from ppo_core.preference.pairs import FEEDBACK_FOLDER, read_pair_version
 from ppo_core.prompts import PromptFileError, is_chat, parse_messages, project_path
-from ppo_core.rewards.classifier import scored_token_ids
 
 __all__ = ["FeedbackVersion", "prepare_feedback", "publish_feedback", "validate_feedback"]
 
@@ -165,6 +164,7 @@ def validate_feedback(config: Config) -> Any:
 
     from flows.feedback_validation import validate_feedback_pairs
     from ppo_core.models.policy import load_tokenizer
+    from ppo_core.rewards.classifier import scored_token_ids
 
     folder = Path(config.data.interim_dir) / FEEDBACK_FOLDER
     if not folder.exists():

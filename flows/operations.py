@@ -20,7 +20,12 @@ from flows.command import ConfigOption, Overrides, console, load_settings, run_o
 
 def rollback(
     version: Annotated[
-        str, typer.Argument(help="The earlier production version, e.g. v0002.", show_default=False)
+        str,
+        typer.Argument(
+            help="The earlier production version, e.g. v0002 (with --reward: the earlier reward "
+            "version, e.g. r0001).",
+            show_default=False,
+        ),
     ],
     reason: Annotated[
         str,
@@ -34,9 +39,18 @@ def rollback(
         bool,
         typer.Option(
             help="Back production and the registry up in the DVC remote afterwards, as a "
-            "deployment run does (only where they are backed up already: a .dvc pointer exists)."
+            "deployment run does (only where they are backed up already: a .dvc pointer exists; "
+            "not with --reward)."
         ),
     ] = True,
+    reward: Annotated[
+        bool,
+        typer.Option(
+            "--reward",
+            help="VERSION is a reward model version (rNNNN in reward_model.versions_dir): make "
+            "it reward:current again; production is left as it is.",
+        ),
+    ] = False,
     config: ConfigOption = None,
     overrides: Overrides = None,
 ) -> None:
@@ -46,8 +60,27 @@ def rollback(
     (and an adapter version's stored base against its fingerprint) before anything changes;
     nothing is copied or deleted. The registry records who rolled back, when, why, and from
     which version; the next `from_production` run (scheduled retraining) starts from it.
+
+    With `--reward`, VERSION is an earlier reward model version (`ppo rollback --reward r0001
+    --reason "..."`): checked against its content hash the same way, it becomes
+    `reward:current` again for the next `ppo train` and `ppo evaluate`. The reward registry (in
+    `reward_model.versions_dir`) records who, when, why and from which version; production is
+    left as it is.
     """
     import getpass
+
+    from ppo_core.registry.rewards import VERSION_PATTERN as REWARD_VERSION
+
+    if reward:
+        _roll_back_reward(version, reason, by or getpass.getuser(), config, overrides)
+        return
+    if REWARD_VERSION.fullmatch(version):
+        console.print(
+            f"[bold red]error:[/] {version} is a reward model version; `ppo rollback --reward "
+            f"{version}` makes it the current reward version again",
+            soft_wrap=True,
+        )
+        raise typer.Exit(code=2)
 
     from flows.orchestration.records import back_up_production, pointer_files
     from ppo_core.registry.versions import roll_back
@@ -75,6 +108,22 @@ def rollback(
             "makes one)",
             soft_wrap=True,
         )
+
+
+def _roll_back_reward(
+    version: str, reason: str, by: str, config: Path | None, overrides: list[str] | None
+) -> None:
+    """``ppo rollback --reward``: the reward registry's rollback, checked first."""
+    from ppo_core.registry.rewards import registry_path, roll_back_reward
+
+    cfg = load_settings(config, overrides)
+    versions_dir = cfg.reward_model.versions_dir
+    entry = run_or_exit(lambda: roll_back_reward(versions_dir, version, reason, by))
+    console.print(
+        f"the reward model is [bold]{version}[/] again (was {entry['previous']}); recorded in "
+        f"{registry_path(versions_dir)}",
+        soft_wrap=True,
+    )
 
 
 def notify(
@@ -130,36 +179,55 @@ def ingest(
     files: Annotated[
         list[Path],
         typer.Argument(
-            help="Prompt files (.jsonl, .parquet) to add.", metavar="FILE", show_default=False
+            help="Prompt files (.jsonl, .parquet) to add; with --feedback, feedback files.",
+            metavar="FILE",
+            show_default=False,
         ),
     ],
+    feedback: Annotated[
+        bool,
+        typer.Option(
+            "--feedback",
+            help="The files are preference feedback (pairs: prompt or messages, chosen, "
+            "rejected; ratings: prompt or messages, response, rating) for data.feedback_dir, "
+            "not prompts: they wait in ingest.feedback_inbox_dir and the event "
+            "ppo.feedback.ingested starts retrain/on-new-feedback.",
+        ),
+    ] = False,
     config: ConfigOption = None,
     no_event: Annotated[
         bool,
         typer.Option("--no-event", help="Add the files without telling the Prefect server."),
     ] = False,
 ) -> None:
-    """Add new raw prompt files for the next retraining run, and tell Prefect.
+    """Add new raw prompt files (or, with --feedback, preference feedback files) for the next
+    retraining run, and tell Prefect.
 
     Each file is read as `ppo prepare` reads raw files (a malformed one is refused, naming the
     file and line, before anything is written), then copied into `ingest.inbox_dir`, all files
     or none. The next run of the Prefect flow `retrain` moves them into `data.raw_dir` before it
     prepares; files that arrive during a run wait for the next one.
 
-    With `PREFECT_API_URL` set, the event `ppo.data.ingested` goes to that server, where it
-    starts the deployment `retrain/on-new-data` (`prefect deploy --all`, see prefect.yaml).
+    With --feedback, each file is read as `ppo prepare` reads feedback files (every row a pair,
+    chosen and rejected, or a rating, response and rating; a prompt file is refused), copied into
+    `ingest.feedback_inbox_dir`, and moved into `data.feedback_dir` by the next run.
+
+    With `PREFECT_API_URL` set, the event `ppo.data.ingested` (with --feedback,
+    `ppo.feedback.ingested`) goes to that server, where it starts the deployment
+    `retrain/on-new-data` (`retrain/on-new-feedback`; `prefect deploy --all`, see prefect.yaml).
     Without it, nothing is triggered: `python -m flows.pipeline run` (or `make run`) takes them.
     """
     from prefect.settings import PREFECT_API_URL
 
-    from flows.ingest import emit_ingested, ingest_files
+    from flows.ingest import FEEDBACK, PROMPTS, emit_ingested, ingest_files
 
     cfg = load_settings(config, None)
-    result = run_or_exit(lambda: ingest_files(cfg, files))
+    inbox = FEEDBACK if feedback else PROMPTS
+    result = run_or_exit(lambda: ingest_files(cfg, files, inbox))
     for path in result.already_there:
         console.print(f"{path} already holds these bytes: nothing to add", soft_wrap=True)
     for path in result.added:
-        console.print(f"added {path} ({result.prompts[path.name]} prompts)", soft_wrap=True)
+        console.print(f"added {path} ({result.holds(path.name)})", soft_wrap=True)
     if not result.added:
         return
     if no_event:
@@ -175,14 +243,14 @@ def ingest(
         emit_ingested(result, Path.cwd())
     except Exception as exc:  # the files are in; only the trigger failed
         console.print(
-            f"[bold red]error:[/] the files are in {cfg.ingest.inbox_dir}, but the event could "
+            f"[bold red]error:[/] the files are in {inbox.folder(cfg)}, but the event could "
             f"not reach the Prefect server at {PREFECT_API_URL.value()} ({exc}); the next run "
             "takes them",
             soft_wrap=True,
         )
         raise typer.Exit(code=1) from None
     console.print(
-        f"sent ppo.data.ingested to {PREFECT_API_URL.value()}: it starts retrain/on-new-data",
+        f"sent {inbox.event} to {PREFECT_API_URL.value()}: it starts {inbox.deployment}",
         soft_wrap=True,
     )
 

@@ -52,7 +52,7 @@ from prefect.runtime import deployment, flow_run
 from prefect.settings import temporary_settings
 from prefect.states import Completed
 
-from flows.ingest import take_inbox
+from flows.ingest import Taken, take_inboxes
 from flows.orchestration.deployments import serve_deployments
 from flows.orchestration.dvc_session import DvcSession
 from flows.orchestration.dvc_session import take as take_session
@@ -85,7 +85,7 @@ from flows.orchestration.run_params import (
     params_for_this_run,
     put_back_left_params,
 )
-from flows.raw_data import raw_changes
+from flows.raw_data import feedback_changes, raw_changes
 from ppo_core.config import ConfigError
 from ppo_core.files import exclusive_run
 
@@ -194,7 +194,9 @@ def retrain(
     folder fixed where the flow is served (``$PPO_PROJECT_DIR``, else the working folder).
 
     A run waits for the project's retraining lock while another run holds it, then moves the
-    files ``ppo ingest`` left in ``ingest.inbox_dir`` into ``data.raw_dir`` (:mod:`flows.ingest`).
+    files ``ppo ingest`` left in ``ingest.inbox_dir`` into ``data.raw_dir``, and those
+    ``ppo ingest --feedback`` left in ``ingest.feedback_inbox_dir`` into ``data.feedback_dir``
+    (:mod:`flows.ingest`).
 
     Args:
         from_production: start from the current production version (scheduled retraining);
@@ -202,9 +204,10 @@ def retrain(
         params: training settings for this run only, e.g. ``{"ppo.epochs": 2}``: only the keys
             of ``flows.orchestration.run_params.RUN_PARAMS``, checked before anything is written, and held in
             ``params.yaml`` only while the run lasts.
-        new_data_only: end at once, running no stage, when the raw prompts are those of the
-            prepared version (the deployment ``retrain/on-new-data``: a run triggered for files
-            that an earlier run already took has nothing to do).
+        new_data_only: end at once, running no stage, when the raw prompts and the feedback
+            are those of the prepared version (the deployments ``retrain/on-new-data`` and
+            ``retrain/on-new-feedback``: a run triggered for files that an earlier run already
+            took has nothing to do).
         backup: after a decision, back the production versions and the registry up in the DVC
             remote (:func:`flows.orchestration.records.back_up_production`); the deployments of
             ``prefect.yaml`` do.
@@ -272,21 +275,24 @@ def _waiting(holder: str) -> None:
     print(f"{holder}: this run waits for it to end")
 
 
-def _take_new_data(repo_dir: str) -> tuple[list[str], list[str]]:
-    """Move the ingested files into the raw folder; returns their names and how the raw folder
-    now differs from the prepared version (``flows.raw_data.raw_changes``)."""
+def _take_new_data(repo_dir: str) -> tuple[Taken, list[str]]:
+    """Move the ingested files into the raw and the feedback folder; returns their names and
+    how those folders now differ from the prepared version (``flows.raw_data.raw_changes``,
+    ``flows.raw_data.feedback_changes``)."""
     config = load_params(repo_dir)
     with contextlib.chdir(repo_dir):
-        taken = take_inbox(config)
-        changes = raw_changes(config)
-    if taken:
-        print(f"took {len(taken)} ingested file(s) into {config.data.raw_dir}: {', '.join(taken)}")
+        taken = take_inboxes(config)
+        changes = raw_changes(config) + feedback_changes(config)
+    for names, folder in (
+        (taken.prompts, config.data.raw_dir),
+        (taken.feedback, config.data.feedback_dir),
+    ):
+        if names:
+            print(f"took {len(names)} ingested file(s) into {folder}: {', '.join(names)}")
     return taken, changes
 
 
-def _retrain(
-    repo_dir: str, updates: dict[str, Any], taken: list[str], backup: bool
-) -> dict[str, Any]:
+def _retrain(repo_dir: str, updates: dict[str, Any], taken: Taken, backup: bool) -> dict[str, Any]:
     status, to_track = _run_stages(repo_dir, taken)
     outputs = publish_results(repo_dir, status)
     to_track += keep_records(repo_dir, backup and outputs["decided"])
@@ -307,7 +313,7 @@ def _retrain(
     return outputs
 
 
-def _run_stages(repo_dir: str, taken: list[str]) -> tuple[dict[str, str], list[str]]:
+def _run_stages(repo_dir: str, taken: Taken) -> tuple[dict[str, str], list[str]]:
     """Each stage as a task, in order; returns each stage's status and the files DVC asks to
     `git add`."""
     timeouts = load_params(repo_dir).flow  # and flow.gpu_limit
@@ -404,9 +410,10 @@ def main(argv: list[str] | None = None, server: LocalServer | None = None) -> No
     serve_parser = sub.add_parser(
         "serve",
         help="serve the deployments of prefect.yaml",
-        description="Serve 'retrain/manual', 'retrain/scheduled' and 'retrain/on-new-data' "
-        "(prefect.yaml) for one project folder, fixed here: a run cannot choose another. "
-        "`prefect deploy --all` and a worker do the same through a work pool.",
+        description="Serve 'retrain/manual', 'retrain/scheduled', 'retrain/on-new-data' and "
+        "'retrain/on-new-feedback' (prefect.yaml) for one project folder, fixed here: a run "
+        "cannot choose another. `prefect deploy --all` and a worker do the same through a work "
+        "pool.",
     )
     serve_parser.add_argument("--repo", default=".", help="the project folder (default: here)")
     args = parser.parse_args(argv)

@@ -1,7 +1,7 @@
 """The raw prompt files and the prepared version made from them: which files ``ppo prepare``
 reads and how, how a prompt is normalised and which split it falls in, and whether the raw
-folder still matches the prepared version (``ppo train`` refuses stale data; the flow takes new
-files when it does not)."""
+folder (and the feedback folder) still matches the prepared version (``ppo train`` refuses
+stale data; the flow takes new files when it does not)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import stat
 from pathlib import Path
 
 from ppo_core.config import Config
+from ppo_core.feedback import feedback_sources
 from ppo_core.files import file_sha256, printable
 from ppo_core.prompts import Prompt, PromptFileError, chat_json, load_prompts
 
@@ -93,10 +94,35 @@ def raw_changes(config: Config) -> list[str]:
     ``removed c.jsonl``; compared by name and SHA-256); every file is new when there is no
     prepared version yet, none when the raw folder does not exist."""
     data = config.data
-    manifest_file = Path(data.train_file).parent / "manifest.json"
     raw_dir = Path(data.raw_dir)
     if not raw_dir.is_dir():
         return []
+    manifest_file = Path(data.train_file).parent / "manifest.json"
+    return _changes(manifest_file, raw_sources(raw_dir))
+
+
+# The pair version's folder beside the prepared splits: ppo_core.preference.pairs.FEEDBACK_FOLDER,
+# not imported from there (it imports torch).
+FEEDBACK_FOLDER = "feedback"
+
+
+def feedback_changes(config: Config) -> list[str]:
+    """How ``data.feedback_dir`` differs from the manifest of the pair version prepared beside
+    ``data.train_file`` (``feedback/manifest.json``), as :func:`raw_changes` says it, each entry
+    marked ``feedback`` (``new feedback a.jsonl``); every file is new when no pair version was
+    prepared yet, none when the feedback folder does not exist."""
+    data = config.data
+    feedback_dir = Path(data.feedback_dir)
+    if not feedback_dir.is_dir():
+        return []
+    manifest_file = Path(data.train_file).parent / FEEDBACK_FOLDER / "manifest.json"
+    changes = _changes(manifest_file, feedback_sources(feedback_dir))
+    return [change.replace(" ", " feedback ", 1) for change in changes]
+
+
+def _changes(manifest_file: Path, sources: list[Path]) -> list[str]:
+    """How ``sources`` differ from the sources ``manifest_file`` records (none when it does not
+    exist), by name and SHA-256."""
     recorded = (
         {
             Path(source["file"]).name: source["sha256"]
@@ -105,7 +131,7 @@ def raw_changes(config: Config) -> list[str]:
         if manifest_file.is_file()
         else {}
     )
-    current = {path.name: file_sha256(path) for path in raw_sources(raw_dir)}
+    current = {path.name: file_sha256(path) for path in sources}
     changes = [f"new {name}" for name in current if name not in recorded]
     changes += [f"changed {n}" for n in current if n in recorded and current[n] != recorded[n]]
     changes += [f"removed {name}" for name in recorded if name not in current]

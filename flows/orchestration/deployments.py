@@ -25,7 +25,7 @@ def serve_deployments(flow: Flow[..., Any], repo_dir: str = ".") -> None:
     for the project in ``repo_dir``, without a work pool."""
     # The runs that `serve` starts inherit this process's environment: this pins their project.
     os.environ[PROJECT_ENV] = str(Path(repo_dir).resolve())
-    # One run at a time across all three: a schedule firing during a manual run waits instead
+    # One run at a time across all of them: a schedule firing during a manual run waits instead
     # of racing it for the same workspace.
     serve(*deployments(flow, repo_dir), limit=1)
 
@@ -37,9 +37,10 @@ DEPLOYMENTS_FILE = Path(__file__).resolve().parents[2] / "prefect.yaml"
 def deployments(flow: Flow[..., Any], repo_dir: str = ".") -> list[RunnerDeployment]:
     """The deployments of ``flow`` (``retrain``, :mod:`flows.pipeline`, which passes itself)
     that the project's ``prefect.yaml`` (else this code's) declares ('retrain/manual',
-    'retrain/scheduled', 'retrain/on-new-data'), for `serve`: the same names, descriptions, parameters, triggers and
-    concurrency limits, and the schedule from the project's ``schedule.cron`` and
-    ``schedule.timezone`` (which the file's build steps read for `prefect deploy`).
+    'retrain/scheduled', 'retrain/on-new-data', 'retrain/on-new-feedback'), for `serve`: the
+    same names, descriptions, parameters, triggers and concurrency limits, and the schedule from
+    the project's ``schedule.cron`` and ``schedule.timezone`` (which the file's build steps read
+    for `prefect deploy`).
 
     None takes the project folder as a parameter (:data:`PROJECT_ENV` pins it); Prefect checks
     each run's parameters against the flow's signature, so a run that names another folder, or

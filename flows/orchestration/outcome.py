@@ -12,7 +12,7 @@ from typing import Any
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
-from flows.ingest import set_aside_rejected
+from flows.ingest import Taken, set_aside_rejected
 from flows.loggers import metric_group
 from flows.orchestration.project import load_params, production_version, stays
 from ppo_core.evaluation.markdown import escape_markdown
@@ -127,17 +127,18 @@ def announce_decision(outputs: dict[str, Any]) -> None:
     )
 
 
-def reject_ingested(repo_dir: str, taken: list[str], failure: str) -> str:
-    """Validation rejected data that holds files this run took from the inbox: set them aside
-    (``ingest.rejected_dir``) so that the raw folder is again the one the prepared version was
-    made from, publish the failed expectations as the artifact ``validation-failure``, and
-    return the run's error message."""
+def reject_ingested(repo_dir: str, taken: Taken, failure: str) -> str:
+    """Validation rejected data that holds files this run took from the inboxes: set them all
+    aside (``ingest.rejected_dir``; prompt and feedback files alike) so that the raw and the
+    feedback folder are again the ones the prepared version was made from, publish the failed
+    expectations as the artifact ``validation-failure``, and return the run's error message."""
 
     config = load_params(repo_dir)
     with contextlib.chdir(repo_dir):
-        folder = set_aside_rejected(config, taken, failure)
+        folder = set_aside_rejected(config, taken.prompts, failure, taken.feedback)
+    names = ", ".join(taken.names())
     lines = [
-        f"**Validation rejected the data with the ingested files {escape_markdown(', '.join(taken))}**",
+        f"**Validation rejected the data with the ingested files {escape_markdown(names)}**",
         "",
         f"They were moved to `{escape_markdown(str(folder))}`; the prepared data, the production "
         "model and the registry are unchanged. The validate stage said:",
@@ -152,7 +153,7 @@ def reject_ingested(repo_dir: str, taken: list[str], failure: str) -> str:
         description="Expectations the ingested data failed",
     )
     return (
-        f"{failure}\nThe ingested files {', '.join(taken)} were set aside in {folder}; the "
+        f"{failure}\nThe ingested files {names} were set aside in {folder}; the "
         "prepared data and production are unchanged"
     )
 

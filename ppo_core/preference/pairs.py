@@ -9,7 +9,6 @@ from typing import Any
 
 from ppo_core.feedback import PreferencePair
 from ppo_core.prompts import Prompt, PromptFileError, parse_messages
-from ppo_core.rewards.classifier import scored_token_ids
 
 __all__ = ["FEEDBACK_FOLDER", "TokenisedPair", "read_pair_split", "read_pair_version", "tokenise"]
 
@@ -65,6 +64,8 @@ def read_pair_split(folder: str | Path, split: str, chat: bool) -> list[Preferen
 def tokenise(tokenizer: Any, pairs: list[PreferencePair], max_length: int) -> list[TokenisedPair]:
     """Each pair's chosen and rejected text as the reward model's tokens, cut to
     ``max_length`` (the model's positions): the score is read at the last token kept."""
+    from ppo_core.rewards.classifier import scored_token_ids  # torch: only where pairs are read
+
     return [
         TokenisedPair(
             scored_token_ids(tokenizer, pair.prompt, pair.chosen)[:max_length],

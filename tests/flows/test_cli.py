@@ -1,9 +1,11 @@
 """The `ppo` command: help, config listing, and one clear line for errors users can fix."""
 
 import inspect
+import json
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -238,3 +240,114 @@ def test_prepare_runs_without_importing_torch(tmp_path):
         check=False,
     )
     assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+
+
+def _two_of_each(root):
+    """Production versions v0001, v0002 and reward versions r0001, r0002 (tiny stand-in folders)
+    where the default config puts them, under ``root``."""
+    from ppo_core.registry.rewards import record_reward_decision
+    from ppo_core.registry.versions import GateDecision, record_decision
+
+    for n in (1, 2):
+        folder = root / "candidates" / str(n)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "weights.bin").write_text(f"weights-{n}")
+        record_decision(
+            registry_path=root / "models" / "registry.json",
+            production_dir=root / "models" / "production",
+            candidate_dir=folder,
+            decision=GateDecision(True, ["PASS"]),
+            lineage={},
+        )
+        stats = {"reasons": ["PASS"], "score_mean": 0.0, "score_std": 1.0}
+        record_reward_decision(root / "models" / "rewards", folder, True, stats)
+    return root / "models" / "registry.json", root / "models" / "rewards" / "registry.json"
+
+
+def test_rollback_reward_makes_an_earlier_reward_version_current(tmp_path):
+    import getpass
+
+    production, rewards = _two_of_each(tmp_path)
+    before = production.read_bytes()
+    result = runner.invoke(app, ["rollback", "--reward", "r0001", "--reason", "r0002 likes length"])
+    assert result.exit_code == 0, result.output
+    assert " ".join(result.output.split()) == (
+        f"the reward model is r0001 again (was r0002); recorded in {Path('models/rewards')}"
+        "/registry.json"
+    )
+    entry = json.loads(rewards.read_text())["entries"][-1]
+    assert {k: v for k, v in entry.items() if k != "date"} == {
+        "decision": "rolled back",
+        "rolled_back_to": "r0001",
+        "previous": "r0002",
+        "reason": "r0002 likes length",
+        "by": getpass.getuser(),  # as the production rollback records it
+    }
+    assert json.loads(rewards.read_text())["current"] == "r0001"
+    assert production.read_bytes() == before  # production is left as it is
+
+    # --by, the flag after VERSION, and reward_model.versions_dir as an override
+    moved = tmp_path / "elsewhere"
+    (tmp_path / "models" / "rewards").rename(moved)
+    result = runner.invoke(
+        app,
+        [
+            "rollback",
+            "r0002",
+            "--reward",
+            "-m",
+            "drill",
+            "--by",
+            "ops",
+            f"reward_model.versions_dir={moved}",
+        ],
+    )
+    assert result.exit_code == 0, result.output
+    entry = json.loads((moved / "registry.json").read_text())["entries"][-1]
+    assert (entry["rolled_back_to"], entry["previous"], entry["by"]) == ("r0002", "r0001", "ops")
+
+
+def test_the_production_rollback_leaves_the_reward_versions_alone(tmp_path):
+    production, rewards = _two_of_each(tmp_path)
+    before = rewards.read_bytes()
+    result = runner.invoke(app, ["rollback", "v0001", "--reason", "drill", "--no-backup"])
+    assert result.exit_code == 0, result.output
+    assert "production is v0001 again (was v0002)" in result.output
+    assert json.loads(production.read_text())["current"] == "v0001"
+    assert rewards.read_bytes() == before
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            ["--reward", "r0009"],
+            "the reward registry models/rewards/registry.json has no promoted version r0009",
+        ),
+        (["--reward", "v0001"], "'v0001' is not a reward version name (r0001, r0002, ...)"),
+        (["--reward", "r0002"], "r0002 is already the current reward version"),
+        (["--reward", "r0001", "--reason", " "], "a rollback needs a reason (--reason)"),
+        (["r0001"], "r0001 is a reward model version; `ppo rollback --reward r0001` makes it"),
+    ],
+)
+def test_a_reward_rollback_that_cannot_be_done_is_one_line(tmp_path, args, message):
+    production, rewards = _two_of_each(tmp_path)
+    before = production.read_bytes(), rewards.read_bytes()
+    reason = [] if "--reason" in args else ["--reason", "drill"]
+    result = runner.invoke(app, ["rollback", *args, *reason])
+    assert result.exit_code == 2
+    [line] = result.output.splitlines()
+    assert line.startswith(f"error: {message}")
+    assert (production.read_bytes(), rewards.read_bytes()) == before
+
+
+def test_a_reward_version_changed_on_disk_is_not_rolled_back_to(tmp_path):
+    _, rewards = _two_of_each(tmp_path)
+    folder = rewards.parent / "r0001"
+    (folder / "weights.bin").write_text("edited")
+    result = runner.invoke(app, ["rollback", "--reward", "r0001", "--reason", "drill"])
+    assert result.exit_code == 2
+    [line] = result.output.splitlines()
+    assert line.startswith(f"error: reward version r0001 in {folder.relative_to(tmp_path)} no ")
+    assert json.loads(rewards.read_text())["current"] == "r0002"

@@ -1,5 +1,6 @@
-"""`ppo ingest` and the flow's inbox: files are checked before anything is written, added whole
-or not at all, never replace another file, and reach the raw folder only when a run takes them."""
+"""`ppo ingest` and the flow's inboxes: files (prompt files, and feedback files with
+`--feedback`) are checked before anything is written, added whole or not at all, never replace
+another file, and reach the raw (feedback) folder only when a run takes them."""
 
 from __future__ import annotations
 
@@ -13,19 +14,28 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.ingest import (
+    FEEDBACK,
+    FEEDBACK_INGESTED_EVENT,
+    FEEDBACK_RESOURCE,
     INGESTED_EVENT,
     LOCK_NAME,
+    PROMPTS,
     RAW_DATA_RESOURCE,
+    Taken,
     inbox_files,
     ingest_files,
     ingested_event,
     set_aside_rejected,
     take_inbox,
+    take_inboxes,
 )
-from flows.raw_data import raw_changes
+from flows.raw_data import feedback_changes, raw_changes
 from ppo_core.config import Config
+from ppo_core.feedback import FeedbackFileError
 from ppo_core.files import exclusive_run
 from ppo_core.prompts import PromptFileError
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
@@ -40,6 +50,20 @@ def project(tmp_path, monkeypatch):
 
 def prompts_file(path: Path, *prompts: str) -> Path:
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return path
+
+
+def feedback_file(path: Path, pairs: int = 2, ratings: int = 1, start: int = 0) -> Path:
+    """``pairs`` pair rows and ``ratings`` rating rows, each about its own prompt."""
+    rows = [
+        {"prompt": f"review {start + i}:", "chosen": "a warm, funny film", "rejected": "dull"}
+        for i in range(pairs)
+    ]
+    rows += [
+        {"prompt": f"rated {start + i}:", "response": "loved it", "rating": "up"}
+        for i in range(ratings)
+    ]
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
     return path
 
 
@@ -164,26 +188,34 @@ def test_two_ingests_of_one_name_at_once_add_one_file_and_refuse_the_other(
     assert f"added {kept}" in outcomes
 
 
-def test_only_regular_printable_files_within_the_size_limit_are_copied(project, tmp_path_factory):
+@pytest.mark.parametrize("inbox", [PROMPTS, FEEDBACK], ids=["prompts", "feedback"])
+def test_only_regular_printable_files_within_the_size_limit_are_copied(
+    project, tmp_path_factory, inbox
+):
     outside = tmp_path_factory.mktemp("incoming")
     config = Config()
     config.data.max_bytes_per_file = 1000
     big = prompts_file(outside / "big.jsonl", *["a long prompt of many words"] * 100)
     with pytest.raises(PromptFileError, match=r"big.jsonl: \d+ bytes, more than data.max_bytes"):
-        ingest_files(config, [big])
+        ingest_files(config, [big], inbox)
     link = outside / "link.jsonl"
-    link.symlink_to(prompts_file(outside / "real.jsonl", "fine"))
+    link.symlink_to(feedback_file(outside / "real.jsonl"))
     with pytest.raises(PromptFileError, match="link.jsonl: a symbolic link"):
-        ingest_files(config, [link])
+        ingest_files(config, [link], inbox)
     os.mkfifo(outside / "fifo.jsonl")
     with pytest.raises(PromptFileError, match="fifo.jsonl: not a regular file"):
-        ingest_files(config, [outside / "fifo.jsonl"])
+        ingest_files(config, [outside / "fifo.jsonl"], inbox)
+    (outside / "notes.txt").write_text("hello")
+    with pytest.raises(PromptFileError, match="reads only .jsonl and .parquet"):
+        ingest_files(config, [outside / "notes.txt"], inbox)
     for name in ("new\nline.jsonl", "escape\x1b[31m.jsonl"):
-        odd = prompts_file(outside / name, "fine")
+        odd = feedback_file(outside / name)
         with pytest.raises(PromptFileError, match="control characters") as refused:
-            ingest_files(config, [odd])
+            ingest_files(config, [odd], inbox)
         assert "\n" not in str(refused.value) and "\x1b" not in str(refused.value)
-    assert listing(project / "data" / "inbox") == []  # nothing copied, no part file
+    # nothing copied, no part file, in either inbox
+    assert listing(project / "data" / "inbox") == []
+    assert listing(project / "data" / "inbox-feedback") == []
 
 
 def test_a_link_put_in_the_inbox_is_never_taken(project, tmp_path_factory):
@@ -266,3 +298,194 @@ def test_the_size_limit_refuses_before_a_byte_is_copied(project, tmp_path_factor
     big.write_text('{"prompt": "a film"}\n' * 100)  # 2,100 bytes
     with pytest.raises(PromptFileError, match="2100 bytes, more than data.max_bytes_per_file=1000"):
         _checked_source(config, big)
+
+
+# --- feedback: `ppo ingest --feedback` -----------------------------------------------------
+
+
+def test_feedback_is_ingested_into_its_own_inbox(project, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("incoming")
+    ratings = feedback_file(outside / "ratings.jsonl", pairs=2, ratings=3)
+    result = ingest_files(Config(), [ratings], FEEDBACK)
+    assert [p.name for p in result.added] == ["ratings.jsonl"]
+    assert (result.pairs, result.ratings) == ({"ratings.jsonl": 2}, {"ratings.jsonl": 3})
+    assert result.holds("ratings.jsonl") == "2 pairs, 3 ratings"
+    assert listing(project / "data" / "inbox-feedback") == ["ratings.jsonl"]
+    assert (project / "data" / "inbox-feedback" / "ratings.jsonl").read_bytes() == (
+        ratings.read_bytes()
+    )
+    assert not (project / "data" / "inbox").exists()  # the prompt inbox is another folder
+    assert not (project / "data" / "feedback").exists()  # a run moves it there, not ingest
+    # The same bytes again: nothing to add; another file of that name: refused.
+    again = ingest_files(Config(), [ratings], FEEDBACK)
+    assert again.added == [] and [p.name for p in again.already_there] == ["ratings.jsonl"]
+    other = feedback_file(tmp_path_factory.mktemp("other") / "ratings.jsonl", pairs=1)
+    with pytest.raises(FeedbackFileError, match="already exists with other content"):
+        ingest_files(Config(), [other], FEEDBACK)
+    # A name taken in data.feedback_dir counts as well.
+    (project / "data" / "feedback").mkdir()
+    (project / "data" / "feedback" / "old.jsonl").write_bytes(other.read_bytes())
+    kept = feedback_file(outside / "old.jsonl", pairs=1, ratings=0)
+    with pytest.raises(FeedbackFileError, match="data/feedback/old.jsonl already exists"):
+        ingest_files(Config(), [kept], FEEDBACK)
+    assert listing(project / "data" / "inbox-feedback") == ["ratings.jsonl"]
+
+    # The command: with --feedback, what each file holds; without a server, no event.
+    pairs = feedback_file(outside / "pairs.jsonl", pairs=1, ratings=1, start=10)
+    done = CliRunner().invoke(app, ["ingest", "--feedback", str(pairs)])
+    assert done.exit_code == 0, done.output
+    assert "added data/inbox-feedback/pairs.jsonl (1 pair, 1 rating)" in done.output
+    assert "PREFECT_API_URL is not set, so no run was triggered" in done.output
+    done = CliRunner().invoke(app, ["ingest", "--feedback", str(pairs)])
+    assert "already holds these bytes: nothing to add" in done.output
+
+
+def test_a_malformed_feedback_file_is_refused_naming_file_and_line_and_nothing_is_copied(
+    project, tmp_path_factory
+):
+    outside = tmp_path_factory.mktemp("incoming")
+    good = feedback_file(outside / "good.jsonl")
+    bad = outside / "bad.jsonl"
+    bad.write_text(
+        json.dumps({"prompt": "a", "chosen": "b", "rejected": "c"})
+        + "\n"
+        + json.dumps({"prompt": "a", "response": "b", "rating": "meh"})
+        + "\n"
+    )
+    with pytest.raises(FeedbackFileError, match=rf"^{bad} line 2: 'rating' is the unknown word"):
+        ingest_files(Config(), [good, bad], FEEDBACK)
+    assert listing(project / "data" / "inbox-feedback") == []  # neither file, no part file
+
+    done = CliRunner().invoke(app, ["ingest", "--feedback", str(good), str(bad)])
+    assert done.exit_code == 2, done.output
+    [line] = done.output.strip().splitlines()
+    assert line.startswith(f"error: {bad} line 2: 'rating' is the unknown word 'meh'"), line
+    assert listing(project / "data" / "inbox-feedback") == []
+
+    empty = outside / "empty.jsonl"
+    empty.write_text("\n")
+    with pytest.raises(FeedbackFileError, match="empty.jsonl: no feedback"):
+        ingest_files(Config(), [empty], FEEDBACK)
+    assert listing(project / "data" / "inbox-feedback") == []
+
+
+def test_a_prompt_file_passed_as_feedback_is_refused(project, tmp_path_factory):
+    prompts = prompts_file(tmp_path_factory.mktemp("incoming") / "prompts2.jsonl", "the film")
+    with pytest.raises(FeedbackFileError, match=rf"^{prompts} line 1: neither a pair"):
+        ingest_files(Config(), [prompts], FEEDBACK)
+    done = CliRunner().invoke(app, ["ingest", "--feedback", str(prompts)])
+    assert done.exit_code == 2, done.output
+    assert f"error: {prompts} line 1: neither a pair (chosen and rejected)" in done.output
+    assert listing(project / "data" / "inbox-feedback") == []
+    assert listing(project / "data" / "inbox") == []
+
+
+def test_a_run_takes_both_inboxes_and_counts_new_feedback_as_new_data(project, tmp_path_factory):
+    """The take step moves feedback into data.feedback_dir; `new_data_only` sees it as new
+    until a prepared version records it (a real `prepare`, whose feedback manifest
+    `flows.raw_data.feedback_changes` reads)."""
+    from flows.stages import prepare
+
+    outside = tmp_path_factory.mktemp("incoming")
+    config = Config()
+    config.data.train_file = "data/interim/train.parquet"  # the prepared version: prepare's
+    prompts_file(project / "data" / "raw" / "prompts.jsonl", *[f"prompt {i}" for i in range(40)])
+    (project / "data" / "feedback").mkdir()
+    feedback_file(project / "data" / "feedback" / "first.jsonl", pairs=4, ratings=0)
+    prepare(config)
+    assert raw_changes(config) == [] and feedback_changes(config) == []
+
+    ingest_files(config, [feedback_file(outside / "second.jsonl", start=100)], FEEDBACK)
+    assert feedback_changes(config) == []  # waiting in the inbox: not yet data
+    taken = take_inboxes(config)
+    assert taken == Taken(prompts=[], feedback=["second.jsonl"]) and taken
+    assert listing(project / "data" / "feedback") == ["first.jsonl", "second.jsonl"]
+    assert inbox_files(config, FEEDBACK) == []
+    assert feedback_changes(config) == ["new feedback second.jsonl"]
+    assert raw_changes(config) == []
+    assert not take_inboxes(config)  # nothing waits any more
+
+    # Both inboxes at once; a name taken by other bytes in either stops both, moving nothing.
+    ingest_files(config, [prompts_file(outside / "more.jsonl", "a new prompt")])
+    ingest_files(config, [feedback_file(outside / "third.jsonl", start=200)], FEEDBACK)
+    (project / "data" / "feedback" / "third.jsonl").write_text("put there by hand\n")
+    with pytest.raises(FeedbackFileError, match="third.jsonl now holds other content"):
+        take_inboxes(config)
+    assert [p.name for p in inbox_files(config)] == ["more.jsonl"]
+    assert [p.name for p in inbox_files(config, FEEDBACK)] == ["third.jsonl"]
+    (project / "data" / "feedback" / "third.jsonl").unlink()
+    taken = take_inboxes(config)
+    assert taken == Taken(prompts=["more.jsonl"], feedback=["third.jsonl"])
+    assert sorted(feedback_changes(config)) == [
+        "new feedback second.jsonl",
+        "new feedback third.jsonl",
+    ]
+    assert raw_changes(config) == ["new more.jsonl"]
+
+
+def test_a_rejected_run_sets_its_feedback_aside_too(project, tmp_path_factory):
+    outside = tmp_path_factory.mktemp("incoming")
+    config = Config()
+    (project / "data" / "feedback").mkdir()
+    feedback_file(project / "data" / "feedback" / "kept.jsonl")
+    before = listing(project / "data" / "feedback")
+    # one name in both inboxes: the two files are set aside side by side
+    ingest_files(config, [prompts_file(outside / "monday.jsonl", "x")])
+    ingest_files(config, [feedback_file(outside / "monday.jsonl")], FEEDBACK)
+    taken = take_inboxes(config)
+    assert taken.names() == ["monday.jsonl", "feedback/monday.jsonl"]
+    folder = set_aside_rejected(config, taken.prompts, "min_train_pairs failed", taken.feedback)
+    assert (project / folder).parent == project / "data" / "rejected"
+    assert listing(folder) == ["REASON.txt", "feedback/monday.jsonl", "monday.jsonl"]
+    assert listing(project / "data" / "feedback") == before
+    assert listing(project / "data" / "raw") == ["prompts.jsonl"]
+    # a run that took feedback alone
+    ingest_files(config, [feedback_file(outside / "tuesday.jsonl", start=5)], FEEDBACK)
+    taken = take_inboxes(config)
+    assert taken.prompts == [] and taken
+    folder = set_aside_rejected(config, taken.prompts, "failed", taken.feedback)
+    assert listing(folder) == ["REASON.txt", "feedback/tuesday.jsonl"]
+    assert listing(project / "data" / "feedback") == before
+
+
+@pytest.mark.parametrize(
+    ("inbox", "deployment", "payload"),
+    [
+        (PROMPTS, "on-new-data", {"files": ["extra.jsonl"], "prompts": 2}),
+        (FEEDBACK, "on-new-feedback", {"files": ["extra.jsonl"], "pairs": 2, "ratings": 1}),
+    ],
+    ids=["prompts", "feedback"],
+)
+def test_each_event_starts_its_own_deployment_of_prefect_yaml(
+    project, tmp_path_factory, inbox, deployment, payload
+):
+    outside = tmp_path_factory.mktemp("incoming")
+    extra = (
+        feedback_file(outside / "extra.jsonl")
+        if inbox == FEEDBACK
+        else prompts_file(outside / "extra.jsonl", "a", "b")
+    )
+    event = ingested_event(ingest_files(Config(), [extra], inbox), project)
+    assert event["event"] == inbox.event
+    assert event["resource"]["prefect.resource.id"] == inbox.resource
+    assert event["payload"] == payload  # file names and counts, for people
+    assert (FEEDBACK.event, FEEDBACK.resource) == (FEEDBACK_INGESTED_EVENT, FEEDBACK_RESOURCE)
+    assert (PROMPTS.event, PROMPTS.resource) == (INGESTED_EVENT, RAW_DATA_RESOURCE)
+    assert inbox.deployment == f"retrain/{deployment}"
+    import yaml
+
+    declared = yaml.safe_load((ROOT / "prefect.yaml").read_text())["deployments"]
+    spec = next(d for d in declared if d["name"] == deployment)
+    [trigger] = [t for t in spec["triggers"] if inbox.event in t["expect"]]
+    assert trigger["match"] == {"prefect.resource.id": inbox.resource}
+    assert trigger["expect"] == [inbox.event]
+    assert "parameters" not in trigger  # the run reads the inboxes, not the event
+    # no other deployment starts on this event
+    others = [d["name"] for d in declared for t in d["triggers"] if inbox.event in t["expect"]]
+    assert others == [deployment]
+    assert spec["parameters"] == {"from_production": True, "new_data_only": True, "backup": True}
+    assert spec["concurrency_limit"] == {"limit": 1, "collision_strategy": "ENQUEUE"}
+    assert spec["work_pool"]["name"] == "ppo"
+    [resume] = [t for t in spec["triggers"] if t["expect"] == ["prefect.flow-run.Crashed"]]
+    names = {related["prefect.resource.name"] for related in resume["match_related"]}
+    assert names == {"retrain", deployment}

@@ -39,33 +39,40 @@ def test_set_params_keeps_comments_and_leaves_no_temporary_file(project):
 
 def test_the_served_deployments_are_those_of_prefect_yaml_with_the_configured_schedule(project):
     set_params(str(project), {"schedule.cron": "30 2 * * *", "schedule.timezone": "Europe/Berlin"})
-    manual, scheduled, on_new_data = deployments(retrain, str(project))
-    assert [d.name for d in (manual, scheduled, on_new_data)] == [
+    manual, scheduled, on_new_data, on_new_feedback = deployments(retrain, str(project))
+    everyone = (manual, scheduled, on_new_data, on_new_feedback)
+    assert [d.name for d in everyone] == [
         "manual",
         "scheduled",
         "on-new-data",
+        "on-new-feedback",
     ]
-    assert manual.schedules == [] and on_new_data.schedules == []
+    assert manual.schedules == [] and on_new_data.schedules == [] == on_new_feedback.schedules
     [entry] = scheduled.schedules
     assert (entry.schedule.cron, entry.schedule.timezone) == ("30 2 * * *", "Europe/Berlin")
     # The project is pinned where the deployments are served, never a run parameter.
     assert manual.parameters == {"backup": True}
     assert scheduled.parameters == {"from_production": True, "backup": True}
-    assert on_new_data.parameters == {
-        "from_production": True,
-        "new_data_only": True,
-        "backup": True,
-    }
+    for on_new in (on_new_data, on_new_feedback):
+        assert on_new.parameters == {
+            "from_production": True,
+            "new_data_only": True,
+            "backup": True,
+        }
     assert sorted(sorted(t.expect) for t in on_new_data.triggers) == [
         ["ppo.data.ingested"],
         ["prefect.flow-run.Crashed"],
     ]
-    for deployment in (manual, scheduled, on_new_data):
+    assert sorted(sorted(t.expect) for t in on_new_feedback.triggers) == [
+        ["ppo.feedback.ingested"],
+        ["prefect.flow-run.Crashed"],
+    ]
+    for deployment in everyone:
         # a crashed run of this deployment (and only of this one) starts it again
         [resume] = [t for t in deployment.triggers if "prefect.flow-run.Crashed" in t.expect]
         names = {spec.root["prefect.resource.name"] for spec in resume.match_related}
         assert names == {"retrain", deployment.name}
-    for deployment in (manual, scheduled, on_new_data):
+    for deployment in everyone:
         assert deployment.enforce_parameter_schema
         # one run at a time; a run started meanwhile waits in line
         assert deployment.concurrency_limit == 1
