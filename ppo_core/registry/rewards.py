@@ -13,12 +13,16 @@ A promotion is made so that a kill at any point loses nothing and blocks nothing
 is copied into a hidden staging folder and hashed there, the entry is written as
 ``"promoting"`` with that hash, and only then is the folder renamed into place and the entry
 completed. The next registry write (under the lock) finishes a promotion whose folder is in
-place with the recorded hash, and abandons one whose folder is not, removing its staging copy.
+place with the recorded hash, and abandons one whose folder is not; it removes every staging
+copy left behind, recorded or not. An abandoned promotion gives its number back, unless
+something lies under that name (a folder with other content, a file): that is kept for
+inspection and the number stays taken, so that it blocks no later promotion.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -28,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_core.files import (
+    UnsafeCopyError,
     atomic_write_text,
     copy_regular_tree,
     exclusive_run,
@@ -49,7 +54,8 @@ __all__ = [
 
 REWARD_SPEC_PREFIX = "reward:"
 """``model.reward=reward:current`` (the current version) or ``reward:r0002`` (that one)."""
-VERSION_PATTERN = re.compile(r"r\d{4}")
+VERSION_PATTERN = re.compile(r"r[0-9]{4,}")
+STAGING_PATTERN = re.compile(r"\.r[0-9]{4,}\.staging")
 REGISTRY_FILE = "registry.json"
 
 
@@ -131,19 +137,34 @@ def check_reward_version(versions_dir: str | Path, name: str) -> RewardVersion:
             "`dvc pull`) before going on"
         )
     recorded = entry.get("content_sha256")
-    if not isinstance(recorded, str) or tree_sha256(folder) != recorded:
+    if not _holds(folder, recorded):
         raise RewardRegistryError(
             f"reward version {name} in {folder} no longer matches the content hash the registry "
-            "recorded when it was promoted; a file in it was changed, added or removed. Restore "
+            "recorded when it was promoted; a file in it was changed, added (a link too) or "
+            "removed. Restore "
             "it (e.g. `dvc pull` or `dvc checkout`)"
         )
-    mean, std = entry.get("score_mean"), entry.get("score_std")
-    if not isinstance(mean, int | float) or not isinstance(std, int | float) or not std > 0:
+    normalisation = _normalisation(entry)
+    if normalisation is None:
         raise RewardRegistryError(
-            f"reward version {name} records no usable normalisation (score_mean={mean!r}, "
-            f"score_std={std!r}); restore the registry"
+            f"reward version {name} records no usable normalisation (score_mean="
+            f"{entry.get('score_mean')!r}, score_std={entry.get('score_std')!r}); restore the "
+            "registry"
         )
-    return RewardVersion(name, folder, float(mean), float(std), entry)
+    return RewardVersion(name, folder, *normalisation, entry)
+
+
+def _normalisation(entry: dict[str, Any]) -> tuple[float, float] | None:
+    """``(score_mean, score_std)`` of an entry when both are finite numbers (not booleans) and
+    the standard deviation is above zero, else None."""
+    numbers = [
+        float(v)
+        for v in (entry.get("score_mean"), entry.get("score_std"))
+        if isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+    ]
+    if len(numbers) != 2 or not numbers[1] > 0:
+        return None
+    return numbers[0], numbers[1]
 
 
 def current_reward(versions_dir: str | Path) -> RewardVersion | None:
@@ -188,24 +209,58 @@ def _staging(versions_dir: str | Path, name: str) -> Path:
     return Path(versions_dir) / f".{name}.staging"
 
 
+def _remove(path: Path) -> None:
+    """Remove a staging copy: a folder with what it holds, anything else (a link) itself."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+def _holds(folder: Path, recorded: object) -> bool:
+    """Whether the folder ``folder`` has the content hash ``recorded``; a link or special file
+    inside it means no."""
+    if not folder.is_dir() or not isinstance(recorded, str):
+        return False
+    try:
+        return tree_sha256(folder) == recorded
+    except UnsafeCopyError:  # a link or special file in it
+        return False
+
+
 def _recover(versions_dir: str | Path, registry: dict[str, Any]) -> bool:
-    """Finish or abandon promotions a kill interrupted (module docstring); True when the
-    registry changed. Runs under the lock, before anything else is decided."""
+    """Finish or abandon promotions a kill interrupted, and remove every staging copy (module
+    docstring); True when the registry changed. Runs under the lock, before anything else is
+    decided: no promotion is under way then, so every staging copy is a leftover."""
     changed = False
     for entry in registry["entries"]:
         if entry.get("decision") != "promoting":
             continue
-        name = entry["version"]
-        folder, staging = Path(versions_dir) / name, _staging(versions_dir, name)
-        if folder.is_dir() and tree_sha256(folder) == entry.get("content_sha256"):
+        name = entry.get("version")
+        folder = Path(versions_dir) / name if name else None
+        in_place = folder is not None and not folder.is_symlink()
+        if folder is not None and in_place and _holds(folder, entry.get("content_sha256")):
             entry["decision"] = "promoted"
             registry["current"] = name
         else:
             entry["decision"] = "abandoned"
-            entry["reasons"] = [*entry.get("reasons", []), "interrupted before it was in place"]
-            entry.pop("version")
-        shutil.rmtree(staging, ignore_errors=True)
+            reasons = entry.get("reasons")
+            reasons = reasons if isinstance(reasons, list) else []
+            if folder is not None and os.path.lexists(folder):
+                # not what was recorded: kept, and its number stays taken (never reused)
+                why = (
+                    f"interrupted before it was in place; {folder} does not hold the content "
+                    "recorded for it and is kept for inspection (its number is not reused)"
+                )
+            else:
+                why = "interrupted before it was in place"
+                entry.pop("version", None)  # nothing holds the number: the next one takes it
+                entry.pop("path", None)
+            entry["reasons"] = [*reasons, why]
         changed = True
+    leftovers = Path(versions_dir).glob(".r*.staging") if Path(versions_dir).is_dir() else []
+    for staging in [p for p in leftovers if STAGING_PATTERN.fullmatch(p.name)]:
+        _remove(staging)
     return changed
 
 
@@ -233,6 +288,12 @@ def record_reward_decision(
             registry["entries"].append(entry)
             _write(versions_dir, registry)
             return entry
+        if _normalisation(entry) is None:
+            raise RewardRegistryError(
+                f"the reward model in {candidate_dir} passed but has no usable normalisation "
+                f"(score_mean={entry.get('score_mean')!r}, score_std="
+                f"{entry.get('score_std')!r}), so it could not be used; nothing was promoted"
+            )
         numbers = [int(e["version"][1:]) for e in registry["entries"] if e.get("version")]
         name = f"r{max(numbers, default=0) + 1:04d}"
         target, staging = versions_dir / name, _staging(versions_dir, name)
@@ -241,7 +302,7 @@ def record_reward_decision(
                 f"{target} exists but the reward registry does not know it; move it aside "
                 "(a reward version is never overwritten)"
             )
-        shutil.rmtree(staging, ignore_errors=True)
+        _remove(staging)  # none is left after _recover; never copy into what lies there
         copy_regular_tree(candidate_dir, staging)
         # hashed before it is in place: a kill after this point is finished by _recover
         entry.update(version=name, path=str(target), content_sha256=tree_sha256(staging))
