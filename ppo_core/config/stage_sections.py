@@ -260,7 +260,7 @@ class RewardModelConfig:
     """Rank of each adapter with ``lora``."""
     lora_alpha: float = bounded(16.0, gt=0)
     """Scale of each adapter (``alpha / rank``) with ``lora``."""
-    epochs: int = bounded(3, gt=0, most=10_000)
+    epochs: int = bounded(5, gt=0, most=10_000)
     """Passes over the train pairs."""
     batch_size: int = bounded(16, gt=0, most=MAX_ROWS)
     """Pairs per optimizer step (per rank under torchrun); the loss of a step is the sum over its
