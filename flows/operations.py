@@ -114,11 +114,14 @@ def _roll_back_reward(
     version: str, reason: str, by: str, config: Path | None, overrides: list[str] | None
 ) -> None:
     """``ppo rollback --reward``: the reward registry's rollback, checked first."""
+    from flows.reward_stage import write_current
     from ppo_core.registry.rewards import registry_path, roll_back_reward
 
     cfg = load_settings(config, overrides)
     versions_dir = cfg.reward_model.versions_dir
     entry = run_or_exit(lambda: roll_back_reward(versions_dir, version, reason, by))
+    # the file `train` depends on in dvc.yaml: the next `dvc repro` trains on this version
+    write_current(Path(cfg.reward_model.report_dir), versions_dir)
     console.print(
         f"the reward model is [bold]{version}[/] again (was {entry['previous']}); recorded in "
         f"{registry_path(versions_dir)}",

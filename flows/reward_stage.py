@@ -12,12 +12,17 @@ It writes, always:
   ``train`` stage depends on this file only, so PPO runs again exactly when the reward it would
   use changed.
 
-With no feedback pairs it trains nothing and says so; the current version stays.
+With no feedback pairs it trains nothing and says so; the current version stays. Nor does it
+train again on a pair version it has already judged with the same settings (the registry has
+an entry with its data hash and settings): it writes the reports of that decision again, so
+that a ``dvc repro`` after ``ppo rollback --reward`` (which rewrites ``current.json``) retrains
+PPO on the rolled-back version instead of training a new reward model over it.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +30,13 @@ from flows.provenance import code_version
 from ppo_core.config import Config
 from ppo_core.files import atomic_write_text
 from ppo_core.preference.pairs import FEEDBACK_FOLDER, read_pair_split, read_pair_version
-from ppo_core.registry.rewards import current_reward, record_reward_decision
+from ppo_core.registry.rewards import (
+    current_reward,
+    load_reward_registry,
+    record_reward_decision,
+)
 
-__all__ = ["reward"]
+__all__ = ["reward", "write_current"]
 
 
 def reward(config: Config, progress=print) -> dict[str, Any]:
@@ -47,13 +56,34 @@ def reward(config: Config, progress=print) -> dict[str, Any]:
         _write_reports(report_dir, {}, decision, rm.versions_dir)
         progress(reason)
         return decision
+    from ppo_core.preference.training import training_settings
+
     data_hash = manifest["content_hash"]
+    settings = training_settings(config)
+    judged = _judged(rm.versions_dir, data_hash, settings)
+    if judged is not None:
+        reason = (
+            f"the pair version {data_hash[:12]} was judged with these settings on "
+            f"{judged.get('date')} ({judged.get('decision')}"
+            + (f" as {judged['version']}" if judged.get("version") else "")
+            + "); nothing to train"
+        )
+        decision = {
+            "decision": "already judged",
+            "reasons": [reason],
+            "current": incumbent.name if incumbent else None,
+        }
+        _write_reports(report_dir, {}, decision, rm.versions_dir)
+        progress(reason)
+        return decision
     chat = bool(manifest.get("chat"))
     train_pairs = read_pair_split(folder, "train", chat)
     eval_pairs = read_pair_split(folder, "eval", chat)
     new_metrics, incumbent_metrics, result = _train_and_judge(
         config, train_pairs, eval_pairs, data_hash, incumbent, progress
     )
+    new_metrics = _finite(new_metrics)
+    incumbent_metrics = _finite(incumbent_metrics) if incumbent_metrics is not None else None
     from ppo_core.preference.gate import reward_gate
 
     verdict = reward_gate(new_metrics, incumbent_metrics, rm.gate)
@@ -70,6 +100,7 @@ def reward(config: Config, progress=print) -> dict[str, Any]:
             "parent_metrics": incumbent_metrics,
             "score_mean": result.score_mean,
             "score_std": result.score_std,
+            "settings": settings,
             "train_pairs": len(train_pairs),
             "eval_pairs": len(eval_pairs),
             "code_version": code_version(),
@@ -86,6 +117,21 @@ def reward(config: Config, progress=print) -> dict[str, Any]:
         + (f" as {entry['version']}" if entry.get("version") else "")
     )
     return decision
+
+
+def _judged(versions_dir: str, data_hash: str, settings: dict) -> dict | None:
+    """The newest registry entry that judged ``data_hash`` with ``settings``, if any."""
+    entries = load_reward_registry(versions_dir)["entries"]
+    return next(
+        (
+            e
+            for e in reversed(entries)
+            if e.get("data_hash") == data_hash
+            and e.get("settings") == settings
+            and e.get("decision") in ("promoted", "rejected")
+        ),
+        None,
+    )
 
 
 def _train_and_judge(config: Config, train_pairs, eval_pairs, data_hash, incumbent, progress):
@@ -127,12 +173,25 @@ def _train_and_judge(config: Config, train_pairs, eval_pairs, data_hash, incumbe
     return new_metrics, incumbent_metrics, result
 
 
+def _finite(metrics: dict[str, Any]) -> dict[str, Any]:
+    """``metrics`` with NaN (a length group without pairs) as null: JSON has no NaN."""
+    return {
+        k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in metrics.items()
+    }
+
+
 def _write_reports(
     report_dir: Path, metrics: dict[str, Any], decision: dict[str, Any], versions_dir: str
 ) -> None:
     report_dir.mkdir(parents=True, exist_ok=True)
     atomic_write_text(report_dir / "metrics.json", json.dumps(metrics, indent=1) + "\n")
     atomic_write_text(report_dir / "decision.json", json.dumps(decision, indent=1) + "\n")
+    write_current(report_dir, versions_dir)
+
+
+def write_current(report_dir: Path, versions_dir: str) -> None:
+    """``current.json``: the current reward version and its content hash (null before one)."""
+    report_dir.mkdir(parents=True, exist_ok=True)
     current = current_reward(versions_dir)
     state = {
         "current": current.name if current else None,

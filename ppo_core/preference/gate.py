@@ -14,10 +14,11 @@ __all__ = ["reward_gate"]
 
 
 def reward_gate(
-    new: dict[str, float], incumbent: dict[str, float] | None, rules: RewardGateConfig
+    new: dict[str, float | None], incumbent: dict[str, float | None] | None, rules: RewardGateConfig
 ) -> GateDecision:
     """One reason a rule, passing or not; ``incumbent`` is None before the first version."""
-    accuracy = new.get("accuracy", math.nan)
+    found = new.get("accuracy")
+    accuracy = math.nan if found is None else found
     reasons = []
     if not math.isfinite(accuracy):
         return GateDecision(False, ["fail: cannot judge: the new reward model has no accuracy"])
@@ -30,7 +31,8 @@ def reward_gate(
     if incumbent is None:
         reasons.append("pass: no current reward version to compare with")
     else:
-        before = incumbent.get("accuracy", math.nan)
+        before = incumbent.get("accuracy")
+        before = math.nan if before is None else before
         needed = before - rules.max_accuracy_drop
         ok = math.isfinite(before) and accuracy >= needed - 1e-12
         reasons.append(

@@ -51,6 +51,7 @@ __all__ = [
     "pair_scores",
     "score_texts",
     "train_reward_model",
+    "training_settings",
 ]
 
 RECORD_FILE = "reward_model.json"
@@ -170,9 +171,12 @@ def _trainable_state(model: nn.Module) -> dict[str, Tensor]:
     return {n: p.detach().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _settings(config: Config, base: str) -> dict[str, Any]:
-    settings = {key: getattr(config.reward_model, key) for key in COMPUTATION_KEYS}
-    return {**settings, "base_fingerprint": folder_fingerprint(base)}
+def training_settings(config: Config) -> dict[str, Any]:
+    """What a reward-model run's result depends on besides its data: the settings of
+    :data:`COMPUTATION_KEYS` and the fingerprint of the base it starts from."""
+    rm = config.reward_model
+    settings = {key: getattr(rm, key) for key in COMPUTATION_KEYS}
+    return {**settings, "base_fingerprint": folder_fingerprint(rm.base or config.model.policy)}
 
 
 def _mini_batches(count: int, size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -239,7 +243,7 @@ def train_reward_model(
     optimizer = torch.optim.AdamW(trainable, lr=rm.lr, weight_decay=rm.weight_decay)
     positions = getattr(unwrap_model(model).config, "max_position_embeddings", None)
     tokenised = tokenise(tokenizer, train_pairs, positions or 1_000_000)
-    settings = _settings(config, base)
+    settings = training_settings(config)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     world_size = data_parallel_world_size()
     checkpoint_dir = Path(rm.checkpoint_dir)

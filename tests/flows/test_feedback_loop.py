@@ -208,3 +208,29 @@ def test_bad_feedback_is_one_line_and_publishes_nothing(project, tiny_model_dir,
     assert "Traceback" not in outputs
     after = {p: p.read_bytes() for p in (project / "data/prepared").rglob("*") if p.is_file()}
     assert after == before
+
+
+def test_a_judged_pair_version_is_not_trained_again_and_a_rollback_moves_current(
+    project, tiny_model_dir
+):
+    from flows.reward_stage import write_current
+    from ppo_core.registry.rewards import roll_back_reward
+
+    config = config_of(tiny_model_dir)
+    write_feedback(project / "data/feedback", "first.jsonl", example_feedback(120, seed=0))
+    prepare_and_validate(config)
+    assert reward(config, progress=lambda _: None)["version"] == "r0001"
+    again = reward(config, progress=lambda _: None)
+    assert again["decision"] == "already judged" and again["current"] == "r0001"
+    # other settings are another judgement
+    margin = config_of(
+        tiny_model_dir, "reward_model.margin=0.5", "reward_model.gate.max_accuracy_drop=1.0"
+    )
+    other = reward(margin, progress=lambda _: None)
+    assert other["decision"] == "promoted" and other["version"] == "r0002"
+    roll_back_reward("models/rewards", "r0001", "the margin run overfits", "test")
+    write_current(Path("reports/reward"), "models/rewards")
+    current = json.loads((project / "reports/reward/current.json").read_text())
+    assert current["current"] == "r0001"
+    # the stage run again (dvc repro after the rollback) keeps the rolled-back version
+    assert reward(config, progress=lambda _: None)["current"] == "r0001"
