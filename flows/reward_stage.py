@@ -136,24 +136,23 @@ def _judged(versions_dir: str, data_hash: str, settings: dict) -> dict | None:
 
 def _train_and_judge(config: Config, train_pairs, eval_pairs, data_hash, incumbent, progress):
     """Train the new model, then score the held-out pairs with it and with the incumbent."""
-    import torch
-
     from ppo_core.models.causal_lm import load_tokenizer
+    from ppo_core.parallel.runtime import resolve_device
     from ppo_core.preference.pairs import tokenise
     from ppo_core.preference.report import pair_report
     from ppo_core.preference.training import score_texts, train_reward_model
     from ppo_core.rewards.classifier import load_reward_classifier
 
-    result = train_reward_model(config, train_pairs, data_hash, progress=progress)
+    device = resolve_device(config.device)
+    result = train_reward_model(config, train_pairs, data_hash, device, progress=progress)
     batch = 2 * config.reward_model.micro_batch_size
 
     def judge(folder: Path, role: str) -> dict[str, float]:
         tokenizer = load_tokenizer(folder, config.model.trust_remote_code)
-        model = load_reward_classifier(folder, role, config.model.trust_remote_code)
+        model = load_reward_classifier(folder, role, config.model.trust_remote_code).to(device)
         positions = getattr(model.config, "max_position_embeddings", None) or 1_000_000
         pairs = tokenise(tokenizer, eval_pairs, positions)
         pad = tokenizer.pad_token_id
-        device = torch.device("cpu")
         chosen = score_texts(model, [p.chosen_ids for p in pairs], pad, device, batch)
         rejected = score_texts(model, [p.rejected_ids for p in pairs], pad, device, batch)
         # lengths of the replies alone: the bias people's labels may carry

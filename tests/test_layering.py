@@ -88,6 +88,7 @@ ROOM_IMPORTS: dict[str, set[str]] = {
         "rewards",
         "checkpoints",
         "config",
+        "parallel",
         "registry",
     },
     "evaluation": {

@@ -92,8 +92,13 @@ def save_experiment(
 
 
 def backup_targets(config: Config) -> list[str]:
-    """The paths the backup tracks: the production folder and the registry."""
-    return [config.promote.production_dir, config.promote.registry]
+    """The paths the backup tracks: the production folder, the registry and the reward
+    versions (with their registry); those that exist are tracked."""
+    return [
+        config.promote.production_dir,
+        config.promote.registry,
+        config.reward_model.versions_dir,
+    ]
 
 
 def pointer_files(config: Config) -> list[str]:
@@ -128,9 +133,11 @@ def back_up_production(
     return Outcome(
         True,
         f"production and registry backed up in the DVC remote ({' '.join(pointers)}; restore "
-        f"with `{restore_command(config)}`)",
+        f"with `{restore_command(config, repo_dir)}`)",
     )
 
 
-def restore_command(config: Config) -> str:
-    return "dvc pull " + " ".join(pointer_files(config))
+def restore_command(config: Config, repo_dir: str | Path = ".") -> str:
+    """``dvc pull`` of the pointer files of ``repo_dir`` that exist."""
+    present = [p for p in pointer_files(config) if Path(repo_dir, p).is_file()]
+    return "dvc pull " + " ".join(present)

@@ -41,6 +41,7 @@ from ppo_core.math.accumulation import (
 from ppo_core.math.pairwise import pairwise_loss_parts, pairwise_stats
 from ppo_core.math.running_mean import RunningMean
 from ppo_core.models.causal_lm import load_tokenizer, unwrap_model
+from ppo_core.parallel.runtime import resolve_device
 from ppo_core.preference.pairs import TokenisedPair, tokenise
 from ppo_core.rewards.classifier import HEAD_NAME, new_reward_classifier, padded, sequence_logits
 
@@ -229,7 +230,7 @@ def train_reward_model(
     ``reward_model.output_dir`` atomically, with :data:`RECORD_FILE` beside the weights."""
     rm = config.reward_model
     base = rm.base or config.model.policy
-    device = device or torch.device("cpu")
+    device = device or resolve_device(config.device)  # CUDA when there is one
     if config.threads:
         torch.set_num_threads(config.threads)
     say = progress or (lambda _line: None)

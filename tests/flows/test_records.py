@@ -80,7 +80,7 @@ def test_production_and_the_registry_come_back_byte_identical_from_the_remote(re
     shutil.rmtree(production)
     registry.unlink()
     shutil.rmtree(repo / ".dvc" / "cache")
-    run(repo, str(BIN / "dvc"), *restore_command(config).split()[1:])
+    run(repo, str(BIN / "dvc"), *restore_command(config, repo).split()[1:])
     assert (tree_sha256(production), file_sha256(registry)) == before
 
 
