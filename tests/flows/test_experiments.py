@@ -55,7 +55,11 @@ def test_the_metrics_files_are_kept_by_git_and_the_other_reports_are_not():
     """A `cache: false` metric is recorded only through git: ignored, `dvc exp show` has `!`
     for every experiment. The rest of reports/ is rebuilt by the pipeline and stays out."""
     metrics = stage_metrics()
-    assert set(metrics) == {"reports/train/metrics.json", "reports/eval/metrics.json"}
+    assert set(metrics) == {
+        "reports/train/metrics.json",
+        "reports/eval/metrics.json",
+        "reports/reward/metrics.json",
+    }
     assert all(spec.get("cache") is False for spec in metrics.values())
     rebuilt = [
         "reports/eval/samples.json",
@@ -66,6 +70,8 @@ def test_the_metrics_files_are_kept_by_git_and_the_other_reports_are_not():
         "reports/validation/summary.json",
         "reports/validation/data_docs/index.html",
         "reports/promotion.json",
+        "reports/reward/decision.json",
+        "reports/reward/current.json",
     ]
     assert ignored_by_git([*metrics, *rebuilt]) == set(rebuilt)
 

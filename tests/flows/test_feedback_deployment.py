@@ -20,8 +20,10 @@ FINAL = {"COMPLETED", "FAILED", "CRASHED", "CANCELLED"}
 
 
 def feedback_runs(env: dict[str, str]) -> list[dict]:
-    """The runs of 'retrain/on-new-feedback' (the only runs here), oldest first."""
-    return sorted(flow_runs(env), key=lambda r: r["created"])
+    """The runs an event started (`new_data_only`: here those of 'retrain/on-new-feedback'),
+    oldest first; the schedule's future runs aside."""
+    runs = [r for r in flow_runs(env) if r.get("parameters", {}).get("new_data_only")]
+    return sorted(runs, key=lambda r: r["created"])
 
 
 def ingest_feedback(env: dict[str, str], project: Path, path: Path) -> None:
