@@ -252,6 +252,10 @@ def promote(config: ConfigOption = None, overrides: Overrides = None) -> None:
     A pass copies it to a new version under promote.production_dir; either way the decision,
     each rule's verdict and the lineage go to promote.registry and promote.report. A rejection
     exits with code 0.
+
+    A candidate trained from, or evaluated against, a production version that is no longer the
+    current one (a rollback since) is refused before anything is written: evaluate again (and
+    retrain, when its base came from that version).
     """
     from flows import stages
 
@@ -277,9 +281,12 @@ def export_command(config: ConfigOption = None, overrides: Overrides = None) -> 
     content hash, the file's SHA-256). The registry entry of the version names the export.
 
     The version is checked against the content hash the registry recorded; an adapter (LoRA)
-    version is merged into its base first. An existing file is never replaced. Llama, Mistral,
-    Qwen2 (SmolLM2 is Llama) and GPT-2 models with a byte-level BPE tokenizer are exported;
-    anything else is refused with the reason.
+    version is merged into its base first. Llama, Mistral, Qwen2 (SmolLM2 is Llama) and GPT-2
+    models with a byte-level BPE tokenizer are exported; anything else is refused with the
+    reason.
+
+    An existing file is never replaced, and is reported as this export only when its SHA-256 is
+    the one the registry recorded for it.
 
     On demand through DVC: `dvc repro serving/dvc.yaml`.
     """

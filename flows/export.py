@@ -5,6 +5,8 @@ record beside it, named in the registry. Called through :mod:`flows.stages` like
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 from ppo_core.config import WRITE_KEYS, Config, check_write_paths, flatten
@@ -24,8 +26,10 @@ def export(config: Config) -> dict:
 
     The version is checked against the content hash the registry recorded first; an adapter
     version is merged into its stored base. The file is ``<version>-<type>.gguf``; one that
-    exists already is left alone: when it is this very export (its record names the version's
-    hash and the file's SHA-256) the stage reports it, otherwise it refuses to replace it."""
+    exists already is left alone: when it is this very export (its SHA-256 is the one the
+    registry recorded for this file in the version's ``exports``, and the record beside it
+    agrees) the stage reports it, otherwise it refuses to replace it. The record beside the
+    file is never trusted alone: whoever can swap the file can rewrite it too."""
     import warnings
 
     from ppo_core.models.causal_lm import PadTokenWarning, load_tokenizer
@@ -46,15 +50,9 @@ def export(config: Config) -> dict:
     target = Path(settings.dir) / f"{version}-{settings.type}.gguf"
     record_file = target.with_suffix(".json")
     if target.exists() or target.is_symlink():
-        earlier = _earlier_export(target, record_file, entry)
-        if earlier is not None:
-            earlier["already_exported"] = True
-            return earlier
-        raise FileExistsError(
-            f"{target} exists and is not this export of {version} (its record {record_file} "
-            "does not name this version's content and the file's SHA-256); an export never "
-            "replaces a file: move it away, or set export.dir to another folder"
-        )
+        earlier = _earlier_export(target, record_file, version, entry, rules.registry)
+        earlier["already_exported"] = True
+        return earlier
     target.parent.mkdir(parents=True, exist_ok=True)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PadTokenWarning)
@@ -95,15 +93,55 @@ def export(config: Config) -> dict:
     return record
 
 
-def _earlier_export(target: Path, record_file: Path, entry: dict) -> dict | None:
-    """The record of the export already at ``target`` when it is the export of ``entry``'s
-    version (same content hash, file SHA-256 as recorded); None otherwise."""
+def _earlier_export(
+    target: Path, record_file: Path, version: str, entry: dict, registry: str | Path
+) -> dict:
+    """The record of the export already at ``target`` when it is the export of ``version``
+    the registry recorded: ``target`` a regular file whose SHA-256 is the one in ``entry``'s
+    ``exports`` for that file, and the record beside it naming the version, its content hash
+    and that SHA-256. Anything else is refused (:class:`FileExistsError`, one line naming the
+    file); the file is never replaced."""
+    refuse = "; an export never replaces a file: move it away, or set export.dir to another folder"
+    recorded = next(
+        (
+            e.get("sha256")
+            for e in reversed(entry.get("exports") or [])
+            if isinstance(e, dict)
+            and isinstance(e.get("file"), str)
+            and os.path.abspath(e["file"]) == os.path.abspath(target)
+        ),
+        None,
+    )
+    if not isinstance(recorded, str) or not re.fullmatch(r"[0-9a-f]{64}", recorded):
+        raise FileExistsError(
+            f"{target} exists and is not this export of {version}: the registry {registry} "
+            f"records no export of {version} at that path (an export killed before the "
+            f"registry recorded it leaves one too){refuse}"
+        )
+    if not target.is_file() or target.is_symlink():
+        raise FileExistsError(
+            f"{target} exists and is not this export of {version}: it is not a regular file{refuse}"
+        )
+    actual = file_sha256(target)
+    if actual != recorded:
+        raise FileExistsError(
+            f"{target} exists and is not this export of {version}: its SHA-256 {actual} is not "
+            f"the {recorded} the registry {registry} recorded for it (changed since it was "
+            f"exported){refuse}"
+        )
     try:
         record = json.loads(record_file.read_text())
     except (OSError, ValueError):
-        return None
-    if not isinstance(record, dict) or record.get("content_sha256") != entry.get("content_sha256"):
-        return None
-    if not target.is_file() or target.is_symlink() or file_sha256(target) != record.get("sha256"):
-        return None
+        record = None
+    if (
+        not isinstance(record, dict)
+        or record.get("version") != version
+        or record.get("content_sha256") != entry.get("content_sha256")
+        or record.get("sha256") != recorded
+    ):
+        raise FileExistsError(
+            f"{target} is the export of {version} the registry recorded, but the record beside "
+            f"it, {record_file}, is missing or does not name {version}, its content hash and "
+            f"the file's SHA-256{refuse}"
+        )
     return record

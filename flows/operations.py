@@ -8,6 +8,7 @@ first. Like every subcommand, each imports what it runs when it runs.
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Annotated
@@ -61,6 +62,9 @@ def rollback(
     nothing is copied or deleted. The registry records who rolled back, when, why, and from
     which version; the next `from_production` run (scheduled retraining) starts from it.
 
+    While a run of the flow holds the project's retraining lock (`.retrain.lock`), a rollback
+    is refused, naming the run: wait for it to end.
+
     With `--reward`, VERSION is an earlier reward model version (`ppo rollback --reward r0001
     --reason "..."`): checked against its content hash the same way, it becomes
     `reward:current` again for the next `ppo train` and `ppo evaluate`. The reward registry (in
@@ -82,46 +86,58 @@ def rollback(
         )
         raise typer.Exit(code=2)
 
-    from flows.orchestration.records import back_up_production, pointer_files
+    from flows.orchestration.project import RETRAIN_LOCK, RETRAIN_LOCK_HOLDER
+    from flows.orchestration.records import back_up_production
+    from ppo_core.files import exclusive_run
     from ppo_core.registry.versions import roll_back
 
     cfg = load_settings(config, overrides)
-    entry = run_or_exit(
-        lambda: roll_back(
-            registry_path=cfg.promote.registry,
-            production_dir=cfg.promote.production_dir,
-            version=version,
-            reason=reason,
-            by=by or getpass.getuser(),
+    with contextlib.ExitStack() as held:
+        # The lock a run of the flow holds from its start to its promotion: a rollback while
+        # one runs is refused at once, naming it, instead of being undone by its promotion.
+        run_or_exit(lambda: held.enter_context(exclusive_run(RETRAIN_LOCK, RETRAIN_LOCK_HOLDER)))
+        entry = run_or_exit(
+            lambda: roll_back(
+                registry_path=cfg.promote.registry,
+                production_dir=cfg.promote.production_dir,
+                version=version,
+                reason=reason,
+                by=by or getpass.getuser(),
+            )
         )
-    )
-    console.print(
-        f"production is [bold]{version}[/] again (was {entry['previous']}); recorded in "
-        f"{cfg.promote.registry}",
-        soft_wrap=True,
-    )
-    if backup and all(Path(p).is_file() for p in pointer_files(cfg)):
-        console.print(back_up_production(".", cfg).message, soft_wrap=True)
-    elif backup:
         console.print(
-            "not backed up: production has no DVC pointer yet (a deployment run with backup "
-            "makes one)",
+            f"production is [bold]{version}[/] again (was {entry['previous']}); recorded in "
+            f"{cfg.promote.registry}",
             soft_wrap=True,
         )
+        production_pointers = [f"{cfg.promote.production_dir}.dvc", f"{cfg.promote.registry}.dvc"]
+        if backup and all(Path(p).is_file() for p in production_pointers):
+            console.print(back_up_production(".", cfg).message, soft_wrap=True)
+        elif backup:
+            console.print(
+                "not backed up: production has no DVC pointer yet (a deployment run with "
+                "backup makes one)",
+                soft_wrap=True,
+            )
 
 
 def _roll_back_reward(
     version: str, reason: str, by: str, config: Path | None, overrides: list[str] | None
 ) -> None:
     """``ppo rollback --reward``: the reward registry's rollback, checked first."""
+    from flows.orchestration.project import RETRAIN_LOCK, RETRAIN_LOCK_HOLDER
     from flows.reward_stage import write_current
+    from ppo_core.files import exclusive_run
     from ppo_core.registry.rewards import registry_path, roll_back_reward
 
     cfg = load_settings(config, overrides)
     versions_dir = cfg.reward_model.versions_dir
-    entry = run_or_exit(lambda: roll_back_reward(versions_dir, version, reason, by))
-    # the file `train` depends on in dvc.yaml: the next `dvc repro` trains on this version
-    write_current(Path(cfg.reward_model.report_dir), versions_dir)
+    with contextlib.ExitStack() as held:
+        # as for production: a run of the flow may be about to train on the current version
+        run_or_exit(lambda: held.enter_context(exclusive_run(RETRAIN_LOCK, RETRAIN_LOCK_HOLDER)))
+        entry = run_or_exit(lambda: roll_back_reward(versions_dir, version, reason, by))
+        # the file `train` depends on in dvc.yaml: the next `dvc repro` trains on this version
+        write_current(Path(cfg.reward_model.report_dir), versions_dir)
     console.print(
         f"the reward model is [bold]{version}[/] again (was {entry['previous']}); recorded in "
         f"{registry_path(versions_dir)}",
@@ -153,7 +169,17 @@ def notify(
     Saves a Prefect Custom Webhook notification block and creates the server automations
     `retrain-notify-rejected` and `retrain-notify-failed` (replacing earlier ones) on the server
     of PREFECT_API_URL; the server sends the notifications itself. Run it once per server.
+
+    The webhook must be an http:// or https:// URL with a host; any other is refused before
+    anything is saved.
     """
+    from flows.orchestration.notifications import check_webhook_url
+
+    try:
+        check_webhook_url(webhook)
+    except ValueError as error:
+        console.print(f"[bold red]error:[/] {error}; nothing was saved", soft_wrap=True)
+        raise typer.Exit(code=2) from None
     if not os.environ.get("PREFECT_API_URL"):
         console.print(
             "[bold red]error:[/] PREFECT_API_URL is not set: notifications are kept by a Prefect "

@@ -69,7 +69,13 @@ from flows.orchestration.outcome import (
     reject_ingested,
     summary,
 )
-from flows.orchestration.project import load_params, production_version, project_dir
+from flows.orchestration.project import (
+    RETRAIN_LOCK,
+    RETRAIN_LOCK_HOLDER,
+    load_params,
+    production_version,
+    project_dir,
+)
 from flows.orchestration.records import (
     back_up_production,
     experiment_name,
@@ -223,9 +229,7 @@ def retrain(
     repo_dir = str(project_dir())
     updates = check_run_params(repo_dir, params)
     with (
-        exclusive_run(
-            Path(repo_dir) / ".retrain.lock", "retraining run in this repository", on_wait=_waiting
-        ),
+        exclusive_run(Path(repo_dir) / RETRAIN_LOCK, RETRAIN_LOCK_HOLDER, on_wait=_waiting),
         stage_session(repo_dir),
     ):
         left = put_back_left_params(repo_dir)

@@ -441,6 +441,19 @@ def test_every_integer_key_has_an_upper_bound_above_its_default():
     assert all(defaults[key] is None or defaults[key] <= UPPER_BOUNDS[key] for key in UPPER_BOUNDS)
 
 
+@pytest.mark.parametrize("value", ["1e-40", "1e-30", "0.0009"])
+def test_a_temperature_below_the_floor_is_refused_with_its_reason(value):
+    """`generation.temperature=1e-40` passed "> 0 and finite", then logits / temperature
+    overflowed float32 and every sampled token was the last of the vocabulary. The floor is
+    1e-3, where sampling is greedy already; the refusal names the key, the floor and why."""
+    with pytest.raises(ConfigError) as refused:
+        load_config(overrides=[f"generation.temperature={value}"])
+    message = str(refused.value)
+    assert message.startswith(f"generation.temperature must be >= 0.001, got {float(value)}: ")
+    assert "greedy already at 1e-3" in message and "NaN" in message, message
+    assert load_config(overrides=["generation.temperature=0.001"]).generation.temperature == 1e-3
+
+
 def test_every_range_declared_beside_a_field_is_enforced_at_its_edges():
     """Each field's bounds (``bounded(...)`` in schema.py) hold for its default, refuse a value
     just outside naming the key and the range, and take the edge itself when it is closed."""

@@ -13,6 +13,7 @@ from ppo_core.config import PromoteConfig
 from ppo_core.files import OUTPUT_MARKER, UnsafeCopyError
 from ppo_core.registry.versions import (
     RegistryError,
+    check_version,
     current_production,
     gate,
     load_registry,
@@ -374,3 +375,27 @@ def test_a_registry_entry_cannot_switch_the_content_check_off(tmp_path, recorded
     registry.write_text(json.dumps(edited))
     with pytest.raises(RegistryError, match="production version v0001 has no content hash"):
         current_production(registry, production)
+
+
+@pytest.mark.parametrize("name", ["v٠٠٠٢", "v０００２", "v𝟎𝟎𝟎𝟐"])
+def test_a_version_name_with_digits_of_another_script_is_refused(tmp_path, name):
+    """``\\d`` matches the digits of every script: a registry edited to name ``v٠٠٠٢`` (Arabic-
+    Indic digits) as its current version, with the folder renamed to match, is refused like
+    any other name that is not ``vNNNN``, and so is looking that name up."""
+    registry, production = tmp_path / "registry.json", tmp_path / "production"
+    for n in (1, 2):
+        record_decision(
+            registry_path=registry,
+            production_dir=production,
+            candidate_dir=candidate(tmp_path, f"c{n}", f"weights-{n}"),
+            decision=gate(GOOD, {"score": 0.1}, RULES),
+            lineage={},
+        )
+    edited = json.loads(registry.read_text())
+    edited["entries"][1]["version"] = edited["current"] = name
+    registry.write_text(json.dumps(edited))
+    (production / "v0002").rename(production / name)
+    with pytest.raises(RegistryError, match=f"names version '{name}'; versions are v0001"):
+        current_production(registry, production)
+    with pytest.raises(RegistryError, match=f"'{name}' is not a version name"):
+        check_version(tmp_path / "other.json", production, name)

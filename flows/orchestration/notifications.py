@@ -12,6 +12,11 @@ two automations on the server that send through it:
   also what the heartbeat automation of ``automations.yaml`` marks when a worker dies), with the
   run's name, its state and the state's message.
 
+The URL must be ``http://`` or ``https://`` with a host (:func:`check_webhook_url`): anything
+else (``file:///etc/passwd``, ``hooks.example/ppo`` without a scheme, ``ftp://...``) is refused
+before anything is saved, since the server would save it and then fail to send every
+notification without a word to the operator.
+
 Running it again replaces both automations and the block (a new URL, say), never duplicates them.
 The server sends the notifications itself (its triggers and actions services), so they go out
 whether the run ended normally, failed, or died with its worker.
@@ -19,8 +24,10 @@ whether the run ended normally, failed, or died with its worker.
 
 from __future__ import annotations
 
+import re
 from datetime import timedelta
 from typing import Any, cast
+from urllib.parse import urlsplit
 from uuid import UUID
 
 from prefect.automations import Automation
@@ -68,10 +75,42 @@ AUTOMATIONS: dict[str, dict[str, Any]] = {
 templates over the triggering ``event`` and its ``flow_run``)."""
 
 
+WEBHOOK_SCHEMES = ("http", "https")
+"""The schemes a webhook URL may have: the server sends a JSON POST, which only HTTP carries."""
+
+
+def check_webhook_url(url: str) -> None:
+    """Refuse (:class:`ValueError`, one line giving the reason) a webhook URL that is not
+    ``http://`` or ``https://`` with a host: no scheme, another scheme (``file``, ``ftp``), no
+    host, a port that is not one, or a space or control character anywhere in it."""
+    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url):
+        raise ValueError(f"the webhook URL {url!r} holds a space or a control character")
+    scheme = re.match(r"([A-Za-z][A-Za-z0-9+.-]*)://", url)
+    if scheme is None:
+        raise ValueError(
+            f"the webhook URL {url!r} does not start with http:// or https:// (give it as "
+            "https://HOST/...)"
+        )
+    if scheme[1].lower() not in WEBHOOK_SCHEMES:
+        raise ValueError(
+            f"the webhook URL {url!r} is {scheme[1]}://, not http:// or https://: the server "
+            "sends each notification as an HTTP POST"
+        )
+    parts = urlsplit(url)
+    if not parts.hostname:
+        raise ValueError(f"the webhook URL {url!r} names no host")
+    try:
+        parts.port  # noqa: B018 (parsing it is the check)
+    except ValueError as error:
+        raise ValueError(f"the webhook URL {url!r} has no valid port: {error}") from None
+
+
 def set_up_notifications(url: str, headers: dict[str, str] | None = None) -> list[str]:
     """Save the webhook block for ``url`` (with ``headers``, e.g. a token) as
     :data:`BLOCK_NAME` and create the automations of :data:`AUTOMATIONS` that send through it,
-    replacing earlier ones of the same names; returns the names created."""
+    replacing earlier ones of the same names; returns the names created. A URL
+    :func:`check_webhook_url` refuses is refused before anything is saved."""
+    check_webhook_url(url)
     block = CustomWebhookNotificationBlock(
         name="ppo retraining",
         url=url,

@@ -22,6 +22,12 @@ if TYPE_CHECKING:
 # when unset. A run cannot choose it, so it cannot point the flow at another `dvc.yaml`.
 PROJECT_ENV = "PPO_PROJECT_DIR"
 
+# The project's retraining lock, in its folder: a run of the flow holds it from start to end
+# (others wait for it), and `ppo rollback` takes it too, so that a rollback never lands between
+# a run's evaluation and its promotion (refused at once, naming the run that holds it).
+RETRAIN_LOCK = ".retrain.lock"
+RETRAIN_LOCK_HOLDER = "retraining run in this repository"
+
 
 def project_dir() -> Path:
     """The project folder runs of the flow work in: ``$PPO_PROJECT_DIR``, else the working

@@ -147,7 +147,8 @@ _DCP_METADATA_GLOBALS = {
 }
 
 
-_SHARD_FILE = re.compile(r"__\d+_\d+\.distcp")
+# ASCII digits only (`\d` matches every script's): the names DCP itself writes
+_SHARD_FILE = re.compile(r"__[0-9]+_[0-9]+\.distcp")
 
 
 class _DcpMetadataUnpickler(pickle.Unpickler):
@@ -264,7 +265,7 @@ def load_sharded_checkpoint(
         if not key.startswith(prefix) or not isinstance(entry, TensorStorageMetadata):
             continue
         index, name = key[len(prefix) :].split(".", 1)
-        if not index.isdigit() or int(index) >= len(params):
+        if not (index.isascii() and index.isdigit()) or int(index) >= len(params):
             raise CheckpointError(
                 f"checkpoint {folder} holds optimizer state for parameter {index}; this model "
                 f"trains {len(params)} parameters: it was written for another model"

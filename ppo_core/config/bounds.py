@@ -24,6 +24,9 @@ class Bounds:
     most: int | None = None
     nullable: bool = False
     """Whether the key may be null (its type says so), which the error message mentions."""
+    why: str | None = None
+    """Why the range is what it is, where that is not plain (a floor above zero, say): the error
+    message gives it after the range."""
 
     def rule(self) -> str:
         """The range in words: ``> 0``, ``>= 1``, ``in [0, 1]``, ``in (0, 1]``."""
@@ -53,15 +56,18 @@ def bounded(
     lt: float | None = None,
     le: float | None = None,
     most: int | None = None,
+    why: str | None = None,
 ) -> _V:
     """A dataclass field with ``default`` and its :class:`Bounds` (``gt``/``ge``: above,
-    ``lt``/``le``: below, ``most``: the slip guard of a count)."""
+    ``lt``/``le``: below, ``most``: the slip guard of a count, ``why``: the reason for a range
+    that is not plain, given in the error)."""
     bounds = Bounds(
         low=gt if gt is not None else ge,
         low_open=gt is not None,
         high=lt if lt is not None else le,
         high_open=lt is not None,
         most=most,
+        why=why,
     )
     return field(default=default, metadata={"bounds": bounds})
 
@@ -73,3 +79,15 @@ MAX_ITERATIONS = 100_000_000
 MAX_TOKENS = 1_000_000
 MAX_ROWS = 1_000_000_000
 MAX_SEED = 2**63 - 1
+
+# The floor of generation.temperature. Below it sampling is greedy already (SmolLM2-135M, 4
+# prompts x 24 tokens: the top token's probability is 1.000000 at 1e-3, the smallest gap between
+# the top two logits 0.018), so a lower temperature changes no draw and only scales the
+# log-probabilities and their gradients by 1/temperature; logits / temperature overflow float32
+# (probabilities NaN) only far lower, below about 3.4e38 / max|logit| (1e-37 for SmolLM2's 35.5),
+# which the floor keeps out of reach of any realistic logit.
+MIN_TEMPERATURE = 1e-3
+TEMPERATURE_FLOOR = (
+    "sampling is greedy already at 1e-3 (set top_k=1 for greedy), and a far smaller one "
+    "overflows logits / temperature to NaN probabilities"
+)

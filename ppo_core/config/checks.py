@@ -43,7 +43,8 @@ def _check_bounds(flat: dict[str, Any]) -> None:
             raise ConfigError(f"{key} must be at most {bounds.most}, got {value}")
         if not bounds.holds(value):
             nullable = " (or null)" if bounds.nullable else ""
-            raise ConfigError(f"{key} must be {bounds.rule()}{nullable}, got {value}")
+            why = f": {bounds.why}" if bounds.why else ""
+            raise ConfigError(f"{key} must be {bounds.rule()}{nullable}, got {value}{why}")
 
 
 def _positive(key: str, value: float | int) -> None:

@@ -7,7 +7,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ppo_core.config.bounds import MAX_BATCH_ROWS, MAX_ITERATIONS, MAX_SEED, MAX_TOKENS, bounded
+from ppo_core.config.bounds import (
+    MAX_BATCH_ROWS,
+    MAX_ITERATIONS,
+    MAX_SEED,
+    MAX_TOKENS,
+    MIN_TEMPERATURE,
+    TEMPERATURE_FLOOR,
+    bounded,
+)
 from ppo_core.config.choices import (
     Choice,
     Critic,
@@ -216,8 +224,13 @@ class GenerationConfig:
 
     max_new_tokens: int = bounded(16, gt=0, most=MAX_TOKENS)
     """Longest response, in tokens; a response that reaches it ends without EOS."""
-    temperature: float = bounded(1.0, gt=0)
-    """Sampling temperature; 1.0 samples the policy's own distribution."""
+    temperature: float = bounded(1.0, ge=MIN_TEMPERATURE, why=TEMPERATURE_FLOOR)
+    """Sampling temperature; 1.0 samples the policy's own distribution. At least 1e-3: the
+    distribution is already greedy there (measured on SmolLM2-135M: the most likely token drawn
+    at every step, its log-probability exactly 0), so a lower one changes no draw and only
+    multiplies log-probabilities and their gradients by 1/temperature; far lower (1e-37 for
+    its largest logit, 35.5) logits / temperature overflow float32 and the probabilities turn
+    to NaN."""
     top_k: int = bounded(0, ge=0, most=100_000_000)
     """0 disables top-k."""
     top_p: float = bounded(1.0, gt=0, le=1)

@@ -38,7 +38,13 @@ from ppo_core.models.causal_lm import (
     unwrap_model,
 )
 
-__all__ = ["draw_from", "preallocated_cache", "sample_tokens"]
+__all__ = ["NonFiniteSamplingError", "draw_from", "preallocated_cache", "sample_tokens"]
+
+
+class NonFiniteSamplingError(FloatingPointError):
+    """A step's distribution held a NaN or an infinite probability: sampling stops there, since
+    the draw would return some token (the last of the vocabulary) as if it had been sampled."""
+
 
 COMPACT_FRACTION = 0.25
 """Ended rows are dropped once they are at least this share of the rows still computed: each
@@ -205,7 +211,7 @@ def sample_tokens(
     steps = 0
     for step in range(max_new_tokens):
         uniforms = torch.rand(batch, device=device)[rows]
-        token, token_logprob = _draw_next(logits, uniforms, temperature, warpers)
+        token, token_logprob = _draw_next(logits, uniforms, temperature, warpers, step=step)
         live = rows[running]
         tokens[live, step] = token[running]
         logprobs[live, step] = token_logprob[running]
@@ -231,16 +237,34 @@ def sample_tokens(
 
 
 def _draw_next(
-    logits: Tensor, uniforms: Tensor, temperature: float, warpers: list
+    logits: Tensor, uniforms: Tensor, temperature: float, warpers: list, *, step: int = 0
 ) -> tuple[Tensor, Tensor]:
     """A token for each row of ``logits`` ``[B, V]`` and its log-probability under
-    ``softmax(logits / temperature)``, computed as the scoring pass computes it."""
+    ``softmax(logits / temperature)``, computed as the scoring pass computes it. A NaN or
+    infinite probability is :class:`NonFiniteSamplingError` naming the response token ``step``
+    and the temperature, never a drawn token."""
     logits = logits.float()
     scaled = logits / temperature if temperature != 1.0 else logits
     for warp in warpers:
         scaled = warp(None, scaled)
-    token = draw_from(torch.softmax(scaled, dim=-1), uniforms)
+    probs = torch.softmax(scaled, dim=-1)
+    if not bool(torch.isfinite(probs).all()):
+        raise NonFiniteSamplingError(_non_finite(logits, step, temperature))
+    token = draw_from(probs, uniforms)
     token_logprob = logprobs_from_logits(
         logits.unsqueeze(1), token.unsqueeze(1), temperature
     ).squeeze(1)
     return token, token_logprob
+
+
+def _non_finite(logits: Tensor, step: int, temperature: float) -> str:
+    """Why step ``step``'s probabilities are not finite: the model's own logits, or the
+    temperature that scaled them past float32."""
+    where = f"sampling response token {step + 1}: the next-token probabilities hold NaN or inf"
+    if not bool(torch.isfinite(logits).all()):
+        return f"{where}, since the model's logits do (its weights or inputs, not a setting)"
+    return (
+        f"{where}: generation.temperature={temperature:g} scales logits of up to "
+        f"{float(logits.abs().max()):.3g} past float32 (logits / temperature overflows); "
+        "raise it"
+    )

@@ -22,8 +22,10 @@ from ppo_core.files import (
     atomic_write_text,
     copy_regular_tree,
     exclusive_run,
+    printable,
     tree_sha256,
 )
+from ppo_core.files.output_paths import real_path
 from ppo_core.models.adapter_folders import (
     adapter_base_folder,
     is_adapter_folder,
@@ -33,6 +35,7 @@ from ppo_core.registry.lineage import store_base
 
 __all__ = [
     "GateDecision",
+    "StaleBaselineError",
     "check_version",
     "current_production",
     "gate",
@@ -44,11 +47,18 @@ __all__ = [
 ]
 
 
-VERSION_PATTERN = re.compile(r"v\d{4,}")
+# ASCII digits only: `\d` also matches other scripts' digits (v٠٠٠٢), a second spelling of a
+# version number and a folder name that looks like another's.
+VERSION_PATTERN = re.compile(r"v[0-9]{4,}")
 
 
 class RegistryError(ValueError):
     """The model registry file is unreadable or names something that is not a version."""
+
+
+class StaleBaselineError(RegistryError):
+    """A candidate was judged against, or trained from, a production version that is no longer
+    the current one (a rollback or another promotion since)."""
 
 
 @dataclass
@@ -324,7 +334,11 @@ def record_decision(
     adapter version, and the origin of a chain that starts here (``base_dir``, the base the
     candidate trained from), are stored under ``<production_dir>/bases/``
     (:func:`ppo_core.registry.lineage.store_base`) and the version names them there, so that no later
-    ``ppo base`` can take from a version what it needs to load."""
+    ``ppo base`` can take from a version what it needs to load.
+
+    A candidate whose parent (``lineage["parent_version"]``) or evaluation baseline
+    (``lineage["baseline"]``, a version's folder) is no longer the current version is refused
+    before anything is written (:func:`check_still_current`)."""
     registry_path = Path(registry_path)
     with _registry_lock(registry_path, "promotion into"):
         return _record(registry_path, production_dir, candidate_dir, decision, lineage, base_dir)
@@ -338,6 +352,49 @@ def _registry_lock(registry_path: Path, what: str):
     )
 
 
+def version_of_folder(folder: object, production_dir: str | Path) -> str | None:
+    """The production version whose folder ``folder`` is (``<production_dir>/vNNNN``, links
+    resolved), or None for any other folder (a base, ``model.policy``, a stored base)."""
+    if not isinstance(folder, str | Path) or "\0" in str(folder):
+        return None
+    path = Path(real_path(folder))
+    if path.parent != Path(real_path(production_dir)):
+        return None
+    return path.name if VERSION_PATTERN.fullmatch(path.name) else None
+
+
+def check_still_current(
+    registry: dict[str, Any], lineage: dict[str, Any], production_dir: str | Path
+) -> None:
+    """Refuse (:class:`StaleBaselineError`) a decision about a candidate that was trained from
+    (``lineage["parent_version"]``) or evaluated against (``lineage["baseline"]``, a folder) a
+    production version that is no longer the current one: promoting it would silently undo a
+    rollback (or replace a version the evaluation never saw), and its comparison is with a
+    model that is not production."""
+    current = registry.get("current")
+    now = f"the current version is {current}" if current else "no version is current"
+    parent = lineage.get("parent_version")
+    if parent is not None and parent != current:
+        again = (
+            f"from {current} (a from_production run, or `ppo base base.source="
+            f"{Path(production_dir) / current}`, `ppo train`, `ppo evaluate`)"
+            if current
+            else "from the configured base (`ppo base`, `ppo train`, `ppo evaluate`)"
+        )
+        raise StaleBaselineError(
+            f"the candidate was trained from production version {printable(str(parent))} (its "
+            f"base's parent), but {now} (a rollback or another promotion since); nothing was "
+            f"recorded. Retrain {again}, then promote"
+        )
+    baseline = version_of_folder(lineage.get("baseline"), production_dir)
+    if baseline is not None and baseline != current:
+        raise StaleBaselineError(
+            f"the evaluation compared the candidate with production version {baseline}, but "
+            f"{now} (a rollback or another promotion since); nothing was recorded. Run `ppo "
+            "evaluate` again (it compares with the current version), then promote"
+        )
+
+
 def _record(
     registry_path: Path,
     production_dir: str | Path,
@@ -347,6 +404,8 @@ def _record(
     base_dir: str | Path | None,
 ) -> dict[str, Any]:
     registry = load_registry(registry_path)
+    # under the registry's lock, so that no rollback lands between this check and the write
+    check_still_current(registry, lineage, production_dir)
     promoted = [e for e in registry["entries"] if e.get("version")]
     entry: dict[str, Any] = {
         "decision": "promoted" if decision.promote else "rejected",
@@ -414,13 +473,26 @@ def roll_back(
     """Make the earlier production version ``version`` current again and record who did it,
     when and why (an entry ``{"decision": "rolled back", "rolled_back_to": ..., "previous":
     ..., "reason": ..., "by": ..., "date": ...}``). The version is checked first as
-    :func:`check_version` checks it (its content hash, an adapter's stored base); nothing is
-    copied or removed, so a later promotion or rollback can return to any version."""
+    :func:`check_version` checks it (its content hash, an adapter's stored base); a version the
+    registry never promoted is refused naming the versions it has. Nothing is copied or
+    removed, so a later promotion or rollback can return to any version."""
     registry_path = Path(registry_path)
     if not reason.strip():
         raise RegistryError("a rollback needs a reason (--reason): the registry records it")
     with _registry_lock(registry_path, "rollback in"):
         registry = load_registry(registry_path)
+        if not VERSION_PATTERN.fullmatch(version):
+            raise RegistryError(f"{version!r} is not a version name (v0001, v0002, ...)")
+        versions = [e["version"] for e in registry["entries"] if e.get("version")]
+        if version not in versions:
+            raise RegistryError(
+                f"the registry {registry_path} has no production version {version}; "
+                + (
+                    f"its versions are {', '.join(versions)} (current: {registry.get('current')})"
+                    if versions
+                    else "it has none yet (a promotion makes v0001)"
+                )
+            )
         check_version(registry_path, production_dir, version)
         previous = registry.get("current")
         if previous == version:

@@ -351,3 +351,141 @@ def test_a_reward_version_changed_on_disk_is_not_rolled_back_to(tmp_path):
     [line] = result.output.splitlines()
     assert line.startswith(f"error: reward version r0001 in {folder.relative_to(tmp_path)} no ")
     assert json.loads(rewards.read_text())["current"] == "r0002"
+
+
+def _versions(root, count: int):
+    """Production versions v0001 ... (tiny stand-in folders) where the default config puts
+    them, under ``root``; returns the registry's path."""
+    from ppo_core.registry.versions import GateDecision, record_decision
+
+    for n in range(1, count + 1):
+        folder = root / "candidates" / str(n)
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_text(f"weights-{n}")
+        record_decision(
+            registry_path=root / "models" / "registry.json",
+            production_dir=root / "models" / "production",
+            candidate_dir=folder,
+            decision=GateDecision(True, ["PASS"]),
+            lineage={},
+        )
+    return root / "models" / "registry.json"
+
+
+FAIR_SIDE = {
+    "score": 0.6,
+    "kl_to_reference": 1.0,
+    "kl_to_origin": 1.0,
+    "eos_rate": 1.0,
+    "distinct_2": 0.8,
+    "reference_nll": 2.0,
+}
+
+
+def _scheduled_run_evaluated(root, parent: str, baseline: str) -> None:
+    """What a scheduled run leaves before its promote stage: ``models/base`` imported from
+    production version ``parent``, a candidate trained on it and its evaluation against
+    ``baseline`` (a folder), which it passes."""
+    base = root / "models" / "base"
+    base.mkdir(parents=True, exist_ok=True)
+    (base / "config.json").write_text("{}")
+    (base / "model.safetensors").write_text("base weights")
+    (base / "imported_from.json").write_text(json.dumps({"parent_version": parent}))
+    candidate = root / "models" / "candidate"
+    candidate.mkdir(exist_ok=True)
+    (candidate / "config.json").write_text("{}")
+    (candidate / "model.safetensors").write_text("trained weights")
+    evaluation = root / "reports" / "eval"
+    evaluation.mkdir(parents=True, exist_ok=True)
+    sides = {"candidate": FAIR_SIDE, "baseline": {**FAIR_SIDE, "score": 0.3}}
+    flat = {f"{s}/{k}": v for s, metrics in sides.items() for k, v in metrics.items()}
+    (evaluation / "metrics.json").write_text(json.dumps(flat))
+    models = {"candidate": "models/candidate", "baseline": baseline}
+    (evaluation / "models.json").write_text(json.dumps(models))
+
+
+def test_a_promotion_cannot_silently_undo_a_rollback(tmp_path):
+    """A scheduled run evaluates its candidate (trained from v0002) against v0002; an operator
+    rolls back to v0001; the run's promote must not make a child of v0002 production again."""
+    registry = _versions(tmp_path, 2)
+    _scheduled_run_evaluated(tmp_path, parent="v0002", baseline="models/production/v0002")
+    rolled = runner.invoke(app, ["rollback", "v0001", "--reason", "v0002 regressed", "--no-backup"])
+    assert rolled.exit_code == 0, rolled.output
+    after_rollback = registry.read_bytes()
+
+    def refused(message: str) -> None:
+        result = runner.invoke(app, ["promote"])
+        assert result.exit_code == 2, result.output
+        [line] = result.output.splitlines()
+        assert line.startswith(f"error: {message}"), line
+        assert registry.read_bytes() == after_rollback
+        assert sorted(p.name for p in (tmp_path / "models" / "production").iterdir()) == [
+            "v0001",
+            "v0002",
+        ]
+        assert not (tmp_path / "reports" / "promotion.json").exists()
+
+    refused(
+        "the candidate was trained from production version v0002 (its base's parent), but the "
+        "current version is v0001 (a rollback or another promotion since); nothing was recorded. "
+        "Retrain from v0001 (a from_production run, or `ppo base base.source="
+        f"{Path('models/production/v0001')}`, `ppo train`, `ppo evaluate`), then promote"
+    )
+    # retrained from v0001, but the evaluation is still the one against v0002
+    _scheduled_run_evaluated(tmp_path, parent="v0001", baseline="models/production/v0002")
+    refused(
+        "the evaluation compared the candidate with production version v0002, but the current "
+        "version is v0001 (a rollback or another promotion since); nothing was recorded. Run "
+        "`ppo evaluate` again (it compares with the current version), then promote"
+    )
+    # evaluated again, against v0001: promoted as v0003, a child of v0001
+    _scheduled_run_evaluated(tmp_path, parent="v0001", baseline="models/production/v0001")
+    result = runner.invoke(app, ["promote"])
+    assert result.exit_code == 0, result.output
+    book = json.loads(registry.read_text())
+    assert book["current"] == "v0003" and book["entries"][-1]["parent_version"] == "v0001"
+
+
+def test_a_rollback_while_a_run_holds_the_retraining_lock_is_refused(tmp_path):
+    from ppo_core.files import exclusive_run
+
+    registry = _versions(tmp_path, 2)
+    before = registry.read_bytes()
+    with exclusive_run(tmp_path / ".retrain.lock", "retraining run in this repository"):
+        result = runner.invoke(app, ["rollback", "v0001", "--reason", "drill", "--no-backup"])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.splitlines()
+    assert re.fullmatch(
+        r"error: another retraining run in this repository is running \(pid \d+ since \S+; "
+        r"lock \.retrain\.lock\); wait for it to finish or stop it, then start again",
+        line,
+    ), line
+    assert registry.read_bytes() == before
+    # once the run has ended, the rollback goes through
+    result = runner.invoke(app, ["rollback", "v0001", "--reason", "drill", "--no-backup"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(registry.read_text())["current"] == "v0001"
+
+
+def test_a_rollback_to_a_version_the_registry_never_had_lists_the_versions(tmp_path):
+    registry = _versions(tmp_path, 3)
+    before = registry.read_bytes()
+    result = runner.invoke(app, ["rollback", "v0009", "--reason", "drill", "--no-backup"])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.splitlines()
+    assert line == (
+        f"error: the registry {Path('models/registry.json')} has no production version v0009; "
+        "its versions are v0001, v0002, v0003 (current: v0003)"
+    )
+    assert registry.read_bytes() == before
+
+
+def test_a_rollback_to_a_version_named_with_other_digits_is_refused(tmp_path):
+    registry = _versions(tmp_path, 2)
+    before = registry.read_bytes()
+    result = runner.invoke(app, ["rollback", "v٠٠٠١", "--reason", "drill", "--no-backup"])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.splitlines()
+    assert line == "error: 'v٠٠٠١' is not a version name (v0001, v0002, ...)"
+    assert registry.read_bytes() == before

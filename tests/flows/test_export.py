@@ -193,3 +193,67 @@ LORA = [
     "eval.num_prompts=4",
 ]
 """One LoRA iteration at the smallest sizes that train (a minute for SmolLM2 on two cores)."""
+
+
+def test_an_export_is_judged_by_the_registry_hash_not_by_the_record_beside_it(
+    tmp_path, monkeypatch
+):
+    """A GGUF file swapped with its record rewritten to match is refused in one line naming
+    the file, and left as it is: "already the export of v0001" is decided by the SHA-256 the
+    registry recorded for the file, never by the JSON beside it, which whoever swaps the file
+    can rewrite too. Planted: no model is loaded before the existing file is judged."""
+    import json
+
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+    from ppo_core.registry.versions import GateDecision, record_decision, record_export
+
+    monkeypatch.chdir(tmp_path)
+    candidate = tmp_path / "candidate"
+    candidate.mkdir()
+    (candidate / "config.json").write_text("{}")
+    registry = Path("models/registry.json")
+    record_decision(
+        registry_path=registry,
+        production_dir=Path("models/production"),
+        candidate_dir=candidate,
+        decision=GateDecision(True, ["PASS"]),
+        lineage={},
+    )
+    content = read_json(registry)["entries"][-1]["content_sha256"]
+    gguf = Path("exports/v0001-f16.gguf")
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF the export")
+    record = {"version": "v0001", "content_sha256": content, "file": gguf.name, "bytes": 15}
+    gguf.with_suffix(".json").write_text(json.dumps(record | {"sha256": file_sha256(gguf)}))
+    record_export(
+        registry, "v0001", {"file": str(gguf), "type": "f16", "sha256": file_sha256(gguf)}
+    )
+    runner = CliRunner()
+    done = runner.invoke(app, ["export", "--config", "none"])
+    assert done.exit_code == 0, done.output
+    assert f"{gguf} is already the export of v0001: nothing to do" in done.output
+
+    gguf.write_bytes(b"GGUF a swapped file")  # and its record rewritten to match
+    gguf.with_suffix(".json").write_text(json.dumps(record | {"sha256": file_sha256(gguf)}))
+    done = runner.invoke(app, ["export", "--config", "none"])
+    assert done.exit_code == 2, done.output
+    [line] = done.output.splitlines()
+    assert line.startswith(f"error: {gguf} exists and is not this export of v0001: its SHA-256 ")
+    assert "the registry models/registry.json recorded for it" in line, line
+    assert gguf.read_bytes() == b"GGUF a swapped file"
+
+    # the registry's file with a record beside it that does not agree: refused by its name
+    gguf.write_bytes(b"GGUF the export")
+    done = runner.invoke(app, ["export", "--config", "none"])
+    assert done.exit_code == 2 and f"the record beside it, {gguf.with_suffix('.json')}, is " in (
+        done.output
+    ), done.output
+    # a file the registry records nothing for (a record beside it naming it is not enough)
+    other = Path("exports/v0001-f32.gguf")
+    other.write_bytes(b"GGUF never exported")
+    other.with_suffix(".json").write_text(json.dumps(record | {"sha256": file_sha256(other)}))
+    done = runner.invoke(app, ["export", "--config", "none", "export.type=f32"])
+    assert done.exit_code == 2 and "records no export of v0001 at that path" in done.output
+    assert other.read_bytes() == b"GGUF never exported"

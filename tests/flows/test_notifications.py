@@ -5,7 +5,10 @@ was sent). The crash of a run whose worker really died is in test_worker_crash.p
 from __future__ import annotations
 
 import pytest
+from typer.testing import CliRunner
 
+from flows.cli import app
+from flows.orchestration import notifications
 from flows.orchestration.run_params import set_params
 from tests.flows.conftest import git_commit
 from tests.flows.servers import (
@@ -75,3 +78,45 @@ def test_a_rejected_a_failed_and_a_crashed_run_reach_the_webhook(tiny_project, t
     finally:
         receiver.close()
         stop(server)
+
+
+@pytest.mark.parametrize(
+    ("url", "reason"),
+    [
+        ("file:///etc/passwd", "is file://, not http:// or https://"),
+        ("hooks.example/ppo", "does not start with http:// or https://"),
+        ("ftp://hooks.example/ppo", "is ftp://, not http:// or https://"),
+        ("https:///ppo", "names no host"),
+        ("http://hooks.example:99999/ppo", "has no valid port"),
+        ("http://hooks.example/a b", "holds a space or a control character"),
+    ],
+)
+def test_a_webhook_that_is_not_an_http_url_is_refused_before_anything_is_saved(
+    monkeypatch, url, reason
+):
+    """`ppo notify --webhook URL` with a server to save to: a URL the server could never POST
+    to is one line with the reason, and nothing reaches the server (neither the command's
+    set-up nor the block's save is called); an http(s) URL with a host goes on to both."""
+    saved: list[str] = []
+    monkeypatch.setattr(notifications, "set_up_notifications", lambda u, h: saved.append(u) or [])
+    env = {"PREFECT_API_URL": "http://127.0.0.1:9/api"}  # nothing listens: no save can succeed
+    result = CliRunner().invoke(app, ["notify", "--webhook", url], env=env)
+    assert result.exit_code == 2, result.output
+    [line] = result.output.splitlines()
+    assert line.startswith(f"error: the webhook URL {url!r} {reason}"), line
+    assert line.endswith("nothing was saved") and saved == [], line
+    monkeypatch.undo()
+    monkeypatch.setattr(
+        notifications.CustomWebhookNotificationBlock,
+        "save",
+        lambda *a, **k: pytest.fail(f"{url} was saved"),
+    )
+    with pytest.raises(ValueError, match=reason):
+        notifications.set_up_notifications(url)
+
+    for good in ("http://127.0.0.1:8080/hook", "https://hooks.slack.com/services/T0/B0/x"):
+        monkeypatch.setattr(
+            notifications, "set_up_notifications", lambda u, h: saved.append(u) or ["made"]
+        )
+        result = CliRunner().invoke(app, ["notify", "--webhook", good], env=env)
+        assert result.exit_code == 0 and saved[-1] == good, result.output

@@ -9,7 +9,7 @@ import torch
 from ppo_core.models import sampling
 from ppo_core.models.generation import encode_prompts
 from ppo_core.models.policy import load_actor_critic, load_tokenizer
-from ppo_core.models.sampling import draw_from, sample_tokens
+from ppo_core.models.sampling import NonFiniteSamplingError, draw_from, sample_tokens
 
 
 def test_the_draw_inverts_the_cumulative_distribution_and_never_draws_a_zero():
@@ -83,3 +83,32 @@ def test_dropping_ended_rows_changes_no_row(tiny_model_dir, monkeypatch):
     assert lengths.min() < lengths.max()  # rows ended at different steps
     assert torch.equal(dropped_ids, kept_ids)
     torch.testing.assert_close(dropped_logprobs, kept_logprobs, rtol=0, atol=1e-5)
+
+
+def test_a_nan_probability_is_an_error_naming_the_step_and_the_setting(tiny_model_dir):
+    """A temperature that scales the logits past float32 (1e-40, which the config's floor now
+    refuses, reached here directly) makes the probabilities NaN; the draw then returned the
+    last vocabulary token at every step as if sampled. Now it is an error naming the response
+    token and the setting; NaN logits from the model itself are named as the model's."""
+    logits = torch.randn(4, 50) * 10
+    with pytest.raises(NonFiniteSamplingError, match=r"response token 3: .*NaN or inf: "):
+        sampling._draw_next(logits, torch.rand(4), 1e-40, [], step=2)
+    with pytest.raises(NonFiniteSamplingError, match=r"generation\.temperature=1e-40 scales"):
+        sampling._draw_next(logits, torch.rand(4), 1e-40, sampling._warpers(1e-40, 5, 0.9))
+    logits[1, 7] = float("nan")
+    with pytest.raises(NonFiniteSamplingError, match=r"since the model's logits do"):
+        sampling._draw_next(logits, torch.rand(4), 1.0, [])
+
+    model = load_actor_critic(tiny_model_dir).policy
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, ["The plot was", "I think"])
+    with pytest.raises(NonFiniteSamplingError, match=r"^sampling response token 1: .*1e-40"):
+        sample_tokens(
+            model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=8,
+            stop_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=1e-40,
+        )

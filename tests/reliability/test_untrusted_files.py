@@ -173,6 +173,26 @@ def test_no_file_of_a_sharded_checkpoint_runs_code_even_with_valid_checksums(tmp
     assert marker.is_dir()
 
 
+def test_a_shard_named_with_digits_of_another_script_is_refused(tmp_path):
+    """DCP names its shards ``__<rank>_<n>.distcp`` in ASCII digits; metadata pointing at a
+    shard renamed ``__٠_٠.distcp`` (Arabic-Indic digits, which ``\\d`` matches), checksums
+    rewritten to match, is refused naming it, as any other file is."""
+    path, model, optimizer = _sharded_checkpoint(tmp_path / "checkpoints")
+    shards = path / "shards"
+    metadata = read_dcp_metadata(shards / ".metadata")
+    renamed = "__٠_٠.distcp"
+    (shard,) = {info.relative_path for info in metadata.storage_data.values()}  # one rank
+    (shards / shard).rename(shards / renamed)
+    for info in metadata.storage_data.values():
+        info.relative_path = renamed
+    with (shards / ".metadata").open("wb") as handle:
+        pickle.dump(metadata, handle)
+    _write_checksums(path)
+    with pytest.raises(CheckpointError, match=f"lies in '{renamed}', not in a shard file"):
+        loaded = load_checkpoint_state(path)
+        load_sharded_checkpoint(loaded["sharded"], model, optimizer)
+
+
 def test_checksums_naming_files_outside_the_checkpoint_are_refused(tmp_path):
     path, _, _ = _sharded_checkpoint(tmp_path / "checkpoints")
     outside = tmp_path / "secret.txt"
