@@ -205,6 +205,10 @@ def run(args: argparse.Namespace, source: str, overrides: list[str]) -> None:
     stages.validate(config)
     decision = reward(config)
     timeline["reward_s"] = time.perf_counter() - started
+    if decision.get("decision") != "promoted":
+        # no reward version to train against: say how far the reward model got, and stop
+        print(json.dumps({"pairs": pair_counts, "reward_model": decision}, indent=1))
+        raise SystemExit(f"the reward model was {decision.get('decision')}: no PPO run")
     recorder = GoldRecorder()
     original = training_inputs.build_reward
     training_inputs.build_reward = lambda *a, **k: recorder.wrap(original(*a, **k))
