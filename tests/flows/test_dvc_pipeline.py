@@ -16,7 +16,7 @@ def test_repro_then_nothing_then_only_what_a_param_touches(tiny_project):
     # The project was built by `dvc repro validate` (prepare, base, validate), and committed.
     first = dvc(tiny_project, "repro")
     assert first.returncode == 0, first.stdout + first.stderr
-    assert ran(first.stdout) == {"train", "evaluate", "promote"}, first.stdout
+    assert ran(first.stdout) == {"reward", "train", "evaluate", "promote"}, first.stdout
     for stage in ("prepare", "base", "validate"):
         assert f"Stage '{stage}' didn't change, skipping" in first.stdout, first.stdout
     assert (tiny_project / "models" / "candidate" / "model.safetensors").is_file()
