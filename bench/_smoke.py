@@ -36,7 +36,7 @@ def output_folder(name: str) -> Path:
     return folder
 
 
-def tiny_model(folder: Path, seed: int = 0, steps: int = 2) -> Path:
+def tiny_model(folder: Path, seed: int = 0, steps: int = 2, n_positions: int = 64) -> Path:
     """The tiny default's recipe at its smallest (one layer of width 32, a tokenizer of a few
     hundred reviews, ``steps`` training steps) saved to ``folder``: a real GPT-2 with its
     tokenizer and generation config, built in well under a second once transformers is imported.
@@ -53,6 +53,7 @@ def tiny_model(folder: Path, seed: int = 0, steps: int = 2) -> Path:
         n_layer=1,
         n_embd=32,
         n_head=2,
+        n_positions=n_positions,
         num_threads=1,
     )
 

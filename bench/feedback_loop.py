@@ -66,6 +66,7 @@ SMOKE = [
     "validation.min_train_pairs=4",
     "validation.min_eval_pairs=1",
     "reward_model.epochs=1",
+    "reward_model.gate.min_accuracy=0",  # a smoke run's reward model learns nothing in a step
 ]
 
 

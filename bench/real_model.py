@@ -146,10 +146,11 @@ SMOKE_TRAINING = [
 
 
 def smoke_chat_model(folder: Path) -> Path:
-    """The tiny default in ``folder`` with a chat template of its own (it has none)."""
+    """The tiny default in ``folder`` with a chat template of its own (it has none), and room
+    for ``SMOKE_TRAINING``'s 256 prompt tokens plus the new ones (a run is refused otherwise)."""
     import _smoke
 
-    tiny = _smoke.tiny_model(folder)
+    tiny = _smoke.tiny_model(folder, n_positions=320)
     (tiny / "chat_template.jinja").write_text(
         "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}assistant:{% endif %}"

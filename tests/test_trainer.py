@@ -563,3 +563,17 @@ def test_resuming_on_another_number_of_ranks_compares_the_global_batch_sizes():
     # the same number of ranks: no hint, the sizes were changed on purpose
     reason = resume_mismatch(sizes(4, 4), state, "h", world_size=2)
     assert reason is not None and "continues it" not in reason
+
+
+def test_new_tokens_past_the_models_positions_are_refused_before_anything_is_written(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    """The tiny default has 64 positions: 32 prompt tokens (validation.max_tokens) plus 100 new
+    ones would fail mid-run with an IndexError; the run is refused at its start, naming both
+    keys and the model's own limit, with nothing written."""
+    from ppo_core.config import ConfigError
+
+    config = small_config(tmp_path, tiny_model_dir, prompt_files, "generation.max_new_tokens=100")
+    with pytest.raises(ConfigError, match=r"max_new_tokens=100 is 132 positions, more than the 64"):
+        train(config)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()

@@ -49,6 +49,7 @@ from ppo_core.prompts import Prompt, load_prompts, prompt_text
 from ppo_core.registry.lineage import origin_folder
 from ppo_core.registry.rewards import REWARD_SPEC_PREFIX, resolve_reward_spec
 from ppo_core.rewards.loading import RewardError, RewardFn, checked_scores
+from ppo_core.training.inputs import check_context_length
 from ppo_core.training.models import build_reward, load_reference
 from ppo_core.training.rollout import (
     POSITIVE_SCORE,
@@ -288,6 +289,7 @@ def evaluate(
 
     Raises :class:`TokenizerMismatchError` before sampling anything when the candidate's
     tokenizer is not the KL reference's."""
+    check_context_length(config)
     runtime = setup_runtime(config, distributed=False)
     prompts = load_prompts(
         config.data.eval_file,

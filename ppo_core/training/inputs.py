@@ -32,6 +32,42 @@ class RunInputs:
     on the base it started from (a new generation imports a new base under the same path)."""
 
 
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
+"""Where a model's ``config.json`` says how many positions it has (Llama and most families,
+GPT-2, older GPT-2 configs)."""
+
+
+def check_context_length(config: Config) -> None:
+    """Refuse, naming the keys, a run whose longest prompt (``validation.max_tokens``, which
+    validation holds every prompt to) plus ``generation.max_new_tokens`` does not fit the
+    positions ``model.policy``'s ``config.json`` declares. Past them a learned position table
+    fails mid-run with an ``IndexError``, and a rotary model samples where it was never
+    trained, silently."""
+    import json
+
+    from ppo_core.config import ConfigError
+
+    path = check_model_folder(config.model.policy, "model.policy") / "config.json"
+    try:
+        declared = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # loading the model names what is wrong with its config
+    found = next(
+        ((k, declared[k]) for k in POSITION_KEYS if isinstance(declared.get(k), int)), None
+    )
+    if found is None:
+        return
+    key, positions = found
+    needed = config.validation.max_tokens + config.generation.max_new_tokens
+    if needed > positions:
+        raise ConfigError(
+            f"validation.max_tokens={config.validation.max_tokens} plus "
+            f"generation.max_new_tokens={config.generation.max_new_tokens} is {needed} "
+            f"positions, more than the {positions} model.policy has ({key} in {path}); lower "
+            "one of them"
+        )
+
+
 def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
     """Check the model folders, read the prompts and the tokenizer, build the reward; a bad
     input fails here, naming it, while every file on disk is as it was."""
@@ -39,6 +75,7 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
     # A foreign folder in the output's place would only be found at the final save.
     check_replaceable(config.train.output_dir)
     check_model_folder(model.policy, "model.policy")
+    check_context_length(config)
     tokenizer = load_tokenizer(model.policy, model.trust_remote_code)
     if model.reference is not None:
         check_model_folder(model.reference, "model.reference")
