@@ -167,10 +167,13 @@ def smollm2_gguf() -> Path:
     return Path(spec.origin).parent / SMOLLM2
 
 
-def matmul_peak_gflops(threads: int, size: int = 2048, repeats: int = 5) -> float:
-    """fp32 matmul GFLOP/s on ``threads`` threads (the best of ``repeats``)."""
+def matmul_peak_gflops(
+    threads: int, size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32
+) -> float:
+    """Matmul GFLOP/s in ``dtype`` (fp32 by default) on ``threads`` threads (the best of
+    ``repeats``)."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(size, size), torch.randn(size, size)
+    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
     a @ b
     best = math.inf
     for _ in range(repeats):

@@ -119,10 +119,21 @@ def reward(config: ConfigOption = None, overrides: Overrides = None) -> None:
     model.reward=reward:current. Reports go to reward_model.report_dir. Without feedback pairs
     it trains nothing.
     """
+    from flows.loggers import ConsoleProgress
     from flows.reward_stage import reward as run_reward
 
     cfg = load_settings(config, overrides)
-    run_or_exit(lambda: run_reward(cfg, progress=lambda line: console.print(line, soft_wrap=True)))
+    bar = ConsoleProgress(0, label="reward model", unit="step")
+    try:
+        run_or_exit(
+            lambda: run_reward(
+                cfg,
+                progress=lambda line: console.print(line, soft_wrap=True),
+                on_step=bar.step,
+            )
+        )
+    finally:
+        bar.close()
 
 
 @app.command()

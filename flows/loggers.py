@@ -115,17 +115,24 @@ def headline(metrics: Mapping[str, float]) -> str:
 
 class ConsoleProgress:
     """A progress bar with the headline metrics of the last iteration; where stderr is not a
-    terminal (a log: DVC run by the Prefect flow, CI), a plain line every tenth of the run."""
+    terminal (a log: DVC run by the Prefect flow, CI), a plain line every tenth of the run.
+    ``label`` and ``unit`` name the work (``PPO`` iterations, ``reward model`` steps)."""
 
-    def __init__(self, total: int, console: Console | None = None):
+    def __init__(
+        self,
+        total: int,
+        console: Console | None = None,
+        label: str = "PPO",
+        unit: str = "iteration",
+    ):
         self.console = console or Console(stderr=True)
-        self.total = total
+        self.total, self.label, self.unit = total, label, unit
         self.every = max(1, total // 10)
+        self.started = False
         if not self.console.is_terminal:
-            self.started = False
             return
         self.progress = Progress(
-            TextColumn("[bold]PPO"),
+            TextColumn(f"[bold]{label}"),
             BarColumn(),
             MofNCompleteColumn(),
             TimeRemainingColumn(),
@@ -134,13 +141,12 @@ class ConsoleProgress:
             transient=False,
         )
         self.task = self.progress.add_task("train", total=total, line="")
-        self.started = False
 
     def log(self, iteration: int, metrics: dict[str, float]) -> None:
         if not self.console.is_terminal:
             if iteration % self.every == 0 or iteration == self.total:
                 self.console.print(
-                    f"PPO iteration {iteration}/{self.total}  {headline(metrics)}",
+                    f"{self.label} {self.unit} {iteration}/{self.total}  {headline(metrics)}",
                     soft_wrap=True,
                     highlight=False,
                 )
@@ -149,6 +155,14 @@ class ConsoleProgress:
             self.progress.start()
             self.started = True
         self.progress.update(self.task, completed=iteration, line=headline(metrics))
+
+    def step(self, done: int, total: int) -> None:
+        """``done`` of ``total`` steps, the total known only once the work starts."""
+        if total != self.total:
+            self.total, self.every = total, max(1, total // 10)
+            if self.console.is_terminal:
+                self.progress.update(self.task, total=total)
+        self.log(done, {})
 
     def close(self) -> None:
         if self.started:

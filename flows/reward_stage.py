@@ -39,8 +39,9 @@ from ppo_core.registry.rewards import (
 __all__ = ["reward", "write_current"]
 
 
-def reward(config: Config, progress=print) -> dict[str, Any]:
-    """The stage (module docstring); returns the decision as ``decision.json`` holds it."""
+def reward(config: Config, progress=print, on_step=None) -> dict[str, Any]:
+    """The stage (module docstring); returns the decision as ``decision.json`` holds it.
+    ``progress`` gets its lines, ``on_step(done, total)`` the training's optimizer steps."""
     rm = config.reward_model
     report_dir = Path(rm.report_dir)
     folder = Path(config.data.prepared_dir) / FEEDBACK_FOLDER
@@ -80,7 +81,7 @@ def reward(config: Config, progress=print) -> dict[str, Any]:
     train_pairs = read_pair_split(folder, "train", chat)
     eval_pairs = read_pair_split(folder, "eval", chat)
     new_metrics, incumbent_metrics, result = _train_and_judge(
-        config, train_pairs, eval_pairs, data_hash, incumbent, progress
+        config, train_pairs, eval_pairs, data_hash, incumbent, progress, on_step
     )
     new_metrics = _finite(new_metrics)
     incumbent_metrics = _finite(incumbent_metrics) if incumbent_metrics is not None else None
@@ -134,18 +135,24 @@ def _judged(versions_dir: str, data_hash: str, settings: dict) -> dict | None:
     )
 
 
-def _train_and_judge(config: Config, train_pairs, eval_pairs, data_hash, incumbent, progress):
-    """Train the new model, then score the held-out pairs with it and with the incumbent."""
+def _train_and_judge(
+    config: Config, train_pairs, eval_pairs, data_hash, incumbent, progress, on_step
+):
+    """Train the new model, then score the held-out pairs with it and with the incumbent (in
+    the training's precision)."""
     from ppo_core.models.causal_lm import load_tokenizer
-    from ppo_core.parallel.runtime import resolve_device
+    from ppo_core.parallel.runtime import Runtime, resolve_device
     from ppo_core.preference.pairs import tokenise
     from ppo_core.preference.report import pair_report
     from ppo_core.preference.training import score_texts, train_reward_model
     from ppo_core.rewards.classifier import load_reward_classifier
 
     device = resolve_device(config.device)
-    result = train_reward_model(config, train_pairs, data_hash, device, progress=progress)
+    result = train_reward_model(
+        config, train_pairs, data_hash, device, progress=progress, on_step=on_step
+    )
     batch = 2 * config.reward_model.micro_batch_size
+    autocast = Runtime(device=device, precision=config.precision).autocast
 
     def judge(folder: Path, role: str) -> dict[str, float]:
         tokenizer = load_tokenizer(folder, config.model.trust_remote_code)
@@ -153,8 +160,8 @@ def _train_and_judge(config: Config, train_pairs, eval_pairs, data_hash, incumbe
         positions = getattr(model.config, "max_position_embeddings", None) or 1_000_000
         pairs = tokenise(tokenizer, eval_pairs, positions)
         pad = tokenizer.pad_token_id
-        chosen = score_texts(model, [p.chosen_ids for p in pairs], pad, device, batch)
-        rejected = score_texts(model, [p.rejected_ids for p in pairs], pad, device, batch)
+        chosen = score_texts(model, [p.chosen_ids for p in pairs], pad, device, batch, autocast)
+        rejected = score_texts(model, [p.rejected_ids for p in pairs], pad, device, batch, autocast)
         # lengths of the replies alone: the bias people's labels may carry
         lengths = [
             [len(tokenizer(getattr(p, side), add_special_tokens=False)["input_ids"])]

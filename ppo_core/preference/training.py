@@ -17,6 +17,7 @@ sets the others aside otherwise.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -41,7 +42,7 @@ from ppo_core.math.accumulation import (
 from ppo_core.math.pairwise import pairwise_loss_parts, pairwise_stats
 from ppo_core.math.running_mean import RunningMean
 from ppo_core.models.causal_lm import load_tokenizer, unwrap_model
-from ppo_core.parallel.runtime import resolve_device
+from ppo_core.parallel.runtime import setup_runtime
 from ppo_core.preference.pairs import TokenisedPair, tokenise
 from ppo_core.rewards.classifier import HEAD_NAME, new_reward_classifier, padded, sequence_logits
 
@@ -88,14 +89,24 @@ class RewardTrainingResult:
     record: dict[str, Any] = field(default_factory=dict)
 
 
+Autocast = Callable[[], contextlib.AbstractContextManager]
+"""The context forward passes run in: :meth:`~ppo_core.parallel.runtime.Runtime.autocast`
+(bf16 autocast with ``precision=bf16``), or nothing."""
+
+
 def pair_scores(
-    model: nn.Module, micro_batch: Sequence[TokenisedPair], pad_id: int, device: torch.device
+    model: nn.Module,
+    micro_batch: Sequence[TokenisedPair],
+    pad_id: int,
+    device: torch.device,
+    autocast: Autocast = contextlib.nullcontext,
 ) -> tuple[Tensor, Tensor]:
-    """Scores ``[b]`` of the chosen and the rejected texts of ``micro_batch``, one forward pass
-    of ``2b`` right-padded rows."""
+    """Scores ``[b]`` (float32) of the chosen and the rejected texts of ``micro_batch``, one
+    forward pass of ``2b`` right-padded rows."""
     rows = [pair.chosen_ids for pair in micro_batch] + [pair.rejected_ids for pair in micro_batch]
     input_ids, attention_mask = padded(rows, pad_id)
-    scores = sequence_logits(model, input_ids.to(device), attention_mask.to(device))[:, 0]
+    with autocast():
+        scores = sequence_logits(model, input_ids.to(device), attention_mask.to(device))[:, 0]
     return scores[: len(micro_batch)], scores[len(micro_batch) :]
 
 
@@ -106,13 +117,14 @@ def accumulate_pair_gradients(
     margin: float,
     device: torch.device,
     group: Any = None,
+    autocast: Autocast = contextlib.nullcontext,
 ) -> AccumulationResult:
     """Backpropagate one mini-batch's Bradley-Terry loss (sum over its pairs on all ranks
     divided by their number) through ``micro_batches``, this rank's share; gradients end in
     ``.grad``, averaged over the ranks. The optimizer step is the caller's."""
 
     def loss_fn(micro_batch: Sequence[TokenisedPair]):
-        chosen, rejected = pair_scores(model, micro_batch, pad_id, device)
+        chosen, rejected = pair_scores(model, micro_batch, pad_id, device, autocast)
         valid = torch.ones(len(micro_batch), dtype=torch.bool, device=chosen.device)
         parts = pairwise_loss_parts(chosen, rejected, valid, margin)
         return parts, pairwise_stats(chosen.detach(), rejected.detach(), valid)
@@ -138,13 +150,21 @@ def _average_gradients(model: nn.Module, group: Any) -> None:
 
 @torch.no_grad()
 def score_texts(
-    model: nn.Module, rows: Sequence[list[int]], pad_id: int, device: torch.device, batch: int
+    model: nn.Module,
+    rows: Sequence[list[int]],
+    pad_id: int,
+    device: torch.device,
+    batch: int,
+    autocast: Autocast = contextlib.nullcontext,
 ) -> Tensor:
     """Scores ``[len(rows)]`` (float64) of token-id rows, ``batch`` rows a forward pass."""
-    scores = [
-        sequence_logits(model, *(t.to(device) for t in padded(rows[i : i + batch], pad_id)))[:, 0]
-        for i in range(0, len(rows), batch)
-    ]
+    scores = []
+    for i in range(0, len(rows), batch):
+        input_ids, attention_mask = padded(rows[i : i + batch], pad_id)
+        with autocast():
+            scores.append(
+                sequence_logits(model, input_ids.to(device), attention_mask.to(device))[:, 0]
+            )
     return torch.cat(scores).double().cpu() if scores else torch.zeros(0, dtype=torch.float64)
 
 
@@ -177,7 +197,11 @@ def training_settings(config: Config) -> dict[str, Any]:
     :data:`COMPUTATION_KEYS` and the fingerprint of the base it starts from."""
     rm = config.reward_model
     settings = {key: getattr(rm, key) for key in COMPUTATION_KEYS}
-    return {**settings, "base_fingerprint": folder_fingerprint(rm.base or config.model.policy)}
+    return {
+        **settings,
+        "precision": config.precision,
+        "base_fingerprint": folder_fingerprint(rm.base or config.model.policy),
+    }
 
 
 def _mini_batches(count: int, size: int, seed: int, epoch: int) -> list[list[int]]:
@@ -225,14 +249,19 @@ def train_reward_model(
     data_hash: str,
     device: torch.device | None = None,
     progress: Callable[[str], None] | None = None,
+    on_step: Callable[[int, int], None] | None = None,
 ) -> RewardTrainingResult:
     """Train a reward model on ``train_pairs`` (see the module docstring) and write it to
-    ``reward_model.output_dir`` atomically, with :data:`RECORD_FILE` beside the weights."""
+    ``reward_model.output_dir`` atomically, with :data:`RECORD_FILE` beside the weights.
+
+    ``progress`` gets a line per epoch and note; ``on_step(done, total)`` is called after each
+    optimizer step with the run's steps done and its total (a progress bar's feed). Forward
+    passes run under bf16 autocast with ``precision=bf16`` (with the warning of
+    :func:`~ppo_core.parallel.runtime.setup_runtime` on a CPU without bf16 instructions)."""
     rm = config.reward_model
     base = rm.base or config.model.policy
-    device = device or resolve_device(config.device)  # CUDA when there is one
-    if config.threads:
-        torch.set_num_threads(config.threads)
+    runtime = setup_runtime(config, distributed=False)  # threads, device, the bf16 check
+    device = device or runtime.device  # CUDA when there is one
     say = progress or (lambda _line: None)
     tokenizer = load_tokenizer(base, config.model.trust_remote_code)
     pad_id = tokenizer.pad_token_id
@@ -257,9 +286,11 @@ def train_reward_model(
             say(note)
         if resumed:
             say(f"resuming from {checkpoint_dir / resumed} (epoch {start} of {rm.epochs})")
+        steps_per_epoch = math.ceil(len(tokenised) / (rm.batch_size * world_size))
         for epoch in range(start, rm.epochs):
             loss, stats = RunningMean.zero(), dict[str, RunningMean]()
-            for rows in _mini_batches(len(tokenised), rm.batch_size * world_size, rm.seed, epoch):
+            batches = _mini_batches(len(tokenised), rm.batch_size * world_size, rm.seed, epoch)
+            for step, rows in enumerate(batches, start=1):
                 mine = [
                     tokenised[i] for i in rows[rank * rm.batch_size : (rank + 1) * rm.batch_size]
                 ]
@@ -267,7 +298,9 @@ def train_reward_model(
                     mine[i : i + rm.micro_batch_size]
                     for i in range(0, len(mine), rm.micro_batch_size)
                 ]
-                result = accumulate_pair_gradients(model, micro, pad_id, rm.margin, device)
+                result = accumulate_pair_gradients(
+                    model, micro, pad_id, rm.margin, device, autocast=runtime.autocast
+                )
                 if rm.max_grad_norm is not None:
                     norm = torch.nn.utils.clip_grad_norm_(trainable, rm.max_grad_norm)
                     if not torch.isfinite(norm):
@@ -280,6 +313,8 @@ def train_reward_model(
                 loss = loss.merge(result.loss)
                 for name, value in result.stats.items():
                     stats[name] = stats[name].merge(value) if name in stats else value
+                if on_step is not None:
+                    on_step(epoch * steps_per_epoch + step, rm.epochs * steps_per_epoch)
             row = {
                 "epoch": epoch + 1,
                 "reward_train/loss": loss.item(),
@@ -300,7 +335,9 @@ def train_reward_model(
                 f"  accuracy {row.get('reward_train/accuracy', math.nan):.3f}"
             )
         replies = [pair.chosen_ids for pair in tokenised] + [p.rejected_ids for p in tokenised]
-        scores = score_texts(model, replies, pad_id, device, 2 * rm.micro_batch_size)
+        scores = score_texts(
+            model, replies, pad_id, device, 2 * rm.micro_batch_size, runtime.autocast
+        )
         mean = float(scores.mean()) if len(scores) else 0.0
         std = float(scores.std()) if len(scores) > 1 else 1.0
         std = std if std > 1e-6 else 1.0  # a constant model: leave its scale alone

@@ -9,6 +9,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
@@ -166,6 +167,44 @@ def test_a_killed_reward_run_resumes_to_the_uninterrupted_model(project, tiny_mo
     assert interrupted.keys() == uninterrupted.keys()
     for name, tensor in uninterrupted.items():
         assert (interrupted[name] - tensor).abs().max() == 0, name
+
+
+@pytest.mark.parametrize(
+    "precision, dtype", [("bf16", "torch.bfloat16"), ("fp32", "torch.float32")]
+)
+def test_the_reward_model_trains_in_its_precision_and_reports_each_step(
+    project, tiny_model_dir, monkeypatch, precision, dtype
+):
+    import warnings
+
+    import ppo_core.preference.training as training
+    from ppo_core.parallel.runtime import PrecisionWarning
+    from ppo_core.preference.pairs import read_pair_split
+
+    write_feedback(project / "data/feedback", "first.jsonl", example_feedback(80, seed=0))
+    config = config_of(tiny_model_dir, f"precision={precision}", "reward_model.epochs=2")
+    prepare_and_validate(config)
+    pairs = read_pair_split("data/prepared/feedback", "train", chat=False)
+    seen: set[str] = set()
+    build = training.new_reward_classifier
+
+    def hooked(*args, **kwargs):
+        model = build(*args, **kwargs)
+        first_linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+        first_linear.register_forward_hook(lambda _m, _i, out: seen.add(str(out.dtype)))
+        return model
+
+    monkeypatch.setattr(training, "new_reward_classifier", hooked)
+    steps: list[tuple[int, int]] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PrecisionWarning)  # an AVX2 CPU: bf16 runs, slowly
+        result = training.train_reward_model(
+            config, pairs, "hash", on_step=lambda *s: steps.append(s)
+        )
+    assert seen == {dtype}
+    per_epoch = -(-len(pairs) // config.reward_model.batch_size)
+    assert steps == [(k, 2 * per_epoch) for k in range(1, 2 * per_epoch + 1)]
+    assert result.record["settings"]["precision"] == precision
 
 
 BAD_FEEDBACK = {
