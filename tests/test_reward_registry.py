@@ -271,6 +271,7 @@ KILLER = textwrap.dedent(
 
     import ppo_core.files.copying as copying
     import ppo_core.registry.rewards as rewards
+    import ppo_core.registry.staging as staging
 
     versions, candidate, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 
@@ -305,7 +306,7 @@ KILLER = textwrap.dedent(
     elif point == "after the staging copy":
         rewards.copy_regular_tree = copy_then_die
     elif point == "after the rename":
-        rewards.os.rename = rename_then_die
+        staging.os.rename = rename_then_die
     rewards._write = write_then_maybe_die
     rewards.record_reward_decision(
         versions, candidate, True, {"reasons": ["PASS"], "score_mean": 0.0, "score_std": 1.0}

@@ -153,8 +153,8 @@ def atomic_folder(target: str | Path, write: Callable[[Path], object]) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}{TMP_TAG}", dir=target.parent))
     try:
         write(tmp)
-        _mark_output(tmp)
-        _fsync_tree(tmp)
+        mark_output(tmp)
+        fsync_tree(tmp)
         # Again: a folder may have appeared under that name while ``write`` ran.
         check_replaceable(target)
         if target.exists():
@@ -232,7 +232,7 @@ def check_replaceable_file(
         )
 
 
-def _mark_output(folder: Path) -> None:
+def mark_output(folder: Path) -> None:
     """Write :data:`OUTPUT_MARKER` into ``folder``; an entry of that name that ``write`` made (a
     copied output's marker, or a link) is replaced, never written through."""
     marker = folder / OUTPUT_MARKER
@@ -246,7 +246,7 @@ def printable(text: str) -> str:
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
 
 
-def _fsync_tree(folder: Path) -> None:
+def fsync_tree(folder: Path) -> None:
     """Sync every file under ``folder``, then every folder, deepest first (links not followed)."""
     for root, _, files in os.walk(folder, topdown=False):
         for name in files:

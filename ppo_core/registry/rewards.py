@@ -9,35 +9,33 @@ the base, the parent (the version current when it was judged), held-out metrics 
 normalisation statistics (``score_mean``, ``score_std``: its scores on its reference set) and
 ``content_sha256`` of the folder, checked whenever the version is used.
 
-A promotion is made so that a kill at any point loses nothing and blocks nothing: the folder
-is copied into a hidden staging folder and hashed there, the entry is written as
-``"promoting"`` with that hash, and only then is the folder renamed into place and the entry
-completed. The next registry write (under the lock) finishes a promotion whose folder is in
-place with the recorded hash, and abandons one whose folder is not; it removes every staging
-copy left behind, recorded or not. An abandoned promotion gives its number back, unless
-something lies under that name (a folder with other content, a file): that is kept for
-inspection and the number stays taken, so that it blocks no later promotion.
+A promotion is made so that a kill at any point loses nothing and blocks nothing
+(:mod:`ppo_core.registry.staging`, as production's): staged and hashed, recorded as
+``"promoting"``, renamed into place, completed; the next registry write finishes or abandons
+what a kill interrupted.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
-import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ppo_core.files import (
-    UnsafeCopyError,
     atomic_write_text,
     copy_regular_tree,
     exclusive_run,
-    fsync_folder,
-    tree_sha256,
+)
+from ppo_core.registry.staging import (
+    PROMOTING,
+    holds,
+    put_in_place,
+    recover_interrupted,
+    stage,
 )
 
 __all__ = [
@@ -55,7 +53,6 @@ __all__ = [
 REWARD_SPEC_PREFIX = "reward:"
 """``model.reward=reward:current`` (the current version) or ``reward:r0002`` (that one)."""
 VERSION_PATTERN = re.compile(r"r[0-9]{4,}")
-STAGING_PATTERN = re.compile(r"\.r[0-9]{4,}\.staging")
 REGISTRY_FILE = "registry.json"
 
 
@@ -137,7 +134,7 @@ def check_reward_version(versions_dir: str | Path, name: str) -> RewardVersion:
             "`dvc pull`) before going on"
         )
     recorded = entry.get("content_sha256")
-    if not _holds(folder, recorded):
+    if not holds(folder, recorded):
         raise RewardRegistryError(
             f"reward version {name} in {folder} no longer matches the content hash the registry "
             "recorded when it was promoted; a file in it was changed, added (a link too) or "
@@ -205,65 +202,6 @@ def _write(versions_dir: str | Path, registry: dict[str, Any]) -> None:
     atomic_write_text(registry_path(versions_dir), json.dumps(registry, indent=1))
 
 
-def _staging(versions_dir: str | Path, name: str) -> Path:
-    return Path(versions_dir) / f".{name}.staging"
-
-
-def _remove(path: Path) -> None:
-    """Remove a staging copy: a folder with what it holds, anything else (a link) itself."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif os.path.lexists(path):
-        path.unlink()
-
-
-def _holds(folder: Path, recorded: object) -> bool:
-    """Whether the folder ``folder`` has the content hash ``recorded``; a link or special file
-    inside it means no."""
-    if not folder.is_dir() or not isinstance(recorded, str):
-        return False
-    try:
-        return tree_sha256(folder) == recorded
-    except UnsafeCopyError:  # a link or special file in it
-        return False
-
-
-def _recover(versions_dir: str | Path, registry: dict[str, Any]) -> bool:
-    """Finish or abandon promotions a kill interrupted, and remove every staging copy (module
-    docstring); True when the registry changed. Runs under the lock, before anything else is
-    decided: no promotion is under way then, so every staging copy is a leftover."""
-    changed = False
-    for entry in registry["entries"]:
-        if entry.get("decision") != "promoting":
-            continue
-        name = entry.get("version")
-        folder = Path(versions_dir) / name if name else None
-        in_place = folder is not None and not folder.is_symlink()
-        if folder is not None and in_place and _holds(folder, entry.get("content_sha256")):
-            entry["decision"] = "promoted"
-            registry["current"] = name
-        else:
-            entry["decision"] = "abandoned"
-            reasons = entry.get("reasons")
-            reasons = reasons if isinstance(reasons, list) else []
-            if folder is not None and os.path.lexists(folder):
-                # not what was recorded: kept, and its number stays taken (never reused)
-                why = (
-                    f"interrupted before it was in place; {folder} does not hold the content "
-                    "recorded for it and is kept for inspection (its number is not reused)"
-                )
-            else:
-                why = "interrupted before it was in place"
-                entry.pop("version", None)  # nothing holds the number: the next one takes it
-                entry.pop("path", None)
-            entry["reasons"] = [*reasons, why]
-        changed = True
-    leftovers = Path(versions_dir).glob(".r*.staging") if Path(versions_dir).is_dir() else []
-    for staging in [p for p in leftovers if STAGING_PATTERN.fullmatch(p.name)]:
-        _remove(staging)
-    return changed
-
-
 def record_reward_decision(
     versions_dir: str | Path,
     candidate_dir: str | Path,
@@ -277,7 +215,7 @@ def record_reward_decision(
     versions_dir.mkdir(parents=True, exist_ok=True)
     with _lock(versions_dir, "reward promotion into"):
         registry = load_reward_registry(versions_dir)
-        if _recover(versions_dir, registry):
+        if recover_interrupted(versions_dir, registry, "r"):
             _write(versions_dir, registry)
         entry = {
             **entry,
@@ -296,21 +234,21 @@ def record_reward_decision(
             )
         numbers = [int(e["version"][1:]) for e in registry["entries"] if e.get("version")]
         name = f"r{max(numbers, default=0) + 1:04d}"
-        target, staging = versions_dir / name, _staging(versions_dir, name)
+        target = versions_dir / name
         if target.exists():
             raise FileExistsError(
                 f"{target} exists but the reward registry does not know it; move it aside "
                 "(a reward version is never overwritten)"
             )
-        _remove(staging)  # none is left after _recover; never copy into what lies there
-        copy_regular_tree(candidate_dir, staging)
-        # hashed before it is in place: a kill after this point is finished by _recover
-        entry.update(version=name, path=str(target), content_sha256=tree_sha256(staging))
-        entry["decision"] = "promoting"
+        staging, content_sha256 = stage(
+            versions_dir, name, lambda folder: copy_regular_tree(candidate_dir, folder)
+        )
+        # hashed before it is in place: a kill after this point is finished by the next write
+        entry.update(version=name, path=str(target), content_sha256=content_sha256)
+        entry["decision"] = PROMOTING
         registry["entries"].append(entry)
         _write(versions_dir, registry)
-        os.rename(staging, target)
-        fsync_folder(versions_dir)
+        put_in_place(staging, target)
         entry["decision"] = "promoted"
         registry["current"] = name
         _write(versions_dir, registry)
@@ -324,7 +262,7 @@ def roll_back_reward(versions_dir: str | Path, name: str, reason: str, by: str) 
         raise RewardRegistryError("a rollback needs a reason (--reason): the registry records it")
     with _lock(versions_dir, "reward rollback in"):
         registry = load_reward_registry(versions_dir)
-        if _recover(versions_dir, registry):
+        if recover_interrupted(versions_dir, registry, "r"):
             _write(versions_dir, registry)
         check_reward_version(versions_dir, name)
         previous = registry.get("current")

@@ -18,10 +18,10 @@ from typing import Any
 
 from ppo_core.config import PromoteConfig
 from ppo_core.files import (
-    atomic_folder,
     atomic_write_text,
     copy_regular_tree,
     exclusive_run,
+    mark_output,
     printable,
     tree_sha256,
 )
@@ -32,6 +32,7 @@ from ppo_core.models.adapter_folders import (
     point_adapter_at,
 )
 from ppo_core.registry.lineage import store_base
+from ppo_core.registry.staging import PROMOTING, put_in_place, recover_interrupted, stage
 
 __all__ = [
     "GateDecision",
@@ -275,9 +276,20 @@ def current_production(registry_path: str | Path, production_dir: str | Path) ->
 
 
 def promoted_entry(registry_path: str | Path, version: str) -> dict[str, Any] | None:
-    """The registry entry that promoted ``version``, or None when no entry did."""
-    entries = load_registry(registry_path)["entries"]
-    return next((e for e in entries if e.get("version") == version), None)
+    """The registry entry that promoted ``version``, or None when no entry did (one that a kill
+    interrupted, ``"promoting"`` or ``"abandoned"``, did not)."""
+    return _promoted(load_registry(registry_path), version)
+
+
+def _promoted(registry: dict[str, Any], version: str) -> dict[str, Any] | None:
+    return next(
+        (
+            e
+            for e in registry["entries"]
+            if e.get("version") == version and e.get("decision") == "promoted"
+        ),
+        None,
+    )
 
 
 def check_version(registry_path: str | Path, production_dir: str | Path, version: str) -> Path:
@@ -404,9 +416,10 @@ def _record(
     base_dir: str | Path | None,
 ) -> dict[str, Any]:
     registry = load_registry(registry_path)
+    if recover_interrupted(production_dir, registry, "v"):
+        _write_registry(registry_path, registry)
     # under the registry's lock, so that no rollback lands between this check and the write
     check_still_current(registry, lineage, production_dir)
-    promoted = [e for e in registry["entries"] if e.get("version")]
     entry: dict[str, Any] = {
         "decision": "promoted" if decision.promote else "rejected",
         "reasons": decision.reasons,
@@ -414,28 +427,43 @@ def _record(
         "candidate": str(candidate_dir),
         **lineage,
     }
-    if decision.promote:
-        version = f"v{len(promoted) + 1:04d}"
-        target = Path(production_dir) / version
-        if target.exists():
-            raise FileExistsError(
-                f"{target} exists but the registry does not know it; refusing "
-                "to overwrite a production version"
-            )
-        stored_base = None
-        if is_adapter_folder(candidate_dir):  # the adapter's base, checked, kept with it
-            stored_base = store_base(production_dir, adapter_base_folder(candidate_dir))
-            entry["adapter_base"] = stored_base
-        if entry.get("origin") is None and base_dir is not None:
-            entry["origin"] = store_base(production_dir, base_dir)
-        atomic_folder(target, lambda tmp: _write_version(candidate_dir, tmp, stored_base))
-        entry["version"] = version
-        entry["path"] = str(target)
-        entry["content_sha256"] = tree_sha256(target)
-        registry["current"] = version
+    if not decision.promote:
+        registry["entries"].append(entry)
+        _write_registry(registry_path, registry)
+        return entry
+    # numbered past every version ever recorded: an abandoned number that something still
+    # lies under stays taken (ppo_core.registry.staging)
+    numbers = [int(e["version"][1:]) for e in registry["entries"] if e.get("version")]
+    version = f"v{max(numbers, default=0) + 1:04d}"
+    target = Path(production_dir) / version
+    if target.exists() or target.is_symlink():
+        raise FileExistsError(
+            f"{target} exists but the registry does not know it; refusing "
+            "to overwrite a production version (move it aside)"
+        )
+    stored_base = None
+    if is_adapter_folder(candidate_dir):  # the adapter's base, checked, kept with it
+        stored_base = store_base(production_dir, adapter_base_folder(candidate_dir))
+        entry["adapter_base"] = stored_base
+    if entry.get("origin") is None and base_dir is not None:
+        entry["origin"] = store_base(production_dir, base_dir)
+    staging, content_sha256 = stage(
+        production_dir, version, lambda folder: _write_version(candidate_dir, folder, stored_base)
+    )
+    # hashed before it is in place: a kill from here on is finished or undone by the next write
+    entry.update(version=version, path=str(target), content_sha256=content_sha256)
+    entry["decision"] = PROMOTING
     registry["entries"].append(entry)
-    atomic_write_text(registry_path, json.dumps(registry, indent=1))
+    _write_registry(registry_path, registry)
+    put_in_place(staging, target)
+    entry["decision"] = "promoted"
+    registry["current"] = version
+    _write_registry(registry_path, registry)
     return entry
+
+
+def _write_registry(registry_path: Path, registry: dict[str, Any]) -> None:
+    atomic_write_text(registry_path, json.dumps(registry, indent=1))
 
 
 def _write_version(candidate_dir: str | Path, folder: Path, stored_base: dict | None) -> None:
@@ -445,6 +473,7 @@ def _write_version(candidate_dir: str | Path, folder: Path, stored_base: dict | 
     copy_regular_tree(candidate_dir, folder)
     if stored_base is not None:
         point_adapter_at(folder, stored_base["path"], stored_base["base_sha256"])
+    mark_output(folder)  # a folder the pipeline wrote (ppo_core.files.atomic)
 
 
 def record_export(registry_path: str | Path, version: str, export: dict[str, Any]) -> None:
@@ -454,7 +483,7 @@ def record_export(registry_path: str | Path, version: str, export: dict[str, Any
     registry_path = Path(registry_path)
     with _registry_lock(registry_path, "export record in"):
         registry = load_registry(registry_path)
-        entry = next((e for e in registry["entries"] if e.get("version") == version), None)
+        entry = _promoted(registry, version)
         if entry is None:
             raise RegistryError(f"the registry {registry_path} has no production version {version}")
         kept = [e for e in entry.get("exports") or [] if e.get("file") != export["file"]]
@@ -481,9 +510,15 @@ def roll_back(
         raise RegistryError("a rollback needs a reason (--reason): the registry records it")
     with _registry_lock(registry_path, "rollback in"):
         registry = load_registry(registry_path)
+        if recover_interrupted(production_dir, registry, "v"):
+            _write_registry(registry_path, registry)
         if not VERSION_PATTERN.fullmatch(version):
             raise RegistryError(f"{version!r} is not a version name (v0001, v0002, ...)")
-        versions = [e["version"] for e in registry["entries"] if e.get("version")]
+        versions = [
+            e["version"]
+            for e in registry["entries"]
+            if e.get("version") and e.get("decision") == "promoted"
+        ]
         if version not in versions:
             raise RegistryError(
                 f"the registry {registry_path} has no production version {version}; "
@@ -507,5 +542,5 @@ def roll_back(
         }
         registry["current"] = version
         registry["entries"].append(entry)
-        atomic_write_text(registry_path, json.dumps(registry, indent=1))
+        _write_registry(registry_path, registry)
     return entry
