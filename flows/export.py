@@ -4,13 +4,14 @@ record beside it, named in the registry. Called through :mod:`flows.stages` like
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
 from pathlib import Path
 
 from ppo_core.config import WRITE_KEYS, Config, check_write_paths, flatten
-from ppo_core.files import atomic_write_text, file_sha256
+from ppo_core.files import atomic_write_text, exclusive_run, file_sha256, fsync_folder
 from ppo_core.models.adapter_folders import is_adapter_folder
 from ppo_core.registry.versions import (
     check_version,
@@ -30,11 +31,6 @@ def export(config: Config) -> dict:
     registry recorded for this file in the version's ``exports``, and the record beside it
     agrees) the stage reports it, otherwise it refuses to replace it. The record beside the
     file is never trusted alone: whoever can swap the file can rewrite it too."""
-    import warnings
-
-    from ppo_core.models.causal_lm import PadTokenWarning, load_tokenizer
-    from ppo_core.models.gguf_export import export_gguf
-    from ppo_core.models.policy import load_causal_lm
     from ppo_core.registry.versions import RegistryError, load_registry
 
     check_write_paths(flatten(config), WRITE_KEYS)
@@ -54,6 +50,31 @@ def export(config: Config) -> dict:
         earlier["already_exported"] = True
         return earlier
     target.parent.mkdir(parents=True, exist_ok=True)
+    with exclusive_run(target.with_name(f".{target.name}.lock"), f"the export to {target}"):
+        if target.exists() or target.is_symlink():  # another export finished meanwhile
+            earlier = _earlier_export(target, record_file, version, entry, rules.registry)
+            return {**earlier, "already_exported": True}
+        return _write_export(config, folder, version, entry, target)
+
+
+def _write_export(config: Config, folder: Path, version: str, entry: dict, target: Path) -> dict:
+    """Write the GGUF under a hidden staging name, hash it, write the record beside it and name
+    it in the registry, and only then rename it to ``target``: a kill before the rename leaves
+    no ``target`` (the next export writes it again, over the leftovers), a kill after it leaves
+    a complete, recorded export."""
+    import warnings
+
+    from ppo_core.models.causal_lm import PadTokenWarning, load_tokenizer
+    from ppo_core.models.gguf_export import export_gguf
+    from ppo_core.models.policy import load_causal_lm
+
+    staging = target.with_name(f".{target.name}.staging")
+    # a killed export's staging file and the writer's partial siblings of it (no export of
+    # this file runs now: the lock is held)
+    for pattern in (staging.name, f".{staging.name}.tmp-*"):
+        for leftover in target.parent.glob(glob.escape(pattern).replace(r"[*]", "*")):
+            if leftover.is_file() or leftover.is_symlink():
+                leftover.unlink()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", PadTokenWarning)
         tokenizer = load_tokenizer(folder, config.model.trust_remote_code)
@@ -62,8 +83,8 @@ def export(config: Config) -> dict:
     summary = export_gguf(
         model,
         tokenizer,
-        target,
-        settings.type,
+        staging,
+        config.export.type,
         name=f"{base_name} PPO {version}",
         description=f"production version {version} (content sha256 {entry['content_sha256']})",
     )
@@ -71,8 +92,8 @@ def export(config: Config) -> dict:
         "version": version,
         "content_sha256": entry["content_sha256"],
         "file": target.name,
-        "sha256": file_sha256(target),
-        "bytes": target.stat().st_size,
+        "sha256": file_sha256(staging),
+        "bytes": staging.stat().st_size,
         "type": summary.file_type,
         "architecture": summary.architecture,
         "model_type": summary.model_type,
@@ -84,12 +105,14 @@ def export(config: Config) -> dict:
         "origin": entry.get("origin"),
         "parent_version": entry.get("parent_version"),
     }
-    atomic_write_text(record_file, json.dumps(record, indent=1))
+    atomic_write_text(target.with_suffix(".json"), json.dumps(record, indent=1))
     record_export(
-        rules.registry,
+        config.promote.registry,
         version,
         {"file": str(target), "type": summary.file_type, "sha256": record["sha256"]},
     )
+    os.rename(staging, target)
+    fsync_folder(target.parent)
     return record
 
 
@@ -115,8 +138,8 @@ def _earlier_export(
     if not isinstance(recorded, str) or not re.fullmatch(r"[0-9a-f]{64}", recorded):
         raise FileExistsError(
             f"{target} exists and is not this export of {version}: the registry {registry} "
-            f"records no export of {version} at that path (an export killed before the "
-            f"registry recorded it leaves one too){refuse}"
+            f"records no export of {version} at that path (an export puts its file in place only "
+            f"after the registry recorded it){refuse}"
         )
     if not target.is_file() or target.is_symlink():
         raise FileExistsError(

@@ -1,7 +1,9 @@
-"""A production promotion or rollback killed (SIGKILL) at each of its steps leaves a state the
-next registry write recovers without a hand edit (``ppo_core.registry.staging``): a version whose
-folder is in place with the recorded hash is finished, any other is abandoned, no staging copy
-is left, and no later promotion is blocked."""
+"""A production promotion, rollback or export killed (SIGKILL) at each of its steps leaves a
+state the next run recovers without a hand edit. A promotion (``ppo_core.registry.staging``): a
+version whose folder is in place with the recorded hash is finished, any other is abandoned, no
+staging copy is left, and no later promotion is blocked. An export (``flows/export.py``): the
+file is put in place only after the registry names it, so the next export either finds it
+complete or writes it again over the leftovers."""
 
 from __future__ import annotations
 
@@ -186,3 +188,85 @@ def test_a_rollback_killed_in_its_write_changes_nothing_and_can_be_run_again(tmp
     assert [e["decision"] for e in load_registry(registry)["entries"]] == ["promoted"] * 2
     rollback(root, tmp_path)
     assert current_production(registry, production) == production / "v0001"
+
+
+EXPORT_KILLER = textwrap.dedent(
+    """
+    import os, signal, sys
+
+    import flows.export as export
+    import ppo_core.models.gguf_export as gguf_export
+    from ppo_core.config import load_config
+
+    point, overrides = sys.argv[1], sys.argv[2:]
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    if point == "while the file is written":
+        gguf_export.os.link = die
+    elif point == "after the file is written":
+        export.file_sha256 = die
+    elif point == "after the record beside it":
+        export.record_export = die
+    elif point == "after the registry names it":
+        export.os.rename = die
+    elif point == "after the rename":
+        export.fsync_folder = die
+    export.export(load_config(overrides=overrides))
+    sys.exit("not killed")
+    """
+)
+EXPORT_KILL_POINTS = [
+    "while the file is written",
+    "after the file is written",
+    "after the record beside it",
+    "after the registry names it",
+    "after the rename",
+]
+
+
+@pytest.mark.parametrize("point", EXPORT_KILL_POINTS)
+def test_an_export_killed_at_each_step_is_completed_by_the_next_export(
+    tmp_path, tiny_model_dir, point
+):
+    from flows.export import export
+    from ppo_core.config import load_config
+    from ppo_core.files import file_sha256
+
+    root = tmp_path / "models"
+    record_decision(
+        registry_path=root / "registry.json",
+        production_dir=root / "production",
+        candidate_dir=tiny_model_dir,
+        decision=PASS,
+        lineage={"data_hash": "d"},
+    )
+    overrides = [
+        f"promote.registry={root / 'registry.json'}",
+        f"promote.production_dir={root / 'production'}",
+        f"export.dir={tmp_path / 'exports'}",
+        "export.type=f32",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-c", EXPORT_KILLER, point, *overrides],
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    gguf = tmp_path / "exports" / "v0001-f32.gguf"
+    assert gguf.exists() == (point == "after the rename")
+
+    record = export(load_config(overrides=overrides))
+    assert record.get("already_exported", False) == (point == "after the rename")
+    exports = load_registry(root / "registry.json")["entries"][-1]["exports"]
+    assert exports == [{"file": str(gguf), "type": "f32", "sha256": file_sha256(gguf)}]
+    assert json.loads(gguf.with_suffix(".json").read_text())["sha256"] == file_sha256(gguf)
+    # nothing of the killed export is left beside it (the lock file stays, empty)
+    assert sorted(p.name for p in gguf.parent.iterdir()) == [
+        ".v0001-f32.gguf.lock",
+        "v0001-f32.gguf",
+        "v0001-f32.json",
+    ]
