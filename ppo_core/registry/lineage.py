@@ -23,7 +23,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_core.files import atomic_folder, copy_regular_tree
+from ppo_core.files import (
+    UnsafeCopyError,
+    atomic_folder,
+    copy_regular_tree,
+    file_sha256,
+    first_line,
+    regular_files,
+    tree_sha256,
+)
 from ppo_core.models.adapter_folders import (
     STORED_BASES,
     AdapterError,
@@ -41,6 +49,7 @@ __all__ = [
     "origin_folder",
     "read_lineage",
     "store_base",
+    "stored_base_hashes",
 ]
 
 IMPORT_RECORD = "imported_from.json"
@@ -122,26 +131,47 @@ def origin_folder(policy: str | Path) -> Path:
     return folder
 
 
-def store_base(production_dir: str | Path, folder: str | Path) -> dict[str, str]:
+VARYING_FILES = frozenset({"imported_from.json", ".ppo-output"})
+"""Files of a base that differ between two imports of the same model (the import's record,
+dated; the pipeline's output marker): a stored base the registry has no content hash for may
+differ from the base being stored in these alone."""
+
+
+def stored_base_hashes(registry: dict[str, Any]) -> dict[str, str]:
+    """The content hash the registry recorded for each stored base (``adapter_base`` and
+    ``origin`` records of its entries), by path."""
+    hashes = {}
+    for entry in registry.get("entries", []):
+        for key in ("adapter_base", "origin"):
+            record = entry.get(key)
+            if isinstance(record, dict) and isinstance(record.get("content_sha256"), str):
+                hashes[str(record.get("path"))] = record["content_sha256"]
+    return hashes
+
+
+def store_base(
+    production_dir: str | Path, folder: str | Path, recorded: dict[str, str] | None = None
+) -> dict[str, str]:
     """Copy the whole model ``folder`` to ``<production_dir>/bases/<fingerprint>`` unless a copy
-    with that fingerprint is there already; returns ``{"path", "base_sha256"}`` naming the copy.
+    with that fingerprint is there already; returns ``{"path", "base_sha256",
+    "content_sha256"}`` naming the copy, its fingerprint and the SHA-256 of all its files.
 
     The fingerprint (:func:`ppo_core.models.adapter_folders.base_fingerprint`: the config and
-    the weights) is what an adapter checks its base against; a stored copy whose fingerprint no
-    longer matches its name is refused rather than reused."""
+    the weights) is what an adapter checks its base against; the content hash covers every other
+    file too (a ``generation_config.json`` decides where replies end). A copy already there is
+    adopted only when it holds what the registry recorded for it (``recorded``:
+    :func:`stored_base_hashes`), or, where the registry recorded nothing, when every file in it is
+    the same as in ``folder`` (:data:`VARYING_FILES` apart); one holding other or extra files,
+    or links, is refused, never adopted."""
     folder = check_model_folder(folder, "a base to store")
     if is_adapter_folder(folder):
         raise AdapterError(f"{str(folder)!r} is an adapter; only whole models are stored as bases")
     fingerprint = base_fingerprint(folder)
     target = Path(production_dir) / BASES_DIR / fingerprint
-    record = {"path": base_record_path(target), "base_sha256": fingerprint}
-    if target.exists():
-        if base_fingerprint(target) != fingerprint:
-            raise LineageError(
-                f"the stored base {target} no longer matches its fingerprint; restore the "
-                "production folder (e.g. `dvc pull`) before promoting"
-            )
-        return record
+    path = base_record_path(target)
+    if target.exists() or target.is_symlink():
+        content = _adoptable(target, folder, (recorded or {}).get(path))
+        return {"path": path, "base_sha256": fingerprint, "content_sha256": content}
 
     def write(tmp: Path) -> None:
         copy_regular_tree(folder, tmp)
@@ -149,4 +179,43 @@ def store_base(production_dir: str | Path, folder: str | Path) -> dict[str, str]
             raise LineageError(f"{str(folder)!r} changed while it was stored; try again")
 
     atomic_folder(target, write)
-    return record
+    return {"path": path, "base_sha256": fingerprint, "content_sha256": tree_sha256(target)}
+
+
+def _adoptable(target: Path, source: Path, recorded: str | None) -> str:
+    """The content hash of the stored base ``target`` when it may be used for ``source``, else
+    a :class:`LineageError` naming what is wrong with it."""
+    restore = "; restore the production folder (e.g. `dvc pull`) or move it aside, then promote"
+    try:
+        files = dict(regular_files(target)) if target.is_dir() and not target.is_symlink() else None
+        content = tree_sha256(target) if files is not None else None
+    except UnsafeCopyError as exc:
+        raise LineageError(f"the stored base {target} holds {first_line(exc)}{restore}") from None
+    if files is None or content is None:
+        raise LineageError(f"the stored base {target} is not a folder{restore}")
+    if base_fingerprint(target) != target.name:
+        raise LineageError(f"the stored base {target} no longer matches its fingerprint{restore}")
+    if recorded is not None:
+        if content != recorded:
+            raise LineageError(
+                f"the stored base {target} no longer holds what the registry recorded for it "
+                f"(content sha256 {recorded[:12]}...): a file in it was changed, added or "
+                f"removed{restore}"
+            )
+        return content
+    expected = dict(regular_files(source))
+    extra = sorted(set(files) - set(expected) - VARYING_FILES)
+    changed = sorted(
+        name
+        for name in set(files) & set(expected) - VARYING_FILES
+        if file_sha256(target / name) != file_sha256(source / name)
+    )
+    if extra or changed:
+        raise LineageError(
+            f"the stored base {target}, which no registry entry recorded, holds "
+            + (f"files the base {source} does not ({', '.join(extra[:5])})" if extra else "")
+            + (" and " if extra and changed else "")
+            + (f"files that differ from the base's ({', '.join(changed[:5])})" if changed else "")
+            + f": not adopted{restore}"
+        )
+    return content

@@ -18,9 +18,11 @@ from typing import Any
 
 from ppo_core.config import PromoteConfig
 from ppo_core.files import (
+    UnsafeCopyError,
     atomic_write_text,
     copy_regular_tree,
     exclusive_run,
+    first_line,
     mark_output,
     printable,
     tree_sha256,
@@ -31,7 +33,7 @@ from ppo_core.models.adapter_folders import (
     is_adapter_folder,
     point_adapter_at,
 )
-from ppo_core.registry.lineage import store_base
+from ppo_core.registry.lineage import store_base, stored_base_hashes
 from ppo_core.registry.staging import PROMOTING, put_in_place, recover_interrupted, stage
 
 __all__ = [
@@ -325,8 +327,29 @@ def check_version(registry_path: str | Path, production_dir: str | Path, version
             "`dvc checkout`) before evaluating or promoting"
         )
     if is_adapter_folder(folder):
-        adapter_base_folder(folder)  # missing or changed: AdapterError naming it
+        base = adapter_base_folder(folder)  # missing or changed: AdapterError naming it
+        _check_stored_base(entry.get("adapter_base"), base, version)
     return folder
+
+
+def _check_stored_base(record: object, base: Path, version: str) -> None:
+    """An adapter version's stored base holds every file the registry recorded when it was
+    promoted (``adapter_base.content_sha256``; a version promoted before the registry recorded
+    it is checked by its fingerprint alone)."""
+    recorded = record.get("content_sha256") if isinstance(record, dict) else None
+    if recorded is None:
+        return
+    try:
+        content = tree_sha256(base)
+    except UnsafeCopyError as exc:
+        content = f"unreadable ({first_line(exc)})"
+    if content != recorded:
+        raise RegistryError(
+            f"the base of production version {version}, {base}, no longer holds what the "
+            f"registry recorded when it was promoted (content sha256 {str(recorded)[:12]}...): "
+            "a file in it was changed, added or removed (a generation_config.json decides where "
+            "replies end). Restore it (e.g. `dvc pull`) before evaluating, exporting or promoting"
+        )
 
 
 def record_decision(
@@ -442,11 +465,12 @@ def _record(
             "to overwrite a production version (move it aside)"
         )
     stored_base = None
+    recorded = stored_base_hashes(registry)
     if is_adapter_folder(candidate_dir):  # the adapter's base, checked, kept with it
-        stored_base = store_base(production_dir, adapter_base_folder(candidate_dir))
+        stored_base = store_base(production_dir, adapter_base_folder(candidate_dir), recorded)
         entry["adapter_base"] = stored_base
     if entry.get("origin") is None and base_dir is not None:
-        entry["origin"] = store_base(production_dir, base_dir)
+        entry["origin"] = store_base(production_dir, base_dir, recorded)
     staging, content_sha256 = stage(
         production_dir, version, lambda folder: _write_version(candidate_dir, folder, stored_base)
     )

@@ -8,12 +8,14 @@ from __future__ import annotations
 import json
 import shutil
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from ppo_core.config import ConfigError, load_config
+from ppo_core.files import tree_sha256
 from ppo_core.models.lora import (
     AdapterError,
     AdapterReference,
@@ -238,11 +240,53 @@ def test_adapter_and_merged_candidates_are_the_same_policy_and_promote(
     )
     # the registry says which base the version needs: a copy of it kept in production
     stored = tmp_path / "production" / "bases" / record["base_sha256"]
-    assert entry["adapter_base"] == {"path": str(stored), "base_sha256": record["base_sha256"]}
+    assert entry["adapter_base"] == {
+        "path": str(stored),
+        "base_sha256": record["base_sha256"],
+        "content_sha256": tree_sha256(stored),
+    }
     production = tmp_path / "production" / entry["version"]
     assert json.loads((production / "adapter_base.json").read_text())["base"] == str(stored)
     assert load_registry(registry)["current"] == entry["version"]
     torch.testing.assert_close(logprobs(load_causal_lm(production), batch), from_adapter)
+
+
+def test_every_file_of_a_stored_base_is_checked_and_a_planted_one_is_not_adopted(tmp_path, llama):
+    """A generation_config.json planted in an adapter version's stored base (its eos_token_id
+    would end every exported reply early) is refused by name; a bases/<fingerprint> folder the
+    registry never recorded, holding a file the base does not, is refused, not adopted."""
+    import shutil
+
+    from ppo_core.models.adapter_folders import base_fingerprint
+    from ppo_core.registry.lineage import LineageError
+    from ppo_core.registry.versions import GateDecision, RegistryError, check_version
+
+    adapter = random_adapter(llama, tmp_path / "adapter")
+    registry, production = tmp_path / "registry.json", tmp_path / "production"
+    promote = {"decision": GateDecision(True, []), "lineage": {}, "candidate_dir": adapter}
+    entry = record_decision(registry_path=registry, production_dir=production, **promote)
+    stored = Path(entry["adapter_base"]["path"])
+    assert check_version(registry, production, entry["version"])
+    planted = stored / "generation_config.json"
+    had = planted.read_bytes() if planted.exists() else None
+    planted.write_text(json.dumps({"eos_token_id": 5}))
+    with pytest.raises(RegistryError, match=f"the base of production version {entry['version']}"):
+        check_version(registry, production, entry["version"])
+    planted.unlink() if had is None else planted.write_bytes(had)
+    assert check_version(registry, production, entry["version"])
+
+    elsewhere = tmp_path / "elsewhere"
+    foreign = elsewhere / "production" / "bases" / base_fingerprint(llama)
+    shutil.copytree(llama, foreign)
+    (foreign / "extra.py").write_text("import os")
+    with pytest.raises(LineageError, match=r"holds files the base .* does not \(extra.py\)"):
+        record_decision(
+            registry_path=elsewhere / "registry.json",
+            production_dir=elsewhere / "production",
+            **promote,
+        )
+    assert not (elsewhere / "registry.json").exists()
+    assert sorted(p.name for p in (elsewhere / "production").iterdir()) == ["bases"]
 
 
 def test_an_adapter_on_another_base_is_refused_by_name(tmp_path, llama, prompt_files):
