@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
@@ -147,13 +147,22 @@ def _roll_back_reward(
 
 def notify(
     webhook: Annotated[
-        str,
+        str | None,
         typer.Option(
             "--webhook",
-            help="The URL that receives a JSON POST {subject, body} for each notification.",
+            help="The URL that receives a JSON POST {subject, body} for each notification "
+            "(visible in ps and shell history: see --webhook-env, --webhook-file).",
             show_default=False,
         ),
-    ],
+    ] = None,
+    webhook_env: Annotated[
+        str | None,
+        typer.Option("--webhook-env", metavar="VAR", help="Read the URL from this variable."),
+    ] = None,
+    webhook_file: Annotated[
+        Path | None,
+        typer.Option("--webhook-file", metavar="PATH", help="Read the URL from this file."),
+    ] = None,
     header: Annotated[
         list[str] | None,
         typer.Option(
@@ -162,6 +171,30 @@ def notify(
             help="A header to send with each notification (e.g. Authorization=Bearer ...).",
         ),
     ] = None,
+    header_env: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--header-env",
+            metavar="NAME=VAR",
+            help="A header whose value is read from the environment variable VAR.",
+        ),
+    ] = None,
+    header_file: Annotated[
+        list[str] | None,
+        typer.Option(
+            "--header-file",
+            metavar="NAME=PATH",
+            help="A header whose value is read from the file PATH (one line).",
+        ),
+    ] = None,
+    test: Annotated[
+        bool,
+        typer.Option(
+            "--test",
+            help="Send one test notification through the saved block and say whether the "
+            "receiver answered (after saving, when a webhook is given too).",
+        ),
+    ] = False,
 ) -> None:
     """Tell someone when a retraining run needs a person: a rejected candidate, a failed run, a
     crashed run.
@@ -171,15 +204,16 @@ def notify(
     of PREFECT_API_URL; the server sends the notifications itself. Run it once per server.
 
     The webhook must be an http:// or https:// URL with a host; any other is refused before
-    anything is saved.
+    anything is saved. The URL and the header values are kept as the block's secrets (stored
+    encrypted, shown obfuscated by the Prefect API and UI); give them with --webhook-env /
+    --header-env or --webhook-file / --header-file to keep a token off the command line.
     """
     from flows.orchestration.notifications import check_webhook_url
 
-    try:
-        check_webhook_url(webhook)
-    except ValueError as error:
-        console.print(f"[bold red]error:[/] {error}; nothing was saved", soft_wrap=True)
-        raise typer.Exit(code=2) from None
+    def refuse(why: str) -> NoReturn:
+        console.print(f"[bold red]error:[/] {why}; nothing was saved", soft_wrap=True)
+        raise typer.Exit(code=2)
+
     if not os.environ.get("PREFECT_API_URL"):
         console.print(
             "[bold red]error:[/] PREFECT_API_URL is not set: notifications are kept by a Prefect "
@@ -187,21 +221,89 @@ def notify(
             soft_wrap=True,
         )
         raise typer.Exit(code=2)
-    headers = {}
-    for item in header or []:
-        name, sep, value = item.partition("=")
-        if not sep or not name:
-            console.print(f"[bold red]error:[/] --header {item!r} is not NAME=VALUE")
-            raise typer.Exit(code=2)
-        headers[name] = value
-    from flows.orchestration.notifications import BLOCK_NAME, set_up_notifications
+    given = {
+        "--webhook": webhook,
+        "--webhook-env": webhook_env,
+        "--webhook-file": webhook_file,
+    }
+    sources = [name for name, value in given.items() if value is not None]
+    if len(sources) > 1:
+        refuse(f"give the webhook once, not with {' and '.join(sources)}")
+    if not sources and not test:
+        refuse("give the webhook: --webhook URL, --webhook-env VAR or --webhook-file PATH")
+    if sources:
+        try:
+            url = _secret_value(sources[0], given[sources[0]])
+            check_webhook_url(url)
+            headers = _headers(header or [], header_env or [], header_file or [])
+        except ValueError as error:
+            refuse(str(error))
+        from flows.orchestration.notifications import BLOCK_NAME, set_up_notifications
 
-    created = set_up_notifications(webhook, headers)
-    console.print(
-        f"notification block {BLOCK_NAME} and automations {', '.join(created)} created: "
-        "a rejected candidate, a failed and a crashed run of retrain are sent to the webhook",
-        soft_wrap=True,
-    )
+        created = set_up_notifications(url, headers)
+        console.print(
+            f"notification block {BLOCK_NAME} and automations {', '.join(created)} created: "
+            "a rejected candidate, a failed and a crashed run of retrain are sent to the webhook "
+            f"(its URL and {len(headers)} header value(s) kept as secrets)",
+            soft_wrap=True,
+        )
+    if test:
+        from flows.orchestration.notifications import send_test
+
+        try:
+            send_test()
+        except RuntimeError as error:
+            console.print(f"[bold red]error:[/] the test notification failed: {error}")
+            raise typer.Exit(code=1) from None
+        console.print("test notification sent: the receiver answered with success")
+
+
+def _secret_value(option: str, given: object) -> str:
+    """The value of ``--webhook`` / ``--header`` (``given`` itself), ``--...-env`` (the
+    variable ``given`` names) or ``--...-file`` (the file's first line), or a ValueError naming
+    the option and what is wrong."""
+    if option.endswith("-env"):
+        value = os.environ.get(str(given), "")
+        if not value:
+            raise ValueError(
+                f"{option} {given}: the environment variable {given} is unset or empty"
+            )
+        return value
+    if option.endswith("-file"):
+        path = Path(str(given))
+        if not path.is_file():
+            raise ValueError(f"{option} {path}: no such file")
+        if path.stat().st_size > 65_536:
+            raise ValueError(f"{option} {path}: over 64 KiB, not a secret")
+        try:
+            lines = path.read_text().splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"{option} {path}: unreadable ({type(error).__name__})") from None
+        value = lines[0].strip() if lines else ""
+        if not value:
+            raise ValueError(f"{option} {path}: the file's first line is empty")
+        return value
+    return str(given)
+
+
+def _headers(plain: list[str], from_env: list[str], from_file: list[str]) -> dict[str, str]:
+    """The headers of ``--header NAME=VALUE``, ``--header-env NAME=VAR`` and ``--header-file
+    NAME=PATH``; a ValueError names one that is not NAME=..., or given twice."""
+    headers: dict[str, str] = {}
+    for option, items in (
+        ("--header", plain),
+        ("--header-env", from_env),
+        ("--header-file", from_file),
+    ):
+        for item in items:
+            name, sep, value = item.partition("=")
+            if not sep or not name.strip() or not value:
+                form = {"--header": "VALUE", "--header-env": "VAR", "--header-file": "PATH"}
+                raise ValueError(f"{option} {item!r} is not NAME={form[option]}")
+            if name in headers:
+                raise ValueError(f"the header {name!r} is given twice")
+            headers[name] = _secret_value(option, value)
+    return headers
 
 
 def ingest(

@@ -17,6 +17,14 @@ else (``file:///etc/passwd``, ``hooks.example/ppo`` without a scheme, ``ftp://..
 before anything is saved, since the server would save it and then fail to send every
 notification without a word to the operator.
 
+Secrets stay secret. The URL (Slack-style URLs carry their token in the path) and every header
+value are kept in the block's ``secrets``, which Prefect stores encrypted and its API shows
+obfuscated; the block's ``url`` and ``headers`` hold only ``{{placeholders}}`` the sender fills
+in. The command reads them from an environment variable or a file as well as from its
+arguments, so a token need not be on a command line (``ps``, shell history).
+``ppo notify --test`` sends one notification through the saved block and says whether the
+receiver answered.
+
 Running it again replaces both automations and the block (a new URL, say), never duplicates them.
 The server sends the notifications itself (its triggers and actions services), so they go out
 whether the run ended normally, failed, or died with its worker.
@@ -34,6 +42,7 @@ from prefect.automations import Automation
 from prefect.blocks.notifications import CustomWebhookNotificationBlock
 from prefect.events.actions import SendNotification
 from prefect.events.schemas.automations import EventTrigger, Posture
+from prefect.types import SecretDict
 
 BLOCK_NAME = "ppo-retrain-notify"
 """The saved webhook block's name (``prefect block ls``)."""
@@ -105,20 +114,62 @@ def check_webhook_url(url: str) -> None:
         raise ValueError(f"the webhook URL {url!r} has no valid port: {error}") from None
 
 
-def set_up_notifications(url: str, headers: dict[str, str] | None = None) -> list[str]:
-    """Save the webhook block for ``url`` (with ``headers``, e.g. a token) as
-    :data:`BLOCK_NAME` and create the automations of :data:`AUTOMATIONS` that send through it,
-    replacing earlier ones of the same names; returns the names created. A URL
-    :func:`check_webhook_url` refuses is refused before anything is saved."""
+URL_SECRET = "webhook_url"
+"""The name of the URL in the block's ``secrets`` (its ``url`` is ``{{webhook_url}}``)."""
+
+
+def webhook_block(url: str, headers: dict[str, str] | None = None):
+    """The Custom Webhook block for ``url`` and ``headers``, every one of their values in its
+    ``secrets`` (header ``i`` as ``header_i``), its ``url`` and ``headers`` placeholders."""
     check_webhook_url(url)
-    block = CustomWebhookNotificationBlock(
+    headers = headers or {}
+    secrets = {URL_SECRET: url} | {f"header_{i}": v for i, v in enumerate(headers.values())}
+    return CustomWebhookNotificationBlock(
         name="ppo retraining",
-        url=url,
+        url="{{" + URL_SECRET + "}}",
         json_data={"subject": "{{subject}}", "body": "{{body}}"},
-        headers=headers or None,
+        headers={name: f"{{{{header_{i}}}}}" for i, name in enumerate(headers)} or None,
         cookies=None,
+        secrets=SecretDict(secrets),
     )
-    block_id = block.save(BLOCK_NAME, overwrite=True)
+
+
+def send_test() -> None:
+    """Send one notification through the saved block, or raise :class:`RuntimeError` naming why
+    it was not delivered (no block saved, no answer, an error status). The message names
+    neither the URL nor a header: they are secrets."""
+    import httpx
+
+    try:
+        block = CustomWebhookNotificationBlock.load(BLOCK_NAME)
+    except ValueError:
+        raise RuntimeError(
+            f"no notification block {BLOCK_NAME} on this server: run `ppo notify --webhook ...` "
+            "first"
+        ) from None
+    block = cast(CustomWebhookNotificationBlock, block)
+    try:
+        block.notify(
+            "A test notification from `ppo notify --test`: this receiver gets the rejected "
+            "candidates, failed and crashed runs of retrain.",
+            "retrain: test notification",
+        )
+    except httpx.HTTPStatusError as error:
+        raise RuntimeError(
+            f"the receiver answered HTTP {error.response.status_code} "
+            f"{error.response.reason_phrase}"
+        ) from None
+    except httpx.HTTPError as error:
+        raise RuntimeError(f"the receiver did not answer ({type(error).__name__})") from None
+
+
+def set_up_notifications(url: str, headers: dict[str, str] | None = None) -> list[str]:
+    """Save the webhook block for ``url`` (with ``headers``, e.g. a token; all kept as secrets,
+    :func:`webhook_block`) as :data:`BLOCK_NAME` and create the automations of
+    :data:`AUTOMATIONS` that send through it, replacing earlier ones of the same names; returns
+    the names created. A URL :func:`check_webhook_url` refuses is refused before anything is
+    saved."""
+    block_id = webhook_block(url, headers).save(BLOCK_NAME, overwrite=True)
     created = []
     for name, spec in AUTOMATIONS.items():
         _delete_existing(name)

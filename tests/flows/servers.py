@@ -133,12 +133,16 @@ class WebhookReceiver:
 
         received: list[dict] = []
         self.received = received
+        self.headers: list[dict[str, str]] = []
+        self.status = 200  # what it answers: set another to play a receiver that refuses
+        receiver = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_POST(self):
                 length = int(self.headers.get("Content-Length", 0))
                 received.append(json.loads(self.rfile.read(length) or b"{}"))
-                self.send_response(200)
+                receiver.headers.append(dict(self.headers))
+                self.send_response(receiver.status)
                 self.end_headers()
 
             def log_message(self, *args):  # no request lines on stderr
@@ -167,9 +171,11 @@ def run_flow(env, project) -> subprocess.CompletedProcess:
     return command(env, project, sys.executable, "-m", "flows.pipeline", "run")
 
 
-def notify(env, project, url) -> None:
-    """`ppo notify --webhook URL`, checked to have created both automations."""
-    done = command(env, project, str(BIN / "ppo"), "notify", "--webhook", url)
+def notify(env, project, url, *more: str) -> None:
+    """`ppo notify --webhook URL` (``url`` None: ``more`` gives it another way), checked to
+    have created both automations."""
+    given = ("--webhook", url) if url is not None else ()
+    done = command(env, project, str(BIN / "ppo"), "notify", *given, *more)
     assert done.returncode == 0, done.stdout + done.stderr
     assert "retrain-notify-rejected, retrain-notify-failed" in done.stderr
 

@@ -4,6 +4,8 @@ was sent). The crash of a run whose worker really died is in test_worker_crash.p
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -12,8 +14,10 @@ from flows.orchestration import notifications
 from flows.orchestration.run_params import set_params
 from tests.flows.conftest import git_commit
 from tests.flows.servers import (
+    BIN,
     WebhookReceiver,
     api,
+    command,
     notify,
     run_flow,
     start_server,
@@ -21,15 +25,40 @@ from tests.flows.servers import (
     wait_for,
 )
 
+TOKEN = "Bearer s3cr3t-t0ken"
+
 
 @pytest.mark.slow
 def test_a_rejected_a_failed_and_a_crashed_run_reach_the_webhook(tiny_project, tmp_path):
+    """The URL read from a file and the token from the environment, both kept as the block's
+    secrets: the server's API shows neither, and every notification carries the token."""
     project = tiny_project
     env, _, server = start_server(tmp_path)
     receiver = WebhookReceiver()
     try:
         notify(env, project, "http://127.0.0.1:9/replaced")
-        notify(env, project, receiver.url)  # again: replaces the block and both automations
+        url_file = tmp_path / "webhook-url"
+        url_file.write_text(receiver.url + "\n")
+        env = {**env, "PPO_WEBHOOK_TOKEN": TOKEN}
+        # again: replaces the block and both automations
+        notify(
+            env,
+            project,
+            None,
+            f"--webhook-file={url_file}",
+            "--header-env=Authorization=PPO_WEBHOOK_TOKEN",
+        )
+        blocks = json.dumps(api(env, "block_documents/filter", {}))
+        assert "webhook_url" in blocks and "s3cr3t" not in blocks and receiver.url not in blocks
+        tested = command(env, project, str(BIN / "ppo"), "notify", "--test")
+        assert tested.returncode == 0 and "test notification sent" in tested.stderr, tested.stderr
+        [message] = receiver.with_subject("test notification")
+        assert receiver.headers[-1]["Authorization"] == TOKEN
+        receiver.status = 503
+        tested = command(env, project, str(BIN / "ppo"), "notify", "--test")
+        assert tested.returncode == 1, tested.stderr
+        assert "the test notification failed: the receiver answered HTTP 503" in tested.stderr
+        receiver.status, receiver.received[:], receiver.headers[:] = 200, [], []
         automations = api(env, "automations/filter", {})
         assert sorted(a["name"] for a in automations) == [
             "retrain-notify-failed",
@@ -75,6 +104,7 @@ def test_a_rejected_a_failed_and_a_crashed_run_reach_the_webhook(tiny_project, t
         assert message["subject"] == "retrain: run dead-worker Crashed"
         assert "ended Crashed: No heartbeat from this run" in message["body"]
         assert len(receiver.received) == 3  # one each, nothing for the replaced URL
+        assert [h["Authorization"] for h in receiver.headers] == [TOKEN] * 3
     finally:
         receiver.close()
         stop(server)
@@ -120,3 +150,40 @@ def test_a_webhook_that_is_not_an_http_url_is_refused_before_anything_is_saved(
         )
         result = CliRunner().invoke(app, ["notify", "--webhook", good], env=env)
         assert result.exit_code == 0 and saved[-1] == good, result.output
+
+
+@pytest.mark.parametrize(
+    ("args", "reason"),
+    [
+        (["--webhook", "https://h.example/x", "--webhook-env", "HOOK"], "give the webhook once"),
+        ([], "give the webhook: --webhook URL"),
+        (["--webhook-env", "PPO_UNSET_VARIABLE"], "PPO_UNSET_VARIABLE is unset or empty"),
+        (["--webhook-file", "/nonexistent/url"], "--webhook-file /nonexistent/url: no such file"),
+        (["--webhook", "https://h.example/x", "--header-env", "Authorization"], "is not NAME=VAR"),
+        (
+            ["--webhook", "https://h.example/x", "--header", "A=1", "--header-env", "A=HOME"],
+            "the header 'A' is given twice",
+        ),
+    ],
+)
+def test_a_webhook_or_header_given_wrong_is_one_line_and_saves_nothing(monkeypatch, args, reason):
+    monkeypatch.setattr(
+        notifications, "set_up_notifications", lambda *a: pytest.fail("something was saved")
+    )
+    monkeypatch.delenv("PPO_UNSET_VARIABLE", raising=False)
+    env = {"PREFECT_API_URL": "http://127.0.0.1:9/api"}
+    result = CliRunner().invoke(app, ["notify", *args], env=env)
+    assert result.exit_code == 2, result.output
+    [line] = result.output.splitlines()
+    assert reason in line and line.endswith("nothing was saved"), line
+
+
+def test_every_value_of_the_webhook_block_is_a_secret():
+    """What the Prefect API returns of a block is everything but its secrets: the URL (a
+    Slack-style URL's token is in its path) and header values live there alone."""
+    url, token = "https://hooks.slack.com/services/T0/B0/pathsecret", "Bearer t0ken"
+    block = notifications.webhook_block(url, {"Authorization": token})
+    shown = block.model_dump_json()
+    assert "pathsecret" not in shown and "t0ken" not in shown, shown
+    sent = block._build_request_args("body", "subject")
+    assert sent["url"] == url and sent["headers"] == {"Authorization": token}
