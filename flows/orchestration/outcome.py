@@ -94,6 +94,13 @@ def publish_results(repo_dir: str, status: dict[str, str]) -> dict[str, Any]:
         "reasons": promotion["reasons"],
         "message": decision_message(promotion, production, decided),
         "report": str(report),
+        # what leaves the machine (the decision's event, the notifications) names paths in the
+        # project, not where the project lies on this machine
+        "shared": {
+            "production": None if production is None else str(production),
+            "report": str(Path(config.eval.output_dir) / "report.md"),
+            "registry": str(config.promote.registry),
+        },
         "metrics": str(metrics_file),
         "train_metrics": str(root / config.train.metrics_dir),
         "candidate": str(root / config.train.output_dir),
@@ -114,14 +121,15 @@ def announce_decision(outputs: dict[str, Any]) -> None:
     """
 
     outcome = outputs["decision"] if outputs["decided"] else "unchanged"
+    shared = outputs.get("shared", {})
     emit_event(
         event=f"ppo.candidate.{outcome}",
         resource={
-            "prefect.resource.id": f"ppo.registry.{outputs['registry']}",
+            "prefect.resource.id": f"ppo.registry.{shared.get('registry', outputs['registry'])}",
             "prefect.resource.name": outputs["message"],
         },
         payload={
-            key: outputs.get(key)
+            key: shared.get(key, outputs.get(key))
             for key in ("decision", "decided", "version", "production", "reasons", "report")
         },
     )
