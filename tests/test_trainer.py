@@ -577,3 +577,38 @@ def test_new_tokens_past_the_models_positions_are_refused_before_anything_is_wri
     with pytest.raises(ConfigError, match=r"max_new_tokens=100 is 132 positions, more than the 64"):
         train(config)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
+
+
+@pytest.mark.parametrize("case", ["another base", "no recorded base"])
+def test_a_checkpoint_of_another_or_an_unrecorded_base_is_not_resumed(
+    tmp_path, tiny_model_dir, prompt_files, case
+):
+    """Full weights (no LoRA, whose adapter checks its own base): the next generation's base
+    under the same model.policy path, or a checkpoint from before the base's fingerprint was
+    recorded, is set aside and the run starts over, saying why."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from ppo_core.files import file_sha256
+
+    base = tmp_path / "base"
+    shutil.copytree(tiny_model_dir, base)
+    run = tmp_path / "run"
+    train(small_config(run, base, prompt_files, "train.iterations=1"))
+    checkpoint = run / "checkpoints" / "step-000001"
+    if case == "another base":
+        weights = load_file(str(base / "model.safetensors"))
+        save_file({k: v + 0.01 for k, v in weights.items()}, str(base / "model.safetensors"))
+        why = "it was trained from another model.policy"
+    else:  # as a checkpoint written before base_sha256 was recorded
+        state = json.loads((checkpoint / "trainer_state.json").read_text())
+        del state["base_sha256"]
+        (checkpoint / "trainer_state.json").write_text(json.dumps(state))
+        sums = json.loads((checkpoint / "checksums.json").read_text())
+        sums["trainer_state.json"] = file_sha256(checkpoint / "trainer_state.json")
+        (checkpoint / "checksums.json").write_text(json.dumps(sums))
+        why = "it records no fingerprint of the model.policy it was trained from"
+    with pytest.warns(UserWarning, match=f"not resuming from .*step-000001: {why}"):
+        summary = train(small_config(run, base, prompt_files, "train.iterations=2"))
+    assert not summary.resumed_from  # 0: started over

@@ -54,11 +54,16 @@ def resume_mismatch(
     base_sha256: str | None = None,
 ) -> str | None:
     """Why a checkpoint cannot continue this run (another config, data version or base model),
-    or None. A checkpoint that records no base fingerprint (written before it was recorded) is
-    compared on config and data only."""
+    or None. A checkpoint that records no base fingerprint (written before it was recorded)
+    cannot show that it was trained from this run's base, so it does not continue it either."""
     if state.get("data_hash") != data_hash:
         return f"it was trained on data version {state.get('data_hash')}, this run has {data_hash}"
     recorded_base = state.get("base_sha256")
+    if recorded_base is None and base_sha256 is not None:
+        return (
+            "it records no fingerprint of the model.policy it was trained from (a checkpoint "
+            f"from before they were recorded), so it may be of another base than {config.model.policy}"
+        )
     if recorded_base is not None and base_sha256 is not None and recorded_base != base_sha256:
         return (
             f"it was trained from another model.policy (fingerprint {str(recorded_base)[:12]}, "
