@@ -489,3 +489,19 @@ def test_a_rollback_to_a_version_named_with_other_digits_is_refused(tmp_path):
     [line] = result.output.splitlines()
     assert line == "error: 'v٠٠٠١' is not a version name (v0001, v0002, ...)"
     assert registry.read_bytes() == before
+
+
+def test_a_rollback_to_a_version_changed_on_disk_is_refused(tmp_path):
+    """`ppo rollback` checks the version it makes current against the content hash the registry
+    recorded, as every other use of a version does."""
+    registry = _versions(tmp_path, 2)
+    before = registry.read_bytes()
+    (tmp_path / "models" / "production" / "v0001" / "model.safetensors").write_text("swapped")
+    result = runner.invoke(app, ["rollback", "v0001", "--reason", "drill", "--no-backup"])
+    assert result.exit_code == 2, result.output
+    [line] = result.output.splitlines()
+    assert line.startswith(
+        "error: production version v0001 in models/production/v0001 no longer matches the "
+        "content hash the registry recorded when it was promoted"
+    ), line
+    assert registry.read_bytes() == before

@@ -163,3 +163,25 @@ def test_what_the_exporter_cannot_write_is_refused_before_a_byte_is_written(tiny
         export_gguf(model, tokenizer, path, "f16")
     assert path.read_bytes() == b"someone else's file"
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
+
+
+def test_the_end_of_text_and_end_of_turn_ids_in_the_file_are_the_models(tiny_models, tmp_path):
+    """llama.cpp ends a reply at the file's EOS and EOT ids: read back from the file, they are
+    the tokenizer's EOS and the other stop id the generation config lists (a chat model's end
+    of turn)."""
+    import gguf
+
+    model, tokenizer = load_folder(tiny_models["llama"])
+    end_of_turn = next(i for i in range(3, 50) if i != tokenizer.eos_token_id)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, end_of_turn]
+    path = tmp_path / "model.gguf"
+    export_gguf(model, tokenizer, path, "f32")
+    reader = gguf.GGUFReader(path)
+
+    def written(key: str) -> int:
+        field = reader.fields[key]
+        return int(field.parts[field.data[0]][0])
+
+    assert written("tokenizer.ggml.eos_token_id") == tokenizer.eos_token_id
+    assert written("tokenizer.ggml.eot_token_id") == end_of_turn
+    assert written("tokenizer.ggml.bos_token_id") == tokenizer.bos_token_id
