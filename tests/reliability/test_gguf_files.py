@@ -134,3 +134,42 @@ def test_terminal_escapes_in_a_tensor_name_do_not_reach_the_terminal(tmp_path, m
     assert "\x1b" not in result.output and "\x07" not in result.output
     assert len(result.output.strip().splitlines()) == 1, result.output
     assert "\\x1b[2J" in result.output
+
+
+def small_gguf(path, architecture: str, qtype: str = "F32"):
+    """A GGUF file of ``architecture`` with one 256-weight tensor of type ``qtype`` (zeros)."""
+    import gguf
+
+    kind = gguf.GGMLQuantizationType[qtype]
+    block, size = gguf.GGML_QUANT_SIZES[kind]
+    writer = gguf.GGUFWriter(str(path), architecture)
+    raw = np.zeros((1, 256 // block * size), dtype=np.uint8)
+    writer.add_tensor("token_embd.weight", raw, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("magic", "is not a GGUF file (it does not start with 'GGUF')"),
+        ("architecture", "architecture 'made-up' cannot be read by transformers"),
+        ("tensor type", "tensor type Q8_K cannot be dequantized by gguf"),
+    ],
+)
+def test_each_refusal_of_the_gguf_import_is_its_own(tmp_path, case, message):
+    """The magic bytes, the architecture and the tensor types are each checked in their own
+    right, before a later check could refuse the same file with another reason."""
+    if case == "magic":
+        path = small_gguf(tmp_path / "model.gguf", "llama")
+        path.write_bytes(b"GGML" + path.read_bytes()[4:])
+    elif case == "architecture":
+        path = small_gguf(tmp_path / "model.gguf", "made-up")
+    else:
+        path = small_gguf(tmp_path / "model.gguf", "llama", "Q8_K")
+    with pytest.raises(GGUFImportError) as refused:
+        read_gguf(path)
+    assert message in str(refused.value), refused.value
