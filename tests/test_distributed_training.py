@@ -11,7 +11,9 @@ from ppo_core.config import load_config
 from ppo_core.training.loop import train
 from tests import dist_train_worker
 from tests.helpers import (
+    PARITY_SLOW_ATOL,
     adapter_parameters,
+    assert_parity,
     free_port,
     max_relative_difference,
     parameters,
@@ -88,8 +90,7 @@ def test_two_ranks_reach_the_parameters_of_one_process(
     # most 3.1e-7 absolute, on weights of magnitude up to 1.07, after 4 SGD steps of lr 0.5; an
     # earlier build measured 1.3e-6). The bound is about 10x the worst seen. Whitening the
     # advantages per rank instead of globally moves them by 2.3 (relative), for comparison.
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=3e-6, msg=name)
+    assert_parity(two, one)
     # and the run did move the weights, so the comparison means something
     from safetensors.torch import load_file
 
@@ -123,8 +124,7 @@ def test_critic_free_estimators_on_two_ranks_match_one_process(
     one, two = parameters(single / "candidate"), parameters(double / "candidate")
     assert not (double / "candidate" / "value_head.safetensors").exists()
     assert one.keys() == two.keys()
-    for key in one:
-        torch.testing.assert_close(two[key], one[key], rtol=1e-5, atol=3e-6, msg=key)
+    assert_parity(two, one)
 
 
 @pytest.mark.distributed
@@ -149,8 +149,7 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
     )
     one, two = parameters(single / "candidate"), parameters(sharded / "candidate")
     assert one.keys() == two.keys()
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=3e-6, msg=name)
+    assert_parity(two, one)
     # the gathered candidate is an ordinary Hugging Face folder
     from transformers import AutoModelForCausalLM
 
@@ -185,7 +184,7 @@ def test_two_fsdp_ranks_train_a_lora_adapter_like_one_process(
         ]
     )
     heads = [load_file(str(f / "candidate" / "value_head.safetensors")) for f in (single, sharded)]
-    torch.testing.assert_close(heads[1], heads[0], rtol=1e-5, atol=3e-6)
+    assert_parity(heads[1], heads[0])
     if merge:
         assert not (sharded / "candidate" / "adapter_config.json").exists()
         one = load_causal_lm(single / "candidate").state_dict()  # its adapter merged in
@@ -198,8 +197,7 @@ def test_two_fsdp_ranks_train_a_lora_adapter_like_one_process(
         assert one.keys() == two.keys() and any("lora_B" in name for name in one)
         assert (sharded / "candidate" / "adapter_base.json").is_file()
         assert max(two[name].abs().max() for name in two if "lora_B" in name) > 1e-4  # trained
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=3e-6, msg=name)
+    assert_parity(two, one)
 
 
 @pytest.mark.distributed
@@ -263,8 +261,7 @@ def test_a_checkpoint_resumes_at_another_world_size_and_strategy(
     one, two = read(whole / "candidate"), read(resumed / "candidate")
     # fp32 round-off of the ranks' other reduction order, carried through a second iteration;
     # a checkpoint that lost the momentum, the KL coefficient or a shard is off by far more
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=5e-5, msg=name)
+    assert_parity(two, one, PARITY_SLOW_ATOL)
 
 
 def test_fsdp_in_one_process_is_refused_by_key_before_anything_is_written(
@@ -417,8 +414,7 @@ def test_two_nodes_on_loopback_run_the_documented_torchrun_command(
     for process, output in zip(launched, outputs, strict=True):
         assert process.returncode == 0, output[-3000:]
     one, two = parameters(single / "candidate"), parameters(nodes / "candidate")
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=3e-6, msg=name)
+    assert_parity(two, one)
 
 
 @pytest.mark.distributed
@@ -491,5 +487,4 @@ def test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters(
     assert f"resumed at {newest})" in output, output[-3000:]
     assert 0 < newest < 12
     one, two = parameters(tmp_path / "whole" / "candidate"), parameters(killed / "candidate")
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=1e-5, atol=5e-5, msg=name)
+    assert_parity(two, one, PARITY_SLOW_ATOL)
