@@ -38,7 +38,19 @@ from ppo_core.models.causal_lm import (
     unwrap_model,
 )
 
-__all__ = ["NonFiniteSamplingError", "draw_from", "preallocated_cache", "sample_tokens"]
+__all__ = [
+    "KVCacheTooLargeError",
+    "NonFiniteSamplingError",
+    "draw_from",
+    "kv_cache_bytes",
+    "preallocated_cache",
+    "sample_tokens",
+]
+
+
+class KVCacheTooLargeError(MemoryError):
+    """The KV cache a sampling call would allocate up front does not fit the memory free on its
+    device: refused before anything is allocated, naming its size and the keys that set it."""
 
 
 class NonFiniteSamplingError(FloatingPointError):
@@ -155,6 +167,46 @@ def _cache_keyword(model: nn.Module) -> str:
     return "cache" if "cache" in inspect.signature(forward).parameters else "past_key_values"
 
 
+def kv_cache_bytes(model: nn.Module, rows: int, length: int, element_size: int) -> int:
+    """Bytes of a KV cache of ``rows`` x ``length`` positions for every decoder layer of
+    ``model``: keys and values, ``num_key_value_heads x head_dim`` each per position."""
+    config: Any = model.config
+    if hasattr(config, "get_text_config"):
+        config = config.get_text_config()
+    heads = int(config.num_attention_heads)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return 2 * _num_layers(model) * rows * length * kv_heads * head_dim * element_size
+
+
+def free_memory_bytes(device: torch.device) -> int | None:
+    """Memory free for new tensors on ``device``: CUDA's free memory, else the machine's
+    ``MemAvailable`` (None where neither is known)."""
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def _check_cache_fits(model: nn.Module, rows: int, length: int, device: torch.device) -> None:
+    dtype = next(model.parameters()).dtype
+    needed = kv_cache_bytes(model, rows, length, torch.finfo(dtype).bits // 8)
+    free = free_memory_bytes(device)
+    if free is not None and needed > free:
+        raise KVCacheTooLargeError(
+            f"sampling {rows} rows of up to {length} positions ({_num_layers(model)} layers) "
+            f"needs a KV cache of {needed / 2**30:.1f} GiB, and {device.type} has "
+            f"{free / 2**30:.1f} GiB free: lower ppo.generation_batch_size (the rollout; the "
+            "evaluation samples ppo.rollout_batch_size rows at once) or generation.max_new_tokens"
+        )
+
+
 def _num_layers(model: nn.Module) -> int:
     config: Any = model.config
     if hasattr(config, "get_text_config"):
@@ -192,6 +244,7 @@ def sample_tokens(
     device = prompt_ids.device
     stops = torch.as_tensor(list(stop_ids), device=device)
     warpers = _warpers(temperature, top_k, top_p)
+    _check_cache_fits(model, batch, prompt_length + max_new_tokens, device)
     cache = preallocated_cache(_num_layers(model), prompt_length + max_new_tokens)
     with_cache = {_cache_keyword(model): cache, "use_cache": True}
     attention = prompt_mask.long()

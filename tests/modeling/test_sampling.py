@@ -112,3 +112,32 @@ def test_a_nan_probability_is_an_error_naming_the_step_and_the_setting(tiny_mode
             pad_token_id=tokenizer.pad_token_id,
             temperature=1e-40,
         )
+
+
+def test_a_kv_cache_larger_than_the_free_memory_is_refused_before_it_is_allocated(
+    tiny_model_dir, monkeypatch
+):
+    """The cache is allocated once, rows x (prompt + max_new_tokens) x layers: measured
+    against the device's free memory first, and refused naming its size and the keys."""
+    model = load_actor_critic(tiny_model_dir).policy
+    tokenizer = load_tokenizer(tiny_model_dir)
+    prompt_ids, prompt_mask = encode_prompts(tokenizer, ["The plot was", "I think"])
+    config = model.config
+    # keys and values, 2 layers, 2 rows, prompt + 8 positions, n_embd floats of 4 bytes each
+    length = prompt_ids.shape[1] + 8
+    expected = 2 * config.n_layer * 2 * length * config.n_embd * 4
+    assert sampling.kv_cache_bytes(model, 2, length, 4) == expected
+    allocated: list[int] = []
+    monkeypatch.setattr(sampling, "free_memory_bytes", lambda device: expected - 1)
+    monkeypatch.setattr(sampling, "preallocated_cache", lambda *a: allocated.append(1))
+    with pytest.raises(sampling.KVCacheTooLargeError, match=r"sampling 2 rows of up to "):
+        sample_tokens(
+            model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=8,
+            stop_ids=[tokenizer.eos_token_id],
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    assert allocated == []
+    assert sampling.free_memory_bytes(torch.device("cpu")) > 0  # this machine's MemAvailable
