@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import stat
 from pathlib import Path
 
 from ppo_core.config import Config
 from ppo_core.feedback import feedback_sources
-from ppo_core.files import file_sha256, printable
+from ppo_core.files import entry_kind, file_sha256, printable
 from ppo_core.prompts import Prompt, PromptFileError, chat_json, load_prompts
 
 
@@ -43,32 +41,13 @@ def raw_sources(raw_dir: Path) -> list[Path]:
     one would block, or never end."""
     sources = sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
     for path in sources:
-        kind = _entry_kind(path)
+        kind = entry_kind(path)
         if kind is not None:
             raise PromptFileError(
                 f"{printable(str(path))} is {kind}, not a prompt file; prompt files in "
                 "data.raw_dir are regular files (or links to them)"
             )
     return sources
-
-
-def _entry_kind(path: Path) -> str | None:
-    """What ``path`` is when it is not a regular file (links followed), else None."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "a link to nothing"
-    if stat.S_ISREG(mode):
-        return None
-    kinds = (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    return f"{kind} (through a link)" if path.is_symlink() else kind
 
 
 def read_raw_prompts(config: Config, path: Path) -> list[Prompt]:

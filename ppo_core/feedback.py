@@ -42,14 +42,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_core.files import printable
+from ppo_core.files import entry_kind, printable
 from ppo_core.prompts import (
     CHAT_FIELD,
     MAX_BYTES_PER_FILE,
@@ -151,32 +149,13 @@ def feedback_sources(folder: Path) -> list[Path]:
         raise FeedbackFileError(f"{printable(str(folder))} is not a folder of feedback files")
     sources = sorted(path for path in folder.iterdir() if path.suffix in FEEDBACK_SUFFIXES)
     for path in sources:
-        kind = _entry_kind(path)
+        kind = entry_kind(path)
         if kind is not None:
             raise FeedbackFileError(
                 f"{printable(str(path))} is {kind}, not a feedback file; feedback files are "
                 "regular files (or links to them)"
             )
     return sources
-
-
-def _entry_kind(path: Path) -> str | None:
-    """What ``path`` is when it is not a regular file (links followed), else None."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        return "a link to nothing"
-    if stat.S_ISREG(mode):
-        return None
-    kinds = (
-        (stat.S_ISDIR, "a folder"),
-        (stat.S_ISFIFO, "a FIFO"),
-        (stat.S_ISCHR, "a character device"),
-        (stat.S_ISBLK, "a block device"),
-        (stat.S_ISSOCK, "a socket"),
-    )
-    kind = next((name for test, name in kinds if test(mode)), "not a regular file")
-    return f"{kind} (through a link)" if path.is_symlink() else kind
 
 
 def load_feedback_file(
@@ -197,7 +176,7 @@ def load_feedback_file(
     name = printable(str(path))
     if not path.exists() and not path.is_symlink():
         raise FeedbackFileError(f"feedback file {name} does not exist")
-    kind = _entry_kind(path)
+    kind = entry_kind(path)
     if kind is not None:
         raise FeedbackFileError(f"{name} is {kind}, not a feedback file")
     if path.suffix == ".jsonl":

@@ -29,6 +29,7 @@ from ppo_core.files.copying import (
     UnsafeCopyError,
     copy_regular_file,
     copy_regular_tree,
+    entry_kind,
     regular_files,
 )
 from ppo_core.files.hashes import file_sha256, folder_fingerprint, tree_sha256
@@ -51,6 +52,7 @@ __all__ = [
     "copy_regular_tree",
     "create_sibling",
     "discard",
+    "entry_kind",
     "exclusive_run",
     "file_sha256",
     "first_line",

@@ -31,6 +31,22 @@ _SPECIAL_KINDS = {
 }
 
 
+def entry_kind(path: str | Path) -> str | None:
+    """What ``path`` is when it is not a regular file, links followed ("a FIFO", "a folder (through
+    a link)", "a link to nothing"), else None: said before anything opens it, since reading a
+    FIFO or a device blocks or never ends."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a link to nothing"
+    if stat.S_ISREG(mode):
+        return None
+    kind = "a folder" if stat.S_ISDIR(mode) else _SPECIAL_KINDS.get(stat.S_IFMT(mode))
+    kind = kind or "not a regular file"
+    return f"{kind} (through a link)" if path.is_symlink() else kind
+
+
 def _scan(
     root: Path, max_bytes: int | None, link_root: Path | None = None
 ) -> tuple[list[str], list[tuple[str, int]], dict[str, Path]]:
