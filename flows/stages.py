@@ -48,12 +48,9 @@ from ppo_core.prompts import (
     parse_messages,
     project_path,
 )
+from ppo_core.registry.gate import gate
 from ppo_core.registry.lineage import read_lineage
-from ppo_core.registry.versions import (
-    current_production,
-    gate,
-    record_decision,
-)
+from ppo_core.registry.versions import current_production, record_decision
 
 __all__ = ["base", "evaluate", "export", "prepare", "promote", "train", "validate"]
 

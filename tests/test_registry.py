@@ -11,11 +11,11 @@ import pytest
 
 from ppo_core.config import PromoteConfig
 from ppo_core.files import OUTPUT_MARKER, UnsafeCopyError
+from ppo_core.registry.gate import gate
 from ppo_core.registry.versions import (
     RegistryError,
     check_version,
     current_production,
-    gate,
     load_registry,
     record_decision,
 )

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 
 from ppo_core.config.stage_sections import RewardGateConfig
-from ppo_core.registry.versions import GateDecision
+from ppo_core.registry.gate import GateDecision
 
 __all__ = ["reward_gate"]
 

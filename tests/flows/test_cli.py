@@ -245,8 +245,9 @@ def test_prepare_runs_without_importing_torch(tmp_path):
 def _two_of_each(root):
     """Production versions v0001, v0002 and reward versions r0001, r0002 (tiny stand-in folders)
     where the default config puts them, under ``root``."""
+    from ppo_core.registry.gate import GateDecision
     from ppo_core.registry.rewards import record_reward_decision
-    from ppo_core.registry.versions import GateDecision, record_decision
+    from ppo_core.registry.versions import record_decision
 
     for n in (1, 2):
         folder = root / "candidates" / str(n)
@@ -356,7 +357,8 @@ def test_a_reward_version_changed_on_disk_is_not_rolled_back_to(tmp_path):
 def _versions(root, count: int):
     """Production versions v0001 ... (tiny stand-in folders) where the default config puts
     them, under ``root``; returns the registry's path."""
-    from ppo_core.registry.versions import GateDecision, record_decision
+    from ppo_core.registry.gate import GateDecision
+    from ppo_core.registry.versions import record_decision
 
     for n in range(1, count + 1):
         folder = root / "candidates" / str(n)

@@ -207,7 +207,8 @@ def test_an_export_is_judged_by_the_registry_hash_not_by_the_record_beside_it(
     from typer.testing import CliRunner
 
     from flows.cli import app
-    from ppo_core.registry.versions import GateDecision, record_decision, record_export
+    from ppo_core.registry.gate import GateDecision
+    from ppo_core.registry.versions import record_decision, record_export
 
     monkeypatch.chdir(tmp_path)
     candidate = tmp_path / "candidate"

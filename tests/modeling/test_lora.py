@@ -228,7 +228,7 @@ def test_adapter_and_merged_candidates_are_the_same_policy_and_promote(
     assert (from_adapter - logprobs(load_causal_lm(llama), batch)).abs().max() > 1e-4
     torch.testing.assert_close(from_adapter, from_merged, rtol=0, atol=1e-5)
 
-    from ppo_core.registry.versions import GateDecision
+    from ppo_core.registry.gate import GateDecision
 
     registry = tmp_path / "registry.json"
     entry = record_decision(
@@ -258,8 +258,9 @@ def test_every_file_of_a_stored_base_is_checked_and_a_planted_one_is_not_adopted
     import shutil
 
     from ppo_core.models.adapter_folders import base_fingerprint
+    from ppo_core.registry.gate import GateDecision
     from ppo_core.registry.lineage import LineageError
-    from ppo_core.registry.versions import GateDecision, RegistryError, check_version
+    from ppo_core.registry.versions import RegistryError, check_version
 
     adapter = random_adapter(llama, tmp_path / "adapter")
     registry, production = tmp_path / "registry.json", tmp_path / "production"

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 
 from ppo_core.files import tree_sha256
+from ppo_core.registry.gate import GateDecision
 from ppo_core.registry.versions import (
-    GateDecision,
     check_version,
     current_production,
     load_registry,
@@ -38,6 +38,7 @@ KILLER = textwrap.dedent(
     import ppo_core.files.copying as copying
     import ppo_core.registry.staging as staging
     import ppo_core.registry.versions as versions
+    from ppo_core.registry.gate import GateDecision
 
     root, candidate, point = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
 
@@ -81,7 +82,7 @@ KILLER = textwrap.dedent(
     else:
         versions.record_decision(
             registry_path=registry, production_dir=production, candidate_dir=candidate,
-            decision=versions.GateDecision(True, ["KILLED"]), lineage={"data_hash": "k"},
+            decision=GateDecision(True, ["KILLED"]), lineage={"data_hash": "k"},
         )
     sys.exit("not killed")
     """
