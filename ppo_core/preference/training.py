@@ -32,6 +32,7 @@ from torch import Tensor, nn
 
 from ppo_core.checkpoints.store import load_latest_good, save_checkpoint, save_tensors
 from ppo_core.config import Config
+from ppo_core.config.stage_sections import RewardModelConfig
 from ppo_core.feedback import PreferencePair
 from ppo_core.files import atomic_folder, exclusive_run, folder_fingerprint
 from ppo_core.math.accumulation import (
@@ -243,6 +244,20 @@ def _resume(
     return int(state["iteration"]), list(state.get("history", [])), folder.name, problems
 
 
+@dataclass
+class _Run:
+    """What every step of one reward-model run uses."""
+
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    tokenised: list[TokenisedPair]
+    pad_id: int
+    device: torch.device
+    autocast: Autocast
+    rank: int
+    world_size: int
+
+
 def train_reward_model(
     config: Config,
     train_pairs: list[PreferencePair],
@@ -264,69 +279,44 @@ def train_reward_model(
     device = device or runtime.device  # CUDA when there is one
     say = progress or (lambda _line: None)
     tokenizer = load_tokenizer(base, config.model.trust_remote_code)
-    pad_id = tokenizer.pad_token_id
-    model: nn.Module = new_reward_classifier(base, pad_id, config.model.trust_remote_code, rm.seed)
+    model: nn.Module = new_reward_classifier(
+        base, tokenizer.pad_token_id, config.model.trust_remote_code, rm.seed
+    )
     if rm.lora:
         model = _with_lora(model, rm.lora_rank, rm.lora_alpha)
     model = model.to(device).eval()  # eval: no dropout, the two texts of a pair see one network
     trainable = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(trainable, lr=rm.lr, weight_decay=rm.weight_decay)
     positions = getattr(unwrap_model(model).config, "max_position_embeddings", None)
-    tokenised = tokenise(tokenizer, train_pairs, positions or 1_000_000)
+    run = _Run(
+        model=model,
+        optimizer=torch.optim.AdamW(trainable, lr=rm.lr, weight_decay=rm.weight_decay),
+        tokenised=tokenise(tokenizer, train_pairs, positions or 1_000_000),
+        pad_id=tokenizer.pad_token_id,
+        device=device,
+        autocast=runtime.autocast,
+        rank=dist.get_rank() if dist.is_available() and dist.is_initialized() else 0,
+        world_size=data_parallel_world_size(),
+    )
     settings = training_settings(config)
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    world_size = data_parallel_world_size()
     checkpoint_dir = Path(rm.checkpoint_dir)
     checkpoint_dir.mkdir(parents=True, exist_ok=True)
     with exclusive_run(checkpoint_dir / ".run.lock", f"reward-model training in {checkpoint_dir}"):
         start, history, resumed, notes = _resume(
-            checkpoint_dir, settings, data_hash, model, optimizer
+            checkpoint_dir, settings, data_hash, model, run.optimizer
         )
         for note in notes:
             say(note)
         if resumed:
             say(f"resuming from {checkpoint_dir / resumed} (epoch {start} of {rm.epochs})")
-        steps_per_epoch = math.ceil(len(tokenised) / (rm.batch_size * world_size))
         for epoch in range(start, rm.epochs):
-            loss, stats = RunningMean.zero(), dict[str, RunningMean]()
-            batches = _mini_batches(len(tokenised), rm.batch_size * world_size, rm.seed, epoch)
-            for step, rows in enumerate(batches, start=1):
-                mine = [
-                    tokenised[i] for i in rows[rank * rm.batch_size : (rank + 1) * rm.batch_size]
-                ]
-                micro = [
-                    mine[i : i + rm.micro_batch_size]
-                    for i in range(0, len(mine), rm.micro_batch_size)
-                ]
-                result = accumulate_pair_gradients(
-                    model, micro, pad_id, rm.margin, device, autocast=runtime.autocast
-                )
-                if rm.max_grad_norm is not None:
-                    norm = torch.nn.utils.clip_grad_norm_(trainable, rm.max_grad_norm)
-                    if not torch.isfinite(norm):
-                        raise FloatingPointError(
-                            f"reward model: non-finite gradient norm in epoch {epoch + 1}; no "
-                            "step was taken (lower reward_model.lr)"
-                        )
-                optimizer.step()
-                optimizer.zero_grad(set_to_none=True)
-                loss = loss.merge(result.loss)
-                for name, value in result.stats.items():
-                    stats[name] = stats[name].merge(value) if name in stats else value
-                if on_step is not None:
-                    on_step(epoch * steps_per_epoch + step, rm.epochs * steps_per_epoch)
-            row = {
-                "epoch": epoch + 1,
-                "reward_train/loss": loss.item(),
-                **{f"reward_train/{name}": value.item() for name, value in stats.items()},
-            }
+            row = _train_epoch(run, rm, epoch, on_step)
             history.append(row)
-            if rank == 0 and ((epoch + 1) % rm.checkpoint_every == 0 or epoch + 1 == rm.epochs):
+            if run.rank == 0 and ((epoch + 1) % rm.checkpoint_every == 0 or epoch + 1 == rm.epochs):
                 save_checkpoint(
                     checkpoint_dir,
                     epoch + 1,
                     lambda folder: _save_trainable(model, folder),
-                    optimizer.state_dict(),
+                    run.optimizer.state_dict(),
                     None,
                     {"data_hash": data_hash, "settings": settings, "history": history},
                 )
@@ -334,13 +324,7 @@ def train_reward_model(
                 f"reward model epoch {epoch + 1}/{rm.epochs}: loss {row['reward_train/loss']:.4f}"
                 f"  accuracy {row.get('reward_train/accuracy', math.nan):.3f}"
             )
-        replies = [pair.chosen_ids for pair in tokenised] + [p.rejected_ids for p in tokenised]
-        scores = score_texts(
-            model, replies, pad_id, device, 2 * rm.micro_batch_size, runtime.autocast
-        )
-        mean = float(scores.mean()) if len(scores) else 0.0
-        std = float(scores.std()) if len(scores) > 1 else 1.0
-        std = std if std > 1e-6 else 1.0  # a constant model: leave its scale alone
+        mean, std = _normalisation(run, 2 * rm.micro_batch_size)
         record = {
             "data_hash": data_hash,
             "base": str(base),
@@ -351,8 +335,60 @@ def train_reward_model(
             "score_std": std,
             "normalisation_set": "the train pairs' chosen and rejected replies",
         }
-        output = _write_output(model, tokenizer, Path(rm.output_dir), record, rank)
+        output = _write_output(model, tokenizer, Path(rm.output_dir), record, run.rank)
     return RewardTrainingResult(output, history, mean, std, resumed, record)
+
+
+def _train_epoch(
+    run: _Run, rm: RewardModelConfig, epoch: int, on_step: Callable[[int, int], None] | None
+) -> dict[str, float]:
+    """One epoch's optimizer steps, one a mini-batch of ``rm.batch_size`` pairs a rank (the
+    exact accumulation of :func:`accumulate_pair_gradients`); returns the epoch's history row."""
+    loss, stats = RunningMean.zero(), dict[str, RunningMean]()
+    global_batch = rm.batch_size * run.world_size
+    steps_per_epoch = math.ceil(len(run.tokenised) / global_batch)
+    trainable = [p for p in run.model.parameters() if p.requires_grad]
+    batches = _mini_batches(len(run.tokenised), global_batch, rm.seed, epoch)
+    for step, rows in enumerate(batches, start=1):
+        mine = [
+            run.tokenised[i]
+            for i in rows[run.rank * rm.batch_size : (run.rank + 1) * rm.batch_size]
+        ]
+        micro = [
+            mine[i : i + rm.micro_batch_size] for i in range(0, len(mine), rm.micro_batch_size)
+        ]
+        result = accumulate_pair_gradients(
+            run.model, micro, run.pad_id, rm.margin, run.device, autocast=run.autocast
+        )
+        if rm.max_grad_norm is not None:
+            norm = torch.nn.utils.clip_grad_norm_(trainable, rm.max_grad_norm)
+            if not torch.isfinite(norm):
+                raise FloatingPointError(
+                    f"reward model: non-finite gradient norm in epoch {epoch + 1}; no step was "
+                    "taken (lower reward_model.lr)"
+                )
+        run.optimizer.step()
+        run.optimizer.zero_grad(set_to_none=True)
+        loss = loss.merge(result.loss)
+        for name, value in result.stats.items():
+            stats[name] = stats[name].merge(value) if name in stats else value
+        if on_step is not None:
+            on_step(epoch * steps_per_epoch + step, rm.epochs * steps_per_epoch)
+    return {
+        "epoch": epoch + 1,
+        "reward_train/loss": loss.item(),
+        **{f"reward_train/{name}": value.item() for name, value in stats.items()},
+    }
+
+
+def _normalisation(run: _Run, batch: int) -> tuple[float, float]:
+    """Mean and standard deviation of the trained model's scores of the train pairs' chosen
+    and rejected replies (the scale ``reward:...`` specs standardise by)."""
+    replies = [p.chosen_ids for p in run.tokenised] + [p.rejected_ids for p in run.tokenised]
+    scores = score_texts(run.model, replies, run.pad_id, run.device, batch, run.autocast)
+    mean = float(scores.mean()) if len(scores) else 0.0
+    std = float(scores.std()) if len(scores) > 1 else 1.0
+    return mean, std if std > 1e-6 else 1.0  # a constant model: leave its scale alone
 
 
 def _save_trainable(model: nn.Module, folder: Path) -> None:
