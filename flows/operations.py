@@ -11,12 +11,15 @@ from __future__ import annotations
 import contextlib
 import os
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import TYPE_CHECKING, Annotated, NoReturn
 
 import typer
 from rich.console import Console
 
 from flows.command import ConfigOption, Overrides, console, load_settings, run_or_exit
+
+if TYPE_CHECKING:
+    from ppo_core.config import Config
 
 
 def rollback(
@@ -58,7 +61,7 @@ def rollback(
     """Make an earlier production version current again.
 
     The version is checked against the content hash the registry recorded when it was promoted
-    (and an adapter version's stored base against its fingerprint) before anything changes;
+    (and an adapter version's stored base against its own) before anything changes;
     nothing is copied or deleted. The registry records who rolled back, when, why, and from
     which version; the next `from_production` run (scheduled retraining) starts from it.
 
@@ -86,12 +89,19 @@ def rollback(
         )
         raise typer.Exit(code=2)
 
+    _roll_back_production(
+        load_settings(config, overrides), version, reason, by or getpass.getuser(), backup
+    )
+
+
+def _roll_back_production(cfg: Config, version: str, reason: str, by: str, backup: bool) -> None:
+    """``ppo rollback``: the production registry's rollback under the retraining lock, then
+    the backup where production is backed up already."""
     from flows.orchestration.project import RETRAIN_LOCK, RETRAIN_LOCK_HOLDER
     from flows.orchestration.records import back_up_production
     from ppo_core.files import exclusive_run
     from ppo_core.registry.versions import roll_back
 
-    cfg = load_settings(config, overrides)
     with contextlib.ExitStack() as held:
         # The lock a run of the flow holds from its start to its promotion: a rollback while
         # one runs is refused at once, naming it, instead of being undone by its promotion.
@@ -102,7 +112,7 @@ def rollback(
                 production_dir=cfg.promote.production_dir,
                 version=version,
                 reason=reason,
-                by=by or getpass.getuser(),
+                by=by,
             )
         )
         console.print(
@@ -145,56 +155,65 @@ def _roll_back_reward(
     )
 
 
+WebhookOption = Annotated[
+    str | None,
+    typer.Option(
+        "--webhook",
+        help="The URL that receives a JSON POST {subject, body} for each notification "
+        "(visible in ps and shell history: see --webhook-env, --webhook-file).",
+        show_default=False,
+    ),
+]
+WebhookEnvOption = Annotated[
+    str | None,
+    typer.Option("--webhook-env", metavar="VAR", help="Read the URL from this variable."),
+]
+WebhookFileOption = Annotated[
+    Path | None,
+    typer.Option("--webhook-file", metavar="PATH", help="Read the URL from this file."),
+]
+HeaderOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--header",
+        metavar="NAME=VALUE",
+        help="A header to send with each notification (e.g. Authorization=Bearer ...).",
+    ),
+]
+HeaderEnvOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--header-env",
+        metavar="NAME=VAR",
+        help="A header whose value is read from the environment variable VAR.",
+    ),
+]
+HeaderFileOption = Annotated[
+    list[str] | None,
+    typer.Option(
+        "--header-file",
+        metavar="NAME=PATH",
+        help="A header whose value is read from the file PATH (one line).",
+    ),
+]
+TestOption = Annotated[
+    bool,
+    typer.Option(
+        "--test",
+        help="Send one test notification through the saved block and say whether the "
+        "receiver answered (after saving, when a webhook is given too).",
+    ),
+]
+
+
 def notify(
-    webhook: Annotated[
-        str | None,
-        typer.Option(
-            "--webhook",
-            help="The URL that receives a JSON POST {subject, body} for each notification "
-            "(visible in ps and shell history: see --webhook-env, --webhook-file).",
-            show_default=False,
-        ),
-    ] = None,
-    webhook_env: Annotated[
-        str | None,
-        typer.Option("--webhook-env", metavar="VAR", help="Read the URL from this variable."),
-    ] = None,
-    webhook_file: Annotated[
-        Path | None,
-        typer.Option("--webhook-file", metavar="PATH", help="Read the URL from this file."),
-    ] = None,
-    header: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--header",
-            metavar="NAME=VALUE",
-            help="A header to send with each notification (e.g. Authorization=Bearer ...).",
-        ),
-    ] = None,
-    header_env: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--header-env",
-            metavar="NAME=VAR",
-            help="A header whose value is read from the environment variable VAR.",
-        ),
-    ] = None,
-    header_file: Annotated[
-        list[str] | None,
-        typer.Option(
-            "--header-file",
-            metavar="NAME=PATH",
-            help="A header whose value is read from the file PATH (one line).",
-        ),
-    ] = None,
-    test: Annotated[
-        bool,
-        typer.Option(
-            "--test",
-            help="Send one test notification through the saved block and say whether the "
-            "receiver answered (after saving, when a webhook is given too).",
-        ),
-    ] = False,
+    webhook: WebhookOption = None,
+    webhook_env: WebhookEnvOption = None,
+    webhook_file: WebhookFileOption = None,
+    header: HeaderOption = None,
+    header_env: HeaderEnvOption = None,
+    header_file: HeaderFileOption = None,
+    test: TestOption = False,
 ) -> None:
     """Tell someone when a retraining run needs a person: a rejected candidate, a failed run, a
     crashed run.
