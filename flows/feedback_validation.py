@@ -119,31 +119,11 @@ def validate_feedback_pairs(
     split_reports: dict[str, dict[str, Any]] = {}
     lengths: list[tuple[pd.Series, pd.Series]] = []  # (chosen, rejected) tokens of each split
     for split in SPLITS:
-        frame, names = _frame_for_ge(frames[split], count_tokens, split)
-        expectations = _expectations(
-            ge.gx,
-            names,
-            max_tokens,
-            min_pairs[split],
-            leak_set=[html.escape(p) for p in train_prompts] if split == "eval" else None,
+        leak_set = [html.escape(p) for p in train_prompts] if split == "eval" else None
+        split_reports[split], split_lengths = _check_split(
+            ge, split, frames[split], count_tokens, max_tokens, min_pairs[split], leak_set
         )
-        # GE gets the texts HTML-escaped for the Data Docs (escaping is one-to-one, and every
-        # length was counted from the texts themselves); the examples are read from the texts.
-        checks = [
-            _read_check(outcome, split, frame, names)
-            for outcome in ge.check(split, expectations, _escaped(frame))
-        ]
-        lengths.append((frame[names["chosen_tokens"]], frame[names["rejected_tokens"]]))
-        split_reports[split] = {
-            "rows": len(frame),
-            "columns": [str(c) for c in frames[split].columns],
-            "derived_columns": dict(names),
-            "success": all(check["success"] for check in checks),
-            "chosen_tokens": token_stats(frame[names["chosen_tokens"]]),
-            "rejected_tokens": token_stats(frame[names["rejected_tokens"]]),
-            "length_bias": _length_bias(lengths[-1:]),
-            "expectations": checks,
-        }
+        lengths.append(split_lengths)
 
     checks = [check for report in split_reports.values() for check in report["expectations"]]
     failures = [
@@ -176,6 +156,39 @@ def validate_feedback_pairs(
     }
     _write_summary(result, settings, split_reports, length_bias, ge.gx.__version__)
     return result
+
+
+def _check_split(
+    ge: Any,
+    split: str,
+    pairs: pd.DataFrame,
+    count_tokens: CountTokens,
+    max_tokens: int,
+    min_pairs: int,
+    leak_set: list[str] | None,
+) -> tuple[dict[str, Any], tuple[pd.Series, pd.Series]]:
+    """One split's expectations run by Great Expectations: its report (rows, columns, token
+    statistics, length bias, every check) and its chosen and rejected token lengths."""
+    frame, names = _frame_for_ge(pairs, count_tokens, split)
+    expectations = _expectations(ge.gx, names, max_tokens, min_pairs, leak_set=leak_set)
+    # GE gets the texts HTML-escaped for the Data Docs (escaping is one-to-one, and every
+    # length was counted from the texts themselves); the examples are read from the texts.
+    checks = [
+        _read_check(outcome, split, frame, names)
+        for outcome in ge.check(split, expectations, _escaped(frame))
+    ]
+    lengths = (frame[names["chosen_tokens"]], frame[names["rejected_tokens"]])
+    report = {
+        "rows": len(frame),
+        "columns": [str(c) for c in pairs.columns],
+        "derived_columns": dict(names),
+        "success": all(check["success"] for check in checks),
+        "chosen_tokens": token_stats(frame[names["chosen_tokens"]]),
+        "rejected_tokens": token_stats(frame[names["rejected_tokens"]]),
+        "length_bias": _length_bias([lengths]),
+        "expectations": checks,
+    }
+    return report, lengths
 
 
 def _refuse_another_validations_folder(report_dir: Path) -> None:
