@@ -227,17 +227,7 @@ def evaluate_model(
         if scorer is not None:
             scores = checked_scores(scorer(expanded, responses), len(responses), what)
             guard_metrics[metric] = scores.mean().item()
-    metrics = {
-        "score": score.mean().item(),
-        "score_std": score.std().item() if len(score) > 1 else 0.0,
-        "positive_rate": (score > POSITIVE_SCORE).float().mean().item(),
-        **guard_metrics,
-        "response_length": mask.sum(dim=1).float().mean().item(),
-        "eos_rate": generated.has_eos.float().mean().item(),
-        "distinct_1": distinct_n(responses, 1),
-        "distinct_2": distinct_n(responses, 2),
-        "num_samples": float(len(responses)),
-    }
+    metrics = {**_response_metrics(score, generated, responses), **guard_metrics}
     samples = [
         {"prompt": prompt_text(p), "response": r, "score": round(float(s), 4)}
         for p, r, s in list(zip(expanded, responses, score.tolist(), strict=True))[
@@ -253,6 +243,22 @@ def evaluate_model(
             {} if reference is not None else dict.fromkeys(REFERENCE_METRICS, OTHER_TOKENIZER)
         ),
     )
+
+
+def _response_metrics(score: torch.Tensor, generated, responses: list[str]) -> dict[str, float]:
+    """What the responses themselves say: their scores (mean, standard deviation, share above
+    :data:`POSITIVE_SCORE`), length, EOS rate and distinct-n."""
+    mask = generated.response_mask
+    return {
+        "score": score.mean().item(),
+        "score_std": score.std().item() if len(score) > 1 else 0.0,
+        "positive_rate": (score > POSITIVE_SCORE).float().mean().item(),
+        "response_length": mask.sum(dim=1).float().mean().item(),
+        "eos_rate": generated.has_eos.float().mean().item(),
+        "distinct_1": distinct_n(responses, 1),
+        "distinct_2": distinct_n(responses, 2),
+        "num_samples": float(len(responses)),
+    }
 
 
 REFERENCE_METRICS = ("kl_to_reference", "reference_nll", "kl_to_origin", "origin_nll")
@@ -309,30 +315,8 @@ def evaluate(
         check_chat_template(tokenizers[name], prompts, path, f"the {name}")
     reference_vocab, measure_kl = _kl_measurable(config, models, tokenizers)
     reward = evaluation_reward(config, candidate)
-    try:
-        reward_fn = build_reward(
-            replace(config.model, reward=reward.spec),
-            runtime.device,
-            code_free=code_free_folders(config),
-            versions_dir=config.reward_model.versions_dir,
-        )
-    except RewardError as exc:
-        if reward.source == "model.reward":
-            raise
-        # The message names model.reward; say where this spec really came from.
-        raise RewardError(f"{exc} (the reward set by eval.reward)") from None
+    reward_fn, previous, previous_fn = _evaluation_rewards(config, reward, runtime)
     check_fn = check_reward_fn(config, runtime)
-    previous = previous_reward_version(config, reward.spec)
-    previous_fn = (
-        build_reward(
-            replace(config.model, reward=previous),
-            runtime.device,
-            key="the previous reward version",
-            versions_dir=config.reward_model.versions_dir,
-        )
-        if previous
-        else None
-    )
     reference = load_reference(config.model, runtime.device)
     origin_path, origin = _origin_model(config, reference_vocab, runtime)
     reports = {
@@ -362,6 +346,35 @@ def evaluate(
         origin=str(origin_path),
     )
     return reports
+
+
+def _evaluation_rewards(config: Config, reward, runtime: Runtime):
+    """The reward both sides are scored with (``reward``, from :func:`evaluation_reward`), the
+    reward version before it (its spec, or None) and that version's reward function."""
+    try:
+        reward_fn = build_reward(
+            replace(config.model, reward=reward.spec),
+            runtime.device,
+            code_free=code_free_folders(config),
+            versions_dir=config.reward_model.versions_dir,
+        )
+    except RewardError as exc:
+        if reward.source == "model.reward":
+            raise
+        # The message names model.reward; say where this spec really came from.
+        raise RewardError(f"{exc} (the reward set by eval.reward)") from None
+    previous = previous_reward_version(config, reward.spec)
+    previous_fn = (
+        build_reward(
+            replace(config.model, reward=previous),
+            runtime.device,
+            key="the previous reward version",
+            versions_dir=config.reward_model.versions_dir,
+        )
+        if previous
+        else None
+    )
+    return reward_fn, previous, previous_fn
 
 
 def _kl_measurable(
