@@ -99,6 +99,12 @@ def parse_args() -> argparse.Namespace:
     )
     import _smoke
 
+    parser.add_argument(
+        "--reuse-reward",
+        action="store_true",
+        help="keep the pairs and the reward version of an earlier run in --work and run only "
+        "PPO, the evaluations and the gate again (e.g. with other --set PPO settings)",
+    )
     parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
     args = parser.parse_args()
     if args.replies < 2:
@@ -115,7 +121,9 @@ def main() -> None:
         import _smoke
 
         smoke = _smoke.output_folder("feedback_loop")
-        args.work, args.out = smoke / "project", smoke / "feedback_loop.json"
+        if not args.reuse_reward:  # a reuse keeps the smoke project it is given in --work
+            args.work = smoke / "project"
+        args.out = smoke / "feedback_loop.json"
         args.prompts, args.pair_prompts, args.min_gap = 200, 100, 0.0
         source = str(real_model.smoke_chat_model(smoke / "tiny"))
         overrides += SMOKE
@@ -197,9 +205,28 @@ class GoldRecorder:
 
 
 def run(args: argparse.Namespace, source: str, overrides: list[str]) -> None:
+    from ppo_core.config import load_config
+
+    if args.reuse_reward:
+        os.chdir(args.work)
+        config = load_config(overrides=[f"base.source={source}", *overrides])
+        pair_counts, decision, timeline = reused_reward(args, config)
+    else:
+        pair_counts, decision, timeline = learn_reward(args, source, overrides)
+        config = load_config(overrides=[f"base.source={source}", *overrides])
+    if decision.get("decision") != "promoted":
+        # no reward version to train against: say how far the reward model got, and stop
+        print(json.dumps({"pairs": pair_counts, "reward_model": decision}, indent=1))
+        raise SystemExit(f"the reward model was {decision.get('decision')}: no PPO run")
+    promotion, curve = train_against_the_reward(config, source, overrides, timeline)
+    report(args, config, pair_counts, decision, promotion, curve, timeline)
+
+
+def learn_reward(args: argparse.Namespace, source: str, overrides: list[str]):
+    """Steps 1 and 2 in a new work folder: the base, the prompts, the gold-labelled pairs and
+    the reward model; returns the pair counts, the reward stage's decision and the times."""
     import real_model
 
-    import ppo_core.training.inputs as training_inputs
     from flows import stages
     from flows.loggers import ConsoleProgress
     from flows.reward_stage import reward
@@ -228,6 +255,7 @@ def run(args: argparse.Namespace, source: str, overrides: list[str]) -> None:
     (args.work / "data" / "feedback" / "pairs.jsonl").write_text(
         "".join(json.dumps(pair) + "\n" for pair in pairs)
     )
+    (args.work / PAIR_COUNTS).write_text(json.dumps(pair_counts, indent=1))
     timeline["pairs_s"] = time.perf_counter() - started
     started = time.perf_counter()
     stages.prepare(config)
@@ -239,10 +267,42 @@ def run(args: argparse.Namespace, source: str, overrides: list[str]) -> None:
     decision = reward(reward_config, on_step=steps.step)
     steps.close()
     timeline["reward_s"] = time.perf_counter() - started
-    if decision.get("decision") != "promoted":
-        # no reward version to train against: say how far the reward model got, and stop
-        print(json.dumps({"pairs": pair_counts, "reward_model": decision}, indent=1))
-        raise SystemExit(f"the reward model was {decision.get('decision')}: no PPO run")
+    (args.work / TIMELINE).write_text(json.dumps(timeline, indent=1))
+    return pair_counts, decision, timeline
+
+
+PAIR_COUNTS, TIMELINE = "pair_counts.json", "reward_timeline.json"
+"""What ``learn_reward`` leaves in the work folder for a ``--reuse-reward`` run."""
+
+
+def reused_reward(args: argparse.Namespace, config):
+    """``--reuse-reward``: the pairs and the reward version of an earlier run in ``--work``, and
+    none of its PPO outputs (checkpoints, candidate, evaluations, production)."""
+    for folder in (
+        "models/checkpoints",
+        "models/candidate",
+        "models/production",
+        "reports/eval",
+        "reports/eval-gold",
+        "reports/train",
+    ):
+        shutil.rmtree(folder, ignore_errors=True)
+    for leftover in (config.promote.registry, config.promote.report):
+        Path(leftover).unlink(missing_ok=True)
+    decision = json.loads((Path(config.reward_model.report_dir) / "decision.json").read_text())
+    pair_counts = json.loads(Path(PAIR_COUNTS).read_text()) if Path(PAIR_COUNTS).exists() else {}
+    timeline = json.loads(Path(TIMELINE).read_text()) if Path(TIMELINE).exists() else {}
+    return pair_counts, decision, {**timeline, "reward_reused": 1.0}
+
+
+def train_against_the_reward(config, source: str, overrides: list[str], timeline: dict):
+    """Steps 3 and 4: PPO against ``reward:current`` with every rollout also scored by gold,
+    the evaluation and the gate, and the held-out gold scores; returns the promotion decision
+    and the proxy/gold curve."""
+    import ppo_core.training.inputs as training_inputs
+    from flows import stages
+    from ppo_core.config import load_config
+
     recorder = GoldRecorder()
     original = training_inputs.build_reward
     training_inputs.build_reward = lambda *a, **k: recorder.wrap(original(*a, **k))
@@ -266,10 +326,9 @@ def run(args: argparse.Namespace, source: str, overrides: list[str]) -> None:
     stages.evaluate(gold_config)
     timeline["evaluate_s"] = time.perf_counter() - started
     curve = recorder.by_iteration(config.ppo.rollout_batch_size)
-    history = summary.history
-    for row, past in zip(curve, history, strict=False):
+    for row, past in zip(curve, summary.history, strict=False):
         row["kl"] = past["rollout/kl"]
-    report(args, config, pair_counts, decision, promotion, curve, timeline)
+    return promotion, curve
 
 
 def held_out(folder: Path, responses: int) -> dict:
