@@ -278,15 +278,10 @@ PAIR_COUNTS, TIMELINE = "pair_counts.json", "reward_timeline.json"
 def reused_reward(args: argparse.Namespace, config):
     """``--reuse-reward``: the pairs and the reward version of an earlier run in ``--work``, and
     none of its PPO outputs (checkpoints, candidate, evaluations, production)."""
-    for folder in (
-        "models/checkpoints",
-        "models/candidate",
-        "models/production",
-        "reports/eval",
-        "reports/eval-gold",
-        "reports/train",
-    ):
+    outputs = (config.train.checkpoint_dir, config.train.output_dir, config.train.metrics_dir)
+    for folder in (*outputs, config.promote.production_dir, config.eval.output_dir):
         shutil.rmtree(folder, ignore_errors=True)
+    shutil.rmtree("reports/eval-gold", ignore_errors=True)
     for leftover in (config.promote.registry, config.promote.report):
         Path(leftover).unlink(missing_ok=True)
     decision = json.loads((Path(config.reward_model.report_dir) / "decision.json").read_text())
@@ -379,8 +374,9 @@ def plot(curve: list[dict], marks: dict, path: Path) -> None:
     left.set_title("Proxy and gold reward of the rollouts")
     left.legend(fontsize=8)
     left.grid(alpha=0.3)
-    right.plot([r.get("kl", math.nan) for r in curve], [r["proxy"] for r in curve], "o-", ms=3)
-    right.plot([r.get("kl", math.nan) for r in curve], [r["gold"] for r in curve], "o-", ms=3)
+    # points, not a line: the KL of successive iterations goes back and forth
+    right.plot([r.get("kl", math.nan) for r in curve], [r["proxy"] for r in curve], "o", ms=4)
+    right.plot([r.get("kl", math.nan) for r in curve], [r["gold"] for r in curve], "o", ms=4)
     right.set_xlabel("KL to the base (nats per reply)")
     right.set_title("Against the KL (Gao et al. 2022)")
     right.legend(["proxy", "gold"], fontsize=8)
