@@ -69,7 +69,7 @@ _MATH_NAMES: dict[str, tuple[str, ...]] = {
 _MODULE_OF = {name: module for module, names in _MATH_NAMES.items() for name in names}
 
 __all__ = sorted(_MODULE_OF)
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 
 def __getattr__(name: str) -> Any:

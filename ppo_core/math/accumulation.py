@@ -128,10 +128,3 @@ def _mark_last(items: Sequence[MicroBatch]) -> Iterator[tuple[bool, MicroBatch]]
     last = len(items) - 1
     for index, item in enumerate(items):
         yield index == last, item
-
-
-def grads_of(parameters: Sequence[torch.nn.Parameter]) -> list[Tensor]:
-    """Copies of the parameters' gradients (zeros where a parameter got none); for tests and checks."""
-    return [
-        p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p) for p in parameters
-    ]

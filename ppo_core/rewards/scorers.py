@@ -26,11 +26,6 @@ import torch
 from ppo_core.prompts import Prompt
 
 
-def sentiment_scores(texts: list[str]) -> list[float]:
-    """Return VADER's compound score (in [-1, 1], > 0 positive) for each text."""
-    return SentimentScorer().score_texts(texts)
-
-
 class SentimentScorer:
     """Score ``prompt + response`` with VADER's compound sentiment (range -1..1).
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_core.rewards.scorers import sentiment_scores
+from ppo_core.rewards.scorers import SentimentScorer
 from ppo_core.sources.review_grammar import (
     _NEGATIVE,
     _NEUTRAL,
@@ -33,7 +33,7 @@ def test_corpus_items_are_reviews_ending_with_a_period(corpus):
 
 
 def test_corpus_sentiment_is_mixed_and_slightly_positive(corpus):
-    scores = torch.tensor(sentiment_scores(corpus))
+    scores = torch.tensor(SentimentScorer().score_texts(corpus))
     positive = (scores > 0.05).float().mean().item()
     negative = (scores < -0.05).float().mean().item()
     # Targets: about 45% positive, 31% negative, the rest neutral; mean compound about 0.1.
@@ -44,16 +44,16 @@ def test_corpus_sentiment_is_mixed_and_slightly_positive(corpus):
 
 def test_word_lists_agree_with_the_scorer():
     # The grammar's polarity labels are VADER's: each adjective alone scores with its sign.
-    assert all(s > 0 for s in sentiment_scores(list(_POSITIVE)))
-    assert all(s < 0 for s in sentiment_scores(list(_NEGATIVE)))
-    assert all(s == 0 for s in sentiment_scores(list(_NEUTRAL)))
+    assert all(s > 0 for s in SentimentScorer().score_texts(list(_POSITIVE)))
+    assert all(s < 0 for s in SentimentScorer().score_texts(list(_NEGATIVE)))
+    assert all(s == 0 for s in SentimentScorer().score_texts(list(_NEUTRAL)))
 
 
 def test_default_prompts_are_distinct_short_neutral_and_prefix_stable():
     prompts = default_prompts(300, seed=0)
     assert len(set(prompts)) == 300
     assert all(2 <= len(p.split()) <= 5 and p == p.strip() for p in prompts)
-    assert all(s == 0.0 for s in sentiment_scores(prompts))
+    assert all(s == 0.0 for s in SentimentScorer().score_texts(prompts))
     assert default_prompts(300, seed=0) == prompts
     assert default_prompts(364, seed=0)[:300] == prompts  # held-out = the extension
     assert default_prompts(300, seed=1) != prompts

@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from ppo_core.rewards.scorers import SentimentScorer, sentiment_scores
+from ppo_core.rewards.scorers import SentimentScorer
 from ppo_core.sources.review_grammar import generate_review_corpus
 from ppo_core.sources.tiny_default import build_tiny_default, tiny_gpt2_config, train_tokenizer
 
@@ -144,7 +144,8 @@ def test_scorer_shape_dtype_and_sign():
     # The whole review counts: the score is that of prompt + response, so the same response
     # after a different prompt scores differently.
     assert (
-        scorer(["The movie was"], [" great."])[0] == sentiment_scores(["The movie was great."])[0]
+        scorer(["The movie was"], [" great."])[0]
+        == SentimentScorer().score_texts(["The movie was great."])[0]
     )
     assert (
         scorer(["The movie was not"], [" great."])[0]
