@@ -41,7 +41,7 @@ def tiny_model(folder: Path, seed: int = 0, steps: int = 2, n_positions: int = 6
     hundred reviews, ``steps`` training steps) saved to ``folder``: a real GPT-2 with its
     tokenizer and generation config, built in well under a second once transformers is imported.
     Two builds with the same ``seed`` share their tokenizer whatever their ``steps``."""
-    from ppo_core.sources.tiny_default import build_tiny_default
+    from ppo_core.base_sources.tiny_default import build_tiny_default
 
     return build_tiny_default(
         folder,
@@ -61,7 +61,7 @@ def tiny_model(folder: Path, seed: int = 0, steps: int = 2, n_positions: int = 6
 def prompt_files(folder: Path, n_train: int = 32, n_eval: int = 8) -> tuple[Path, Path]:
     """Train and held-out prompt files (JSONL, one ``{"prompt": ...}`` a line) from the default
     prompt pool, written to ``folder``."""
-    from ppo_core.sources.review_grammar import default_prompts
+    from ppo_core.base_sources.review_grammar import default_prompts
 
     folder.mkdir(parents=True, exist_ok=True)
     prompts = default_prompts(n_train + n_eval, seed=0)

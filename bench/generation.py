@@ -49,9 +49,9 @@ def measure(args: argparse.Namespace) -> None:
     """Time both sides on ``args.model`` and write ``args.out``."""
     from transformers import GenerationConfig
 
+    from ppo_core.base_sources.review_grammar import default_prompts
     from ppo_core.models.generation import generate_responses, response_mask_from_ids
     from ppo_core.models.policy import load_causal_lm, load_tokenizer
-    from ppo_core.sources.review_grammar import default_prompts
 
     model = load_causal_lm(args.model)
     tokenizer = load_tokenizer(args.model)

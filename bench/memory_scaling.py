@@ -129,9 +129,9 @@ def build_child(family: str, shape: dict, folder: str, prompt_file: str) -> dict
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
 
+    from ppo_core.base_sources.review_grammar import generate_review_corpus
+    from ppo_core.base_sources.tiny_default import train_tokenizer
     from ppo_core.models.generation import prompt_token_ids
-    from ppo_core.sources.review_grammar import generate_review_corpus
-    from ppo_core.sources.tiny_default import train_tokenizer
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -405,7 +405,7 @@ def parse_args() -> argparse.Namespace:
 
 def measure(args: argparse.Namespace, peak_gflops: float) -> tuple[list, dict | None, dict]:
     """Every (size, mode) run, the Qwen2 run (or ``None``) and the models built, by size."""
-    from ppo_core.sources.review_grammar import default_prompts
+    from ppo_core.base_sources.review_grammar import default_prompts
 
     rows: list[dict] = []
     qwen2: dict | None = None

@@ -89,8 +89,8 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
     import torch
     from transformers import GPT2ForSequenceClassification, GPT2LMHeadModel
 
-    from ppo_core.sources.review_grammar import generate_review_corpus
-    from ppo_core.sources.tiny_default import tiny_gpt2_config, train_tokenizer
+    from ppo_core.base_sources.review_grammar import generate_review_corpus
+    from ppo_core.base_sources.tiny_default import tiny_gpt2_config, train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(4000, seed=0))
     config = tiny_gpt2_config(len(tokenizer), n_positions=128, **MODELS[name])
@@ -115,7 +115,7 @@ def build_assets(work: Path, name: str, n_prompts: int) -> dict[str, str]:
 
 
 def write_prompts(path: Path, count: int) -> None:
-    from ppo_core.sources.review_grammar import default_prompts
+    from ppo_core.base_sources.review_grammar import default_prompts
 
     path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in default_prompts(count, 0)))
 
@@ -127,7 +127,7 @@ def build_smollm2_assets(folder: Path, n_prompts: int) -> dict[str, str]:
     from real_model import smollm2_gguf
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from ppo_core.sources.gguf_import import import_gguf
+    from ppo_core.base_sources.gguf_import import import_gguf
 
     paths = {
         "policy": folder / "policy",

@@ -194,8 +194,8 @@ def after_one_sgd_iteration(
 
 
 def micro_batch_differences(smoke: bool) -> dict:
-    from ppo_core.sources.review_grammar import default_prompts
-    from ppo_core.sources.tiny_default import build_tiny_default
+    from ppo_core.base_sources.review_grammar import default_prompts
+    from ppo_core.base_sources.tiny_default import build_tiny_default
 
     out = {}
     with tempfile.TemporaryDirectory() as tmp:

@@ -209,8 +209,8 @@ def update_collectives_seconds(model: Path, ranks: int, strategy: str, device: s
 def build(work: Path, shape: dict[str, int]) -> int:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from ppo_core.sources.review_grammar import default_prompts, generate_review_corpus
-    from ppo_core.sources.tiny_default import train_tokenizer
+    from ppo_core.base_sources.review_grammar import default_prompts, generate_review_corpus
+    from ppo_core.base_sources.tiny_default import train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(500, seed=0), vocab_size=512)
     config = LlamaConfig(

@@ -53,9 +53,9 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ppo_core.base_sources.review_grammar import default_prompts
+    from ppo_core.base_sources.tiny_default import build_tiny_default
     from ppo_core.rewards.scorers import SentimentScorer
-    from ppo_core.sources.review_grammar import default_prompts
-    from ppo_core.sources.tiny_default import build_tiny_default
 
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()

@@ -11,6 +11,7 @@ import stat
 import time
 from pathlib import Path
 
+from ppo_core.base_sources.hub_cache import resolve_model_source, snapshot_blobs
 from ppo_core.config import WRITE_KEYS, Config, ConfigError, check_write_paths, flatten
 from ppo_core.files import (
     UnsafeCopyError,
@@ -32,7 +33,6 @@ from ppo_core.models.adapter_folders import (
 )
 from ppo_core.registry.lineage import Lineage, store_base
 from ppo_core.registry.versions import check_version, promoted_entry
-from ppo_core.sources.hub_cache import resolve_model_source, snapshot_blobs
 
 
 def base(config: Config) -> Path:
@@ -41,12 +41,12 @@ def base(config: Config) -> Path:
     ``model.policy`` is checked as an output first (``check_write_paths``: inside the project or
     an allowed root, clear of the repository, the sources, the inputs and the other outputs).
     ``base.source`` is a model folder, a GGUF file, or a hub id (``org/name``) found in the local
-    Hugging Face cache (``ppo_core.sources.hub_cache``; never downloaded). A folder import
+    Hugging Face cache (``ppo_core.base_sources.hub_cache``; never downloaded). A folder import
     copies regular files only, within ``ppo_core.files.MAX_COPY_BYTES``: a link, a device or a
     FIFO in the source is refused by name before anything is loaded or written, except the
     links of a hub cache snapshot into its own ``blobs/``. A GGUF file is checked (header,
     architecture, tensor types) and converted into a ``save_pretrained`` folder in
-    ``base.dtype`` (``ppo_core.sources.gguf_import``). ``imported_from.json`` records where the
+    ``base.dtype`` (``ppo_core.base_sources.gguf_import``). ``imported_from.json`` records where the
     model came from without naming the user's folders: the source's path relative to the
     project when it lies inside it, else only its name (or the hub id), and always
     ``content_sha256`` (``ppo_core.files.folder_fingerprint``: its ``config.json`` and every
@@ -55,7 +55,7 @@ def base(config: Config) -> Path:
     check_write_paths(flatten(config), (*WRITE_KEYS, "model.policy"))
     target = Path(config.model.policy)
     if config.base.source is None:
-        from ppo_core.sources.tiny_default import build_tiny_default
+        from ppo_core.base_sources.tiny_default import build_tiny_default
 
         return build_tiny_default(
             target,
@@ -169,7 +169,7 @@ def _production_lineage(config: Config, source: Path) -> Lineage | None:
 def _gguf_import(config: Config, source: Path, blobs: Path | None, record: dict):
     """Check the GGUF file ``source`` (a regular file, or a link into ``blobs``; its header,
     architecture and tensor types) and return the function that converts it."""
-    from ppo_core.sources.gguf_import import import_gguf, read_gguf
+    from ppo_core.base_sources.gguf_import import import_gguf, read_gguf
 
     real = Path(os.path.realpath(source))
     linked_blob = blobs is not None and real.parent == Path(os.path.realpath(blobs))

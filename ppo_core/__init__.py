@@ -3,7 +3,7 @@
 Layers (a lower one never imports a higher one; docs/design.md section 2 names each room):
 
 1. ``ppo_core.math``: tensors in, tensors out (masked ops, GAE, losses, exact accumulation).
-2. model I/O: ``prompts``, ``models``, ``sources``, ``rewards``, ``checkpoints``.
+2. model I/O: ``prompts``, ``models``, ``base_sources``, ``rewards``, ``checkpoints``.
 3. composition: ``config``, ``parallel``, ``training``, ``evaluation``, ``registry``.
 
 The math layer's public names can be imported from here (``from ppo_core import PPOObjective``);

@@ -27,7 +27,7 @@ import pytest  # noqa: E402
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A briefly warm-started tiny default: real GPT-2 and tokenizer, built locally in seconds."""
-    from ppo_core.sources.tiny_default import build_tiny_default
+    from ppo_core.base_sources.tiny_default import build_tiny_default
 
     folder = tmp_path_factory.mktemp("models") / "base"
     return build_tiny_default(folder, seed=0, n_sentences=2000, steps=40, num_threads=1)
@@ -36,7 +36,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def prompt_files(tmp_path_factory) -> tuple[Path, Path]:
     """Train and eval prompt files (JSONL) from the default prompt pool."""
-    from ppo_core.sources.review_grammar import default_prompts
+    from ppo_core.base_sources.review_grammar import default_prompts
 
     folder = tmp_path_factory.mktemp("prompts")
     prompts = default_prompts(160, seed=0)

@@ -147,8 +147,8 @@ def build_tiny_causal_lm(
     """
     from transformers import AutoModelForCausalLM
 
-    from ppo_core.sources.review_grammar import generate_review_corpus
-    from ppo_core.sources.tiny_default import train_tokenizer
+    from ppo_core.base_sources.review_grammar import generate_review_corpus
+    from ppo_core.base_sources.tiny_default import train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(500, seed=seed), vocab_size=512)
     if pad == "eos":

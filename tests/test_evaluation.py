@@ -74,8 +74,8 @@ def build_other_model(folder: Path) -> Path:
     tiny default's tokenizer are out of this model's range."""
     from transformers import GPT2LMHeadModel
 
-    from ppo_core.sources.review_grammar import generate_review_corpus
-    from ppo_core.sources.tiny_default import tiny_gpt2_config, train_tokenizer
+    from ppo_core.base_sources.review_grammar import generate_review_corpus
+    from ppo_core.base_sources.tiny_default import tiny_gpt2_config, train_tokenizer
 
     tokenizer = train_tokenizer(generate_review_corpus(200, seed=1), vocab_size=300)
     torch.manual_seed(0)

@@ -52,7 +52,7 @@ def test_ppo_core_never_imports_orchestration():
 
 
 # Each room of ppo_core and the rooms it may import (docs/design.md section 2). Layer 1: math and
-# files (under everything); layer 2, model I/O: prompts, feedback, models, sources, rewards,
+# files (under everything); layer 2, model I/O: prompts, feedback, models, base_sources, rewards,
 # checkpoints; layer 3, composition: config, parallel, registry, training, preference,
 # evaluation. A room missing here
 # fails the test, so a new room states its place.
@@ -62,8 +62,8 @@ ROOM_IMPORTS: dict[str, set[str]] = {
     "prompts": set(),
     "feedback": {"files", "prompts"},
     "models": {"math", "files", "prompts"},
-    "sources": {"files", "models"},
-    "rewards": {"math", "files", "models", "prompts", "sources"},
+    "base_sources": {"files", "models"},
+    "rewards": {"math", "files", "models", "prompts", "base_sources"},
     "checkpoints": {"files"},
     "config": {"math", "files", "prompts"},
     "parallel": {"config", "models"},

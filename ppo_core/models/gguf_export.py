@@ -1,7 +1,7 @@
 """Writing a model folder as one GGUF file, the format llama.cpp, Ollama and LM Studio serve
 (layer 2).
 
-The converse of :mod:`ppo_core.sources.gguf_import`. :func:`export_gguf` takes a loaded causal
+The converse of :mod:`ppo_core.base_sources.gguf_import`. :func:`export_gguf` takes a loaded causal
 LM and its tokenizer and writes, through the ``gguf`` package's own writer, name maps and
 quantiser:
 

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_core.base_sources.hub_cache import HUB_ID, snapshot_of
 from ppo_core.models.folders import check_model_folder
 from ppo_core.prompts import Prompt
 from ppo_core.rewards import scorers as rewards
@@ -47,7 +48,6 @@ from ppo_core.rewards.classifier import (
     scored_token_ids,
     sequence_logits,
 )
-from ppo_core.sources.hub_cache import HUB_ID, snapshot_of
 
 __all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
 

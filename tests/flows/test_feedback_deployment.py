@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from flows.orchestration.run_params import set_params
-from ppo_core.sources.review_grammar import example_feedback
+from ppo_core.base_sources.review_grammar import example_feedback
 from tests.flows.conftest import BIN, git_commit, read_json
 from tests.flows.servers import flow_runs, prefect, start_server, start_worker, stop, wait_for
 

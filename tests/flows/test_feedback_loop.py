@@ -16,9 +16,9 @@ from typer.testing import CliRunner
 from flows import stages
 from flows.cli import app
 from flows.reward_stage import reward
+from ppo_core.base_sources.review_grammar import example_feedback
 from ppo_core.config import load_config
 from ppo_core.registry.rewards import current_reward, load_reward_registry
-from ppo_core.sources.review_grammar import example_feedback
 from tests.flows.conftest import ROOT
 
 QUICK = [

@@ -221,9 +221,9 @@ def test_a_reward_model_with_its_own_tokenizer_scores_the_decoded_text(
     prompt and response, tokenized with its own tokenizer."""
     from transformers import AutoTokenizer, LlamaForSequenceClassification
 
+    from ppo_core.base_sources.review_grammar import generate_review_corpus
+    from ppo_core.base_sources.tiny_default import train_tokenizer
     from ppo_core.rewards.loading import build_reward_fn
-    from ppo_core.sources.review_grammar import generate_review_corpus
-    from ppo_core.sources.tiny_default import train_tokenizer
     from tests.helpers import tiny_family_config
 
     reward_dir = tmp_path / "reward-model"

@@ -83,7 +83,7 @@ def rounded_to_f16(model):
 @pytest.fixture(scope="module")
 def tiny_models(tmp_path_factory):
     root = tmp_path_factory.mktemp("export")
-    from ppo_core.sources.tiny_default import build_tiny_default
+    from ppo_core.base_sources.tiny_default import build_tiny_default
 
     folders = {
         family: build_tiny_causal_lm(root / family, family, chat_template=CHAT_TEMPLATE)

@@ -155,8 +155,8 @@ def test_each_check_of_a_gguf_file_refuses_on_its_own(tmp_path):
     even where a later one would still refuse the file."""
     import gguf
 
-    from ppo_core.sources.gguf_header import GGUFHeaderError, check_gguf_header
-    from ppo_core.sources.gguf_import import (
+    from ppo_core.base_sources.gguf_header import GGUFHeaderError, check_gguf_header
+    from ppo_core.base_sources.gguf_import import (
         GGUFImportError,
         _dequantizable,
         is_gguf_file,

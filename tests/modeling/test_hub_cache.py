@@ -14,10 +14,10 @@ from typer.testing import CliRunner
 
 from flows.cli import app
 from flows.stages import base
+from ppo_core.base_sources.hub_cache import HubCacheError, snapshot_of
 from ppo_core.config import load_config
 from ppo_core.files import UnsafeCopyError
 from ppo_core.models.policy import load_actor_critic
-from ppo_core.sources.hub_cache import HubCacheError, snapshot_of
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 

@@ -5,14 +5,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ppo_core.rewards.scorers import SentimentScorer
-from ppo_core.sources.review_grammar import (
+from ppo_core.base_sources.review_grammar import (
     _NEGATIVE,
     _NEUTRAL,
     _POSITIVE,
     default_prompts,
     generate_review_corpus,
 )
+from ppo_core.rewards.scorers import SentimentScorer
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,9 @@ import json
 import pytest
 import torch
 
+from ppo_core.base_sources.review_grammar import generate_review_corpus
+from ppo_core.base_sources.tiny_default import build_tiny_default, tiny_gpt2_config, train_tokenizer
 from ppo_core.rewards.scorers import SentimentScorer
-from ppo_core.sources.review_grammar import generate_review_corpus
-from ppo_core.sources.tiny_default import build_tiny_default, tiny_gpt2_config, train_tokenizer
 
 
 @pytest.fixture(scope="module")

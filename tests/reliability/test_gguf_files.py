@@ -13,8 +13,8 @@ import pytest
 from typer.testing import CliRunner
 
 from flows.cli import app
-from ppo_core.sources.gguf_header import GGUFHeaderError, check_gguf_header
-from ppo_core.sources.gguf_import import GGUFImportError, read_gguf
+from ppo_core.base_sources.gguf_header import GGUFHeaderError, check_gguf_header
+from ppo_core.base_sources.gguf_import import GGUFImportError, read_gguf
 from tests.helpers import smollm2_gguf
 
 

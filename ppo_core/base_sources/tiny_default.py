@@ -1,7 +1,7 @@
 """The embedded default policy: a tiny GPT-2 warm-started on generated movie-review sentences.
 
 Everything here is built locally, from code, with no download (docs/design.md section 6): the corpus
-of :mod:`ppo_core.sources.review_grammar` (short reviews of mixed sentiment) trains a byte-level
+of :mod:`ppo_core.base_sources.review_grammar` (short reviews of mixed sentiment) trains a byte-level
 BPE tokenizer and a 2-layer GPT-2 with plain causal-LM loss in well under a minute on a laptop
 CPU. PPO then pushes the reviews towards positive sentiment, as in the classic TRL sentiment
 example, with ``ppo_core.rewards.scorers.SentimentScorer`` as the reward.
@@ -28,8 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from ppo_core.base_sources.review_grammar import generate_review_corpus
 from ppo_core.files import atomic_folder
-from ppo_core.sources.review_grammar import generate_review_corpus
 
 __all__ = ["build_tiny_default", "tiny_gpt2_config", "train_tokenizer"]
 

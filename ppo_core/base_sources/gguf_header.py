@@ -6,7 +6,7 @@ file kept it building Python objects for ever. :func:`check_gguf_header` walks t
 key-value pair and each tensor's name, dimensions, type and offset) and checks every declared
 count and length against the bytes left in the file before it skips them, so a header that
 lies is refused in time proportional to the file's size. It also returns the key names, and
-the tensors' element counts, which :mod:`ppo_core.sources.gguf_import` checks against what
+the tensors' element counts, which :mod:`ppo_core.base_sources.gguf_import` checks against what
 the architecture needs before it allocates anything.
 """
 

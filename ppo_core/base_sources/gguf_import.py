@@ -22,9 +22,9 @@ from typing import Any, cast
 
 import torch
 
+from ppo_core.base_sources.gguf_header import check_gguf_header
 from ppo_core.files import printable
 from ppo_core.models.folders import ModelFolderError
-from ppo_core.sources.gguf_header import check_gguf_header
 
 __all__ = [
     "GGUF_MAGIC",
