@@ -31,7 +31,7 @@ def smollm2_gguf():
 PARITY_ATOL = 2e-5
 """The absolute bound of the fp32 parity tests of several ranks against one process (after two
 to four optimizer steps, whose round-off the ranks' other reduction order changes). The largest
-difference measured over tests/test_distributed_training.py (``PPO_PARITY_REPORT``), by CPU and
+difference measured over tests/parallel/test_distributed_training.py (``PPO_PARITY_REPORT``), by CPU and
 dispatch level (``ATEN_CPU_CAPABILITY``):
 
 - Intel Xeon, torch AVX512: 2.8e-6 (FSDP, micro-batches of 4); with ``avx2``: 3.8e-6;

@@ -142,6 +142,36 @@ def test_the_room_check_sees_a_climb_and_a_room_without_a_place():
     ]
 
 
+def rooms_without_tests(tests: Path) -> list[str]:
+    """Each room of ppo_core (a package or a module) and of flows (``flows`` itself,
+    ``orchestration``) that has no ``tests/<room>/`` folder holding a test module."""
+    rooms = [
+        p.stem
+        for p in (ROOT / "ppo_core").iterdir()
+        if p.suffix == ".py" or (p / "__init__.py").exists()
+    ]
+    rooms = sorted({*rooms, "flows"} - {"__init__"})
+    missing = []
+    for room in rooms:
+        folder = tests / room
+        if not any(folder.glob("test_*.py")):
+            missing.append(room)
+    return missing
+
+
+def test_every_room_has_its_test_folder():
+    """tests/ mirrors the rooms: ``tests/models/`` for ``ppo_core/models/``, ``tests/prompts/``
+    for ``ppo_core/prompts.py``, ``tests/flows/`` for flows (its ``orchestration/`` included)."""
+    assert rooms_without_tests(TESTS) == []
+
+
+def test_the_test_folder_check_sees_a_room_without_tests(tmp_path):
+    (tmp_path / "math").mkdir()
+    (tmp_path / "math" / "test_gae.py").write_text("")
+    missing = rooms_without_tests(tmp_path)
+    assert "math" not in missing and {"models", "prompts", "flows"} <= set(missing)
+
+
 def test_each_room_says_its_job():
     for folder in sorted(p for p in (ROOT / "ppo_core").iterdir() if (p / "__init__.py").exists()):
         text = (folder / "__init__.py").read_text()
@@ -319,14 +349,14 @@ def test_the_test_module_check_sees_every_form():
         "from . import test_chat\n"
         "from tests.helpers import VARIED\n"
         "from tests.math.toy import ToyPolicy\n"
-        "R = 'model.reward={t}.modeling.test_families:varied_reward'\n"
-        "S = 'model.reward={t}.modeling.test_probe:own_reward'\n"
+        "R = 'model.reward={t}.models.test_families:varied_reward'\n"
+        "S = 'model.reward={t}.models.test_probe:own_reward'\n"
         "T = 'model.reward={t}.helpers:varied_reward'\n"
     ).format(t="tests")
-    assert other_test_modules(source, "tests.modeling.test_probe") == {
+    assert other_test_modules(source, "tests.models.test_probe") == {
         "tests.test_trainer",
         "tests.math.test_gae",
         "tests.flows.test_deployment",
-        "tests.modeling.test_chat",
-        "tests.modeling.test_families",
+        "tests.models.test_chat",
+        "tests.models.test_families",
     }

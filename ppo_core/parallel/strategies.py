@@ -195,7 +195,7 @@ class FullyShardedStrategy(ParallelStrategy):
         # The root reshards after its forward pass too (FSDP's default keeps a root gathered):
         # measured here, a root kept gathered went on computing with its parameters from
         # before the optimizer step, and the second step's gradient was wrong
-        # (tests/test_distributed_training.py catches it).
+        # (tests/parallel/test_distributed_training.py catches it).
         fully_shard(model, reshard_after_forward=True, **policies)
         if not self.parallel.is_main:
             model.to_empty(device=self.device)

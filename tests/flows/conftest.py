@@ -34,7 +34,7 @@ TINY_PARAMS = {
     "eval.samples_per_prompt": 1,
     # The gate lets every candidate through: the scenarios are about orchestration, and a model
     # trained for a few iterations on 8 held-out prompts may fail any rule by chance (the guards
-    # against a gamed reward included; tests/test_evaluation.py tests those).
+    # against a gamed reward included; tests/evaluation/test_evaluation.py tests those).
     "promote.min_improvement": -10.0,
     "promote.max_kl": 100.0,
     "promote.max_kl_from_origin": None,

@@ -28,7 +28,7 @@ from ppo_core.registry.rewards import (
     roll_back_reward,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 ENTRY = {"reasons": ["PASS: accuracy"], "data_hash": "abc", "score_mean": 0.25, "score_std": 2.0}
 
 

@@ -200,7 +200,7 @@ def test_outputs_carry_config_and_lineage(tmp_path, tiny_model_dir, prompt_files
 )
 def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, tiny_model_dir, prompt_files, case):
     """Inputs read by the run itself; config errors (a typo, sizes that do not nest) fail at
-    load time and are tested in tests/test_config.py."""
+    load time and are tested in tests/config/test_config.py."""
     bad_prompts = tmp_path / "bad.jsonl"
     bad_prompts.write_text('{"prompt": "ok"}\n{"prompt": oops}\n')
     if case == "reference_tokenizer":
@@ -208,7 +208,7 @@ def test_bad_input_fails_clearly_and_writes_nothing(tmp_path, tiny_model_dir, pr
     overrides = {
         "missing_model": (f"model.policy={tmp_path / 'nope'}",),
         "malformed_prompts": (f"data.train_file={bad_prompts}",),
-        "reward": ("model.reward=tests.test_trainer:wrong_length_reward",),
+        "reward": ("model.reward=tests.training.test_trainer:wrong_length_reward",),
         "reference_tokenizer": (f"model.reference={tmp_path / 'llama'}",),
     }[case]
     error = {
@@ -366,7 +366,7 @@ def test_a_reward_that_raises_is_named(tmp_path, tiny_model_dir, prompt_files):
                 tmp_path,
                 tiny_model_dir,
                 prompt_files,
-                "model.reward=tests.test_trainer:raising_reward",
+                "model.reward=tests.training.test_trainer:raising_reward",
             )
         )
     assert not (tmp_path / "checkpoints").exists()
@@ -380,7 +380,10 @@ def test_a_nan_reward_stops_before_any_update(tmp_path, tiny_model_dir, prompt_f
     with pytest.raises(RewardError, match=r"nan_reward.*returned NaN or inf for responses \[0, 1"):
         train(
             small_config(
-                tmp_path, tiny_model_dir, prompt_files, "model.reward=tests.test_trainer:nan_reward"
+                tmp_path,
+                tiny_model_dir,
+                prompt_files,
+                "model.reward=tests.training.test_trainer:nan_reward",
             )
         )
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()

@@ -403,7 +403,7 @@ def test_two_nodes_on_loopback_run_the_documented_torchrun_command(
         "none",
         *settings,
     ]
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     launched = [
         subprocess.Popen(
             command, cwd=root, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -450,7 +450,7 @@ def test_a_killed_fsdp_run_resumes_from_its_checkpoint_to_the_same_parameters(
         return [str(torchrun), "--nproc_per_node", "2", "--master-port", str(free_port()),
                 "-m", "flows.cli", "train", "--config", "none", *settings(folder)]  # fmt: skip
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
 
     def run(folder: Path) -> str:
         done = subprocess.run(

@@ -198,7 +198,7 @@ def test_a_section_given_a_value_in_a_file_names_the_section(tmp_path):
     )
 
 
-PARAMS = Path(__file__).resolve().parents[1] / "params.yaml"
+PARAMS = Path(__file__).resolve().parents[2] / "params.yaml"
 
 
 def test_the_defaults_are_the_values_of_params_yaml():

@@ -86,7 +86,7 @@ def _save_sharded(folder, iteration, model, optimizer):
 
 
 def test_a_sharded_checkpoint_restores_weights_and_optimizer_state(tmp_path):
-    """Written in one process here (the 2-rank cases are in tests/test_distributed_training.py):
+    """Written in one process here (the 2-rank cases are in tests/parallel/test_distributed_training.py):
     the DCP shards hold every weight and every AdamW moment and step, and the checksums cover
     them."""
     model, optimizer = _trained(0)

@@ -9,7 +9,7 @@ import pytest
 
 from ppo_core.config import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow

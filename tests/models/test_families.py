@@ -173,7 +173,7 @@ EXACT_BOUND = {
 }
 
 
-# GPT-2's own is tests/test_trainer.py::test_micro_batch_size_does_not_change_the_update.
+# GPT-2's own is tests/training/test_trainer.py::test_micro_batch_size_does_not_change_the_update.
 @pytest.mark.parametrize("case", CASES[1:], ids=case_id)
 def test_micro_batch_size_does_not_change_the_update(tmp_path, family_models, case, prompt_files):
     """One SGD iteration: micro_batch_size 1 and = mini_batch_size reach the same parameters."""
