@@ -138,10 +138,10 @@ def make_pairs(config, prompts, replies: int, min_gap: float) -> tuple[list[dict
     one of a pair chosen."""
     import torch
 
+    from ppo_core.experience.sampling import sample_responses, score_responses
     from ppo_core.models.policy import load_causal_lm, load_tokenizer
     from ppo_core.parallel.runtime import setup_runtime
     from ppo_core.rewards.loading import build_reward_fn
-    from ppo_core.training.rollout import sample_responses, score_responses
 
     runtime = setup_runtime(config, distributed=False)
     policy = load_causal_lm(config.model.policy, "policy").to(runtime.device)

@@ -172,7 +172,11 @@ def install(timer: PassTimer) -> None:
         ),
     )
     timer.wrap(rollout, "score_responses", "reward")
-    timer.wrap(rollout, "score_sequences", lambda *a, **k: "scoring_chunk")
+    # score_in_chunks calls score_sequences from the module that defines it
+    experience = newer_or_older(
+        "ppo_core.experience.sampling", "ppo_core.training.rollout", "ppo_core.rollout"
+    )
+    timer.wrap(experience, "score_sequences", lambda *a, **k: "scoring_chunk")
     timer.wrap(trainer, "ppo_update", "update")
     timer.wrap(update, "score_sequences", lambda *a, **k: "micro_batch")
     try:  # the sampling loop (code before it sampled with model.generate)

@@ -47,11 +47,11 @@ def shard_a_model(
     import torch.distributed as dist
 
     from ppo_core.config import GenerationConfig
+    from ppo_core.experience.sampling import sample_responses
     from ppo_core.models.policy import load_causal_lm, load_tokenizer, transformer_blocks
     from ppo_core.parallel.process_group import DataParallel
     from ppo_core.parallel.runtime import Runtime
     from ppo_core.parallel.strategies import make_strategy
-    from ppo_core.training.rollout import sample_responses
 
     ids = torch.tensor([[5, 9, 2, 7, 11, 3]])
     with torch.no_grad():  # every rank computes the reference logits alone, before sharding

@@ -53,7 +53,7 @@ def test_ppo_core_never_imports_orchestration():
 
 # Each room of ppo_core and the rooms it may import (docs/design.md section 2). Layer 1: math and
 # files (under everything); layer 2, model I/O: prompts, feedback, models, base_sources, rewards,
-# checkpoints; layer 3, composition: config, parallel, registry, training, preference,
+# checkpoints; layer 3, composition: config, parallel, registry, experience, training, preference,
 # evaluation. A room missing here
 # fails the test, so a new room states its place.
 ROOM_IMPORTS: dict[str, set[str]] = {
@@ -78,6 +78,7 @@ ROOM_IMPORTS: dict[str, set[str]] = {
         "config",
         "parallel",
         "registry",
+        "experience",
     },
     "preference": {
         "math",
@@ -91,6 +92,17 @@ ROOM_IMPORTS: dict[str, set[str]] = {
         "parallel",
         "registry",
     },
+    "experience": {
+        "math",
+        "files",
+        "prompts",
+        "models",
+        "rewards",
+        "config",
+        "parallel",
+        "registry",
+    },
+    # evaluation samples and judges with experience/, never with training/
     "evaluation": {
         "math",
         "files",
@@ -100,7 +112,7 @@ ROOM_IMPORTS: dict[str, set[str]] = {
         "config",
         "parallel",
         "registry",
-        "training",
+        "experience",
     },
 }
 

@@ -32,6 +32,14 @@ import yaml
 from ppo_core.config import Config, ConfigError, code_free_folders
 from ppo_core.evaluation.markdown import escape_markdown
 from ppo_core.evaluation.report import ModelReport, RewardChoice, metric_table, write_reports
+from ppo_core.experience.judges import build_reward, load_reference
+from ppo_core.experience.sampling import (
+    POSITIVE_SCORE,
+    check_context_length,
+    sample_responses,
+    score_in_chunks,
+    score_responses,
+)
 from ppo_core.files import first_line
 from ppo_core.files.output_paths import real_path
 from ppo_core.math.masked import masked_sum
@@ -49,14 +57,6 @@ from ppo_core.prompts import Prompt, load_prompts, prompt_text
 from ppo_core.registry.lineage import origin_folder
 from ppo_core.registry.rewards import REWARD_SPEC_PREFIX, resolve_reward_spec
 from ppo_core.rewards.loading import RewardError, RewardFn, checked_scores
-from ppo_core.training.inputs import check_context_length
-from ppo_core.training.models import build_reward, load_reference
-from ppo_core.training.rollout import (
-    POSITIVE_SCORE,
-    sample_responses,
-    score_in_chunks,
-    score_responses,
-)
 
 __all__ = [
     "EvaluationWarning",

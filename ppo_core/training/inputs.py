@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppo_core.config import Config, code_free_folders
+from ppo_core.experience.judges import build_reward
+from ppo_core.experience.sampling import check_context_length
 from ppo_core.files import check_replaceable
 from ppo_core.models.adapter_folders import base_fingerprint
 from ppo_core.models.causal_lm import load_tokenizer
@@ -16,7 +18,6 @@ from ppo_core.models.vocabulary import reference_vocabulary, vocabulary_mismatch
 from ppo_core.parallel.runtime import Runtime
 from ppo_core.prompts import Prompt, load_prompts, read_manifest_hash
 from ppo_core.rewards.loading import RewardFn
-from ppo_core.training.models import build_reward
 
 
 @dataclass
@@ -30,42 +31,6 @@ class RunInputs:
     base_sha256: str | None = None
     """Fingerprint of ``model.policy`` (config and weights): a checkpoint continues a run only
     on the base it started from (a new generation imports a new base under the same path)."""
-
-
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
-"""Where a model's ``config.json`` says how many positions it has (Llama and most families,
-GPT-2, older GPT-2 configs)."""
-
-
-def check_context_length(config: Config) -> None:
-    """Refuse, naming the keys, a run whose longest prompt (``validation.max_tokens``, which
-    validation holds every prompt to) plus ``generation.max_new_tokens`` does not fit the
-    positions ``model.policy``'s ``config.json`` declares. Past them a learned position table
-    fails mid-run with an ``IndexError``, and a rotary model samples where it was never
-    trained, silently."""
-    import json
-
-    from ppo_core.config import ConfigError
-
-    path = check_model_folder(config.model.policy, "model.policy") / "config.json"
-    try:
-        declared = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return  # loading the model names what is wrong with its config
-    found = next(
-        ((k, declared[k]) for k in POSITION_KEYS if isinstance(declared.get(k), int)), None
-    )
-    if found is None:
-        return
-    key, positions = found
-    needed = config.validation.max_tokens + config.generation.max_new_tokens
-    if needed > positions:
-        raise ConfigError(
-            f"validation.max_tokens={config.validation.max_tokens} plus "
-            f"generation.max_new_tokens={config.generation.max_new_tokens} is {needed} "
-            f"positions, more than the {positions} model.policy has ({key} in {path}); lower "
-            "one of them"
-        )
 
 
 def check_inputs(config: Config, runtime: Runtime) -> RunInputs:

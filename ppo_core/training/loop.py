@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from ppo_core.config import Config, save_config, to_yaml
+from ppo_core.experience.judges import with_resolved_reward
 from ppo_core.files import atomic_folder, exclusive_run
 from ppo_core.models.policy import ActorCritic
 from ppo_core.parallel.process_group import is_main_process
@@ -39,7 +40,7 @@ from ppo_core.parallel.runtime import Runtime, setup_runtime
 from ppo_core.parallel.strategies import make_strategy
 from ppo_core.prompts import Prompt, prompt_text
 from ppo_core.training.inputs import RunInputs, check_inputs
-from ppo_core.training.models import Models, build_models, with_resolved_reward
+from ppo_core.training.models import Models, build_models
 from ppo_core.training.resume import resolve_resume
 from ppo_core.training.rollout import collect_rollout
 from ppo_core.training.seeds import RandomStream, draw_prompts, sampling_seeds, stream_seed

@@ -1,8 +1,8 @@
-"""Experience (layer 3): sample responses, score them, and turn the scores into advantages.
+"""The PPO rollout (layer 3): sample responses, score them, and turn the scores into advantages.
 
-:func:`sample_responses` and :func:`score_in_chunks` are shared by the PPO rollout and by
-evaluation, so both see the same prompts, positions and sampling distribution
-(docs/design.md section 8). :func:`collect_rollout` adds the reward shaping of Ziegler et al.
+Sampling and scoring are :mod:`ppo_core.experience.sampling`'s, shared with evaluation, so both
+see the same prompts, positions and sampling distribution (docs/design.md section 8).
+:func:`collect_rollout` adds the reward shaping of Ziegler et al.
 (2019), "Fine-Tuning Language Models from Human Preferences": the per-token KL penalty plus the
 score on the last response token (the score alone when the KL is in the loss instead), then the
 advantages of ``ppo.advantage_estimator`` once per batch: GAE (Schulman et al. 2016) with the
@@ -17,124 +17,26 @@ import torch
 from torch import Tensor
 
 from ppo_core.config import GenerationConfig, KLConfig, PPOConfig
+from ppo_core.experience.sampling import (
+    POSITIVE_SCORE,
+    sample_responses,
+    score_in_chunks,
+    score_responses,
+)
 from ppo_core.math.advantages import ESTIMATORS, AdvantageInputs, consecutive_groups
-from ppo_core.math.batching import by_length, kept_columns, micro_batch_slices
 from ppo_core.math.kl import kl_penalty, token_rewards
 from ppo_core.math.masked import masked_moments, masked_sum
 from ppo_core.math.running_mean import RunningMean
-from ppo_core.models.generation import (
-    GeneratedBatch,
-    concat_generated,
-    decode_responses,
-    generate_responses,
-)
+from ppo_core.models.generation import GeneratedBatch
 from ppo_core.models.policy import ActorCritic
-from ppo_core.models.scoring import ScoredBatch, score_sequences
+from ppo_core.models.scoring import ScoredBatch
 from ppo_core.parallel.runtime import Runtime
 from ppo_core.prompts import Prompt
-from ppo_core.rewards.loading import RewardFn, checked_scores
+from ppo_core.rewards.loading import RewardFn
 from ppo_core.training.batch import RolloutBatch
 from ppo_core.training.stopwatch import Stopwatch
 
-__all__ = [
-    "collect_rollout",
-    "sample_responses",
-    "score_in_chunks",
-]
-
-POSITIVE_SCORE = 0.05
-"""A response counts as positive above this score (the sentiment scorer's neutral band)."""
-
-
-@torch.no_grad()
-def sample_responses(
-    policy: torch.nn.Module,
-    tokenizer,
-    prompts: Sequence[Prompt],
-    generation: GenerationConfig,
-    runtime: Runtime,
-    chunk_size: int,
-    chunk_seeds: Sequence[int] | None = None,
-) -> GeneratedBatch:
-    """One sampled response per prompt, ``chunk_size`` prompts per ``generate`` call.
-
-    With ``chunk_seeds`` chunk ``i`` is sampled after ``torch.manual_seed(chunk_seeds[i])`` (one
-    seed per chunk), so a chunk's responses do not depend on which process samples it; without
-    them the global generator runs on from chunk to chunk.
-    """
-    starts = range(0, len(prompts), chunk_size)
-    if chunk_seeds is not None and len(chunk_seeds) != len(starts):
-        raise ValueError(
-            f"{len(prompts)} prompts in chunks of {chunk_size} need {len(starts)} "
-            f"seeds, got {len(chunk_seeds)}"
-        )
-    pieces = []
-    for index, start in enumerate(starts):
-        if chunk_seeds is not None:
-            torch.manual_seed(chunk_seeds[index])
-        with runtime.autocast():
-            pieces.append(
-                generate_responses(
-                    policy,
-                    tokenizer,
-                    prompts[start : start + chunk_size],
-                    max_new_tokens=generation.max_new_tokens,
-                    temperature=generation.temperature,
-                    top_k=generation.top_k,
-                    top_p=generation.top_p,
-                    device=runtime.device,
-                )
-            )
-    return concat_generated(pieces, tokenizer.pad_token_id)
-
-
-@torch.no_grad()
-def score_in_chunks(
-    model: torch.nn.Module,
-    generated: GeneratedBatch,
-    temperature: float,
-    runtime: Runtime,
-    chunk_size: int,
-    with_values: bool,
-) -> ScoredBatch:
-    """Logprobs (and values) of every sampled response token, ``chunk_size`` rows per forward
-    pass; ``[B, T]`` each, aligned with ``generated.response_ids`` (0.0 after a row's end).
-
-    Rows go through in order of length (:func:`~ppo_core.math.batching.by_length`), each chunk
-    cut to its own longest prompt and response (:func:`~ppo_core.math.batching.kept_columns`),
-    so a chunk of short responses costs what its tokens cost."""
-    rows_total, width = generated.response_ids.shape
-    device = generated.response_ids.device
-    order = by_length(generated.prompt_mask, generated.response_mask)
-    logprobs = torch.zeros((rows_total, width), dtype=torch.float32, device=device)
-    values = torch.zeros_like(logprobs) if with_values else None
-    for rows in micro_batch_slices(rows_total, chunk_size):
-        index = order[rows]
-        prompt_mask, response_mask = generated.prompt_mask[index], generated.response_mask[index]
-        first, end = kept_columns(prompt_mask, response_mask)
-        with runtime.autocast():
-            out = score_sequences(
-                model,
-                generated.prompt_ids[index, first:],
-                prompt_mask[:, first:],
-                generated.response_ids[index, :end],
-                response_mask[:, :end],
-                temperature=temperature,
-                with_values=with_values,
-            )
-        logprobs[index, :end] = out.logprobs.float()
-        if values is not None and out.values is not None:
-            values[index, :end] = out.values.float()
-    return ScoredBatch(logprobs=logprobs, values=values, entropy=None)
-
-
-def score_responses(
-    reward_fn: RewardFn, tokenizer, prompts: list[Prompt], generated: GeneratedBatch
-) -> tuple[list[str], Tensor]:
-    """Decode each response up to EOS and score it: ``(texts, scores [B] float32 on CPU)``; a
-    reward that returns the wrong shape or a non-finite number is a ``RewardError``."""
-    texts = decode_responses(tokenizer, generated.response_ids, generated.response_mask)
-    return texts, checked_scores(reward_fn(prompts, texts), len(prompts))
+__all__ = ["collect_rollout"]
 
 
 @torch.no_grad()

@@ -169,7 +169,7 @@ def test_no_timeout_calls_the_reward_in_the_calling_thread(monkeypatch):
 
 def test_a_negative_reward_timeout_is_refused(tiny_model_dir):
     from ppo_core.config import ConfigError, ModelConfig, load_config
-    from ppo_core.training.models import build_reward
+    from ppo_core.experience.judges import build_reward
 
     with pytest.raises(ConfigError, match=r"model.reward_timeout must be >= 0, got -1"):
         load_config(overrides=["model.reward_timeout=-1"])

@@ -207,9 +207,9 @@ def test_group_estimators_compare_whole_returns_with_the_kl_penalty(
     """RLOO's baseline on the rollout's own numbers: each response's return is its score minus
     ``beta`` times the KL of all its tokens when the KL is in the reward, its score alone when
     the KL is in the loss; the advantage is that return minus the mean of the others'."""
+    from ppo_core.experience.judges import build_reward
     from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
     from ppo_core.parallel.runtime import Runtime
-    from ppo_core.training.models import build_reward
     from ppo_core.training.rollout import collect_rollout
 
     config = load_config(
@@ -265,10 +265,10 @@ def test_old_logprobs_from_sampling_skip_the_policy_pass_and_match_a_rescore(
     """``ppo.old_logprobs=sampling``: the rollout's old log-probabilities are the ones the
     sampler kept, the policy's scoring pass runs only for a critic's values, and a rescore of the
     same rollout agrees to float rounding (measured 4.8e-6 at most)."""
+    from ppo_core.experience.judges import build_reward
     from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
     from ppo_core.parallel.runtime import Runtime
     from ppo_core.training import rollout
-    from ppo_core.training.models import build_reward
 
     passes = []
     score = rollout.score_in_chunks

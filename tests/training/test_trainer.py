@@ -516,7 +516,7 @@ def test_a_bf16_reference_rounds_the_kl_term_only_slightly(tmp_path, tiny_model_
     """model.reference_dtype=bf16 loads the reference's weights in bf16 (half the bytes); at the
     first iteration policy and reference are the same model, so the fp32 KL is exactly 0 and
     the bf16 one is the rounding alone (bench/reference_dtype.py measures it on a trained run)."""
-    from ppo_core.training.models import load_reference
+    from ppo_core.experience.judges import load_reference
 
     kl = {}
     for dtype in ("fp32", "bf16"):

@@ -1,0 +1,168 @@
+"""Sampling and scoring responses (layer 3), for the PPO rollout and for evaluation alike.
+
+:func:`sample_responses` samples one response per prompt in chunks, :func:`score_in_chunks`
+recomputes their log-probabilities (and values) in length-ordered chunks, and
+:func:`score_responses` decodes and rewards them. :func:`check_context_length` refuses, before
+anything is sampled, a prompt and response budget past the model's positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from ppo_core.config import Config, GenerationConfig
+from ppo_core.math.batching import by_length, kept_columns, micro_batch_slices
+from ppo_core.models.folders import check_model_folder
+from ppo_core.models.generation import (
+    GeneratedBatch,
+    concat_generated,
+    decode_responses,
+    generate_responses,
+)
+from ppo_core.models.scoring import ScoredBatch, score_sequences
+from ppo_core.parallel.runtime import Runtime
+from ppo_core.prompts import Prompt
+from ppo_core.rewards.loading import RewardFn, checked_scores
+
+__all__ = [
+    "POSITION_KEYS",
+    "POSITIVE_SCORE",
+    "check_context_length",
+    "sample_responses",
+    "score_in_chunks",
+    "score_responses",
+]
+
+POSITIVE_SCORE = 0.05
+"""A response counts as positive above this score (the sentiment scorer's neutral band)."""
+
+
+@torch.no_grad()
+def sample_responses(
+    policy: torch.nn.Module,
+    tokenizer,
+    prompts: Sequence[Prompt],
+    generation: GenerationConfig,
+    runtime: Runtime,
+    chunk_size: int,
+    chunk_seeds: Sequence[int] | None = None,
+) -> GeneratedBatch:
+    """One sampled response per prompt, ``chunk_size`` prompts per ``generate`` call.
+
+    With ``chunk_seeds`` chunk ``i`` is sampled after ``torch.manual_seed(chunk_seeds[i])`` (one
+    seed per chunk), so a chunk's responses do not depend on which process samples it; without
+    them the global generator runs on from chunk to chunk.
+    """
+    starts = range(0, len(prompts), chunk_size)
+    if chunk_seeds is not None and len(chunk_seeds) != len(starts):
+        raise ValueError(
+            f"{len(prompts)} prompts in chunks of {chunk_size} need {len(starts)} "
+            f"seeds, got {len(chunk_seeds)}"
+        )
+    pieces = []
+    for index, start in enumerate(starts):
+        if chunk_seeds is not None:
+            torch.manual_seed(chunk_seeds[index])
+        with runtime.autocast():
+            pieces.append(
+                generate_responses(
+                    policy,
+                    tokenizer,
+                    prompts[start : start + chunk_size],
+                    max_new_tokens=generation.max_new_tokens,
+                    temperature=generation.temperature,
+                    top_k=generation.top_k,
+                    top_p=generation.top_p,
+                    device=runtime.device,
+                )
+            )
+    return concat_generated(pieces, tokenizer.pad_token_id)
+
+
+@torch.no_grad()
+def score_in_chunks(
+    model: torch.nn.Module,
+    generated: GeneratedBatch,
+    temperature: float,
+    runtime: Runtime,
+    chunk_size: int,
+    with_values: bool,
+) -> ScoredBatch:
+    """Logprobs (and values) of every sampled response token, ``chunk_size`` rows per forward
+    pass; ``[B, T]`` each, aligned with ``generated.response_ids`` (meaningful under its response
+    mask only; 0.0 past the longest response of the row's chunk).
+
+    Rows go through in order of length (:func:`~ppo_core.math.batching.by_length`), each chunk
+    cut to its own longest prompt and response (:func:`~ppo_core.math.batching.kept_columns`),
+    so a chunk of short responses costs what its tokens cost."""
+    rows_total, width = generated.response_ids.shape
+    device = generated.response_ids.device
+    order = by_length(generated.prompt_mask, generated.response_mask)
+    logprobs = torch.zeros((rows_total, width), dtype=torch.float32, device=device)
+    values = torch.zeros_like(logprobs) if with_values else None
+    for rows in micro_batch_slices(rows_total, chunk_size):
+        index = order[rows]
+        prompt_mask, response_mask = generated.prompt_mask[index], generated.response_mask[index]
+        first, end = kept_columns(prompt_mask, response_mask)
+        with runtime.autocast():
+            out = score_sequences(
+                model,
+                generated.prompt_ids[index, first:],
+                prompt_mask[:, first:],
+                generated.response_ids[index, :end],
+                response_mask[:, :end],
+                temperature=temperature,
+                with_values=with_values,
+            )
+        logprobs[index, :end] = out.logprobs.float()
+        if values is not None and out.values is not None:
+            values[index, :end] = out.values.float()
+    return ScoredBatch(logprobs=logprobs, values=values, entropy=None)
+
+
+def score_responses(
+    reward_fn: RewardFn, tokenizer, prompts: list[Prompt], generated: GeneratedBatch
+) -> tuple[list[str], Tensor]:
+    """Decode each response up to EOS and score it: ``(texts, scores [B] float32 on CPU)``; a
+    reward that returns the wrong shape or a non-finite number is a ``RewardError``."""
+    texts = decode_responses(tokenizer, generated.response_ids, generated.response_mask)
+    return texts, checked_scores(reward_fn(prompts, texts), len(prompts))
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
+"""Where a model's ``config.json`` says how many positions it has (Llama and most families,
+GPT-2, older GPT-2 configs)."""
+
+
+def check_context_length(config: Config) -> None:
+    """Refuse, naming the keys, a run whose longest prompt (``validation.max_tokens``, which
+    validation holds every prompt to) plus ``generation.max_new_tokens`` does not fit the
+    positions ``model.policy``'s ``config.json`` declares. Past them a learned position table
+    fails mid-run with an ``IndexError``, and a rotary model samples where it was never
+    trained, silently."""
+    import json
+
+    from ppo_core.config import ConfigError
+
+    path = check_model_folder(config.model.policy, "model.policy") / "config.json"
+    try:
+        declared = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return  # loading the model names what is wrong with its config
+    found = next(
+        ((k, declared[k]) for k in POSITION_KEYS if isinstance(declared.get(k), int)), None
+    )
+    if found is None:
+        return
+    key, positions = found
+    needed = config.validation.max_tokens + config.generation.max_new_tokens
+    if needed > positions:
+        raise ConfigError(
+            f"validation.max_tokens={config.validation.max_tokens} plus "
+            f"generation.max_new_tokens={config.generation.max_new_tokens} is {needed} "
+            f"positions, more than the {positions} model.policy has ({key} in {path}); lower "
+            "one of them"
+        )
