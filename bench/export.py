@@ -153,8 +153,9 @@ def transformers_side(config, version: str, chats, max_new_tokens: int) -> dict:
     """Greedy continuations of ``chats`` by the promoted version, as the pipeline loads it."""
     import torch
 
+    from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import prompt_token_ids, stop_token_ids
-    from ppo_core.models.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.policy import load_causal_lm
 
     folder = Path(config.promote.production_dir) / version
     torch.set_num_threads(config.threads)

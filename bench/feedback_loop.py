@@ -139,7 +139,8 @@ def make_pairs(config, prompts, replies: int, min_gap: float) -> tuple[list[dict
     import torch
 
     from ppo_core.experience.sampling import sample_responses, score_responses
-    from ppo_core.models.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.causal_lm import load_tokenizer
+    from ppo_core.models.policy import load_causal_lm
     from ppo_core.parallel.runtime import setup_runtime
     from ppo_core.rewards.loading import build_reward_fn
 

@@ -50,8 +50,9 @@ def measure(args: argparse.Namespace) -> None:
     from transformers import GenerationConfig
 
     from ppo_core.base_sources.review_grammar import default_prompts
+    from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import generate_responses, response_mask_from_ids
-    from ppo_core.models.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.policy import load_causal_lm
 
     model = load_causal_lm(args.model)
     tokenizer = load_tokenizer(args.model)

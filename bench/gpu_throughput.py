@@ -57,7 +57,8 @@ def synchronize(device: torch.device) -> None:
 def build(name: str, device: torch.device, dtype: torch.dtype):
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ppo_core.models.policy import ActorCritic, fuse_activations
+    from ppo_core.models.causal_lm import fuse_activations
+    from ppo_core.models.policy import ActorCritic
 
     config = GPT2Config(
         **CONFIGS[name],

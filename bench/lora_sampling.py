@@ -97,9 +97,10 @@ def time_interleaved(calls: list, repeats: int) -> list[list[float]]:
 
 
 def measure(args: argparse.Namespace) -> None:
+    from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import encode_prompts, sample, sampling_config
     from ppo_core.models.lora import LoraSettings, LoraWeights
-    from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.models.policy import load_actor_critic, load_causal_lm
 
     tokenizer = load_tokenizer(args.model)
     chats = [

@@ -222,8 +222,9 @@ def update_flops_per_iteration(config, history) -> float:
     blocks for every token (prompt and response) plus the output layer for the response tokens
     only (the update computes logits there alone); attention scores and LoRA's own products are
     left out (a few percent here)."""
+    from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import prompt_token_ids
-    from ppo_core.models.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.policy import load_causal_lm
     from ppo_core.prompts import load_prompts
 
     model = load_causal_lm(config.model.policy)

@@ -38,7 +38,8 @@ def measure(args: argparse.Namespace) -> dict:
     from ppo_core.experience.sampling import sample_responses, score_in_chunks
     from ppo_core.math.kl import kl_penalty
     from ppo_core.math.masked import masked_sum
-    from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.models.causal_lm import load_tokenizer
+    from ppo_core.models.policy import load_actor_critic, load_causal_lm
     from ppo_core.parallel.runtime import Runtime
     from ppo_core.prompts import load_prompts
 

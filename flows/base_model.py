@@ -106,7 +106,8 @@ def _shown_source(value: str, source: Path) -> dict[str, object]:
 def _folder_import(config: Config, source: Path, blobs: Path | None, record: dict):
     """Check the model folder ``source`` (loads as a tokenizer and a causal LM, only regular
     files or links into ``blobs``) and return the function that copies it."""
-    from ppo_core.models.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.causal_lm import load_tokenizer
+    from ppo_core.models.policy import load_causal_lm
 
     if source.is_dir():
         # links are refused before the loaders below follow any

@@ -163,7 +163,7 @@ def validate_feedback(config: Config) -> Any:
     import pandas as pd
 
     from flows.feedback_validation import validate_feedback_pairs
-    from ppo_core.models.policy import load_tokenizer
+    from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.rewards.classifier import scored_token_ids
 
     folder = Path(config.data.interim_dir) / FEEDBACK_FOLDER

@@ -208,8 +208,8 @@ def validate(config: Config) -> Path:
     import pandas as pd
 
     from flows.validation import DataValidationError, validate_prompt_splits
+    from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import prompt_token_ids, require_chat_template
-    from ppo_core.models.policy import load_tokenizer
 
     interim = Path(config.data.interim_dir)
     files = {name: interim / f"{name}.parquet" for name in ("train", "eval")}

@@ -48,7 +48,8 @@ def shard_a_model(
 
     from ppo_core.config import GenerationConfig
     from ppo_core.experience.sampling import sample_responses
-    from ppo_core.models.policy import load_causal_lm, load_tokenizer, transformer_blocks
+    from ppo_core.models.causal_lm import load_tokenizer, transformer_blocks
+    from ppo_core.models.policy import load_causal_lm
     from ppo_core.parallel.process_group import DataParallel
     from ppo_core.parallel.runtime import Runtime
     from ppo_core.parallel.strategies import make_strategy

@@ -3,7 +3,8 @@
 The config (layer 3) checks these when it loads, before any tensor exists; keeping them free of
 torch lets the orchestration process (the Prefect flow, ``ppo ingest``, ``ppo config``) load and
 check a config without importing torch, which costs seconds a run (docs/benchmarks.md,
-"Orchestration overhead"). The modules that use them re-export them.
+"Orchestration overhead"). The modules that use them import them from here; none re-exports
+them.
 """
 
 from __future__ import annotations

@@ -25,10 +25,8 @@ from ppo_core.math.choices import KL_ESTIMATORS, KLEstimator
 from ppo_core.math.masked import select
 
 __all__ = [
-    "KL_ESTIMATORS",
     "AdaptiveKLController",
     "FixedKLController",
-    "KLEstimator",
     "kl_penalty",
     "last_valid_index",
     "token_rewards",

@@ -28,8 +28,6 @@ from ppo_core.math.masked import select
 from ppo_core.math.running_mean import RunningMean
 
 __all__ = [
-    "LOSS_AGG_MODES",
-    "LossAggMode",
     "LossParts",
     "PolicyLossOutput",
     "ValueLossOutput",

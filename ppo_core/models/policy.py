@@ -20,14 +20,11 @@ from torch import Tensor, nn
 
 from ppo_core.files import first_line, printable
 from ppo_core.models.causal_lm import (
-    checkpoint_blocks,
     from_pretrained_checked,
     fuse_activations,
     load_plain_causal_lm,
-    load_tokenizer,
     logits_to_keep_kwargs,
     position_ids_from_mask,
-    transformer_blocks,
     unwrap_model,
 )
 from ppo_core.models.folders import ADAPTER_CONFIG, ModelFolderError, check_model_folder
@@ -37,20 +34,7 @@ from ppo_core.models.weights import FullWeights, PolicyWeights
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
-__all__ = [
-    "ActorCritic",
-    "ModelFolderError",
-    "check_model_folder",
-    "checkpoint_blocks",
-    "fuse_activations",
-    "load_actor_critic",
-    "load_causal_lm",
-    "load_tokenizer",
-    "logits_to_keep_kwargs",
-    "position_ids_from_mask",
-    "transformer_blocks",
-    "unwrap_model",
-]
+__all__ = ["ActorCritic", "load_actor_critic", "load_causal_lm"]
 
 VALUE_HEAD_FILE = "value_head.safetensors"
 CRITIC_DIR = "critic"

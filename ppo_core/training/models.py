@@ -13,8 +13,9 @@ import torch
 
 from ppo_core.config import Config, OptimConfig
 from ppo_core.experience.judges import load_reference
+from ppo_core.models.causal_lm import checkpoint_blocks
 from ppo_core.models.lora import LoraSettings, LoraWeights
-from ppo_core.models.policy import ActorCritic, checkpoint_blocks, load_actor_critic
+from ppo_core.models.policy import ActorCritic, load_actor_critic
 from ppo_core.models.weights import FullWeights, PolicyWeights
 from ppo_core.parallel.runtime import Runtime
 from ppo_core.parallel.strategies import ParallelStrategy

@@ -15,8 +15,9 @@ from typer.testing import CliRunner
 from flows.cli import app
 from flows.stages import base
 from ppo_core.config import load_config
+from ppo_core.models.causal_lm import load_tokenizer
 from ppo_core.models.generation import generate_responses, prompt_token_ids, stop_token_ids
-from ppo_core.models.policy import load_causal_lm, load_tokenizer
+from ppo_core.models.policy import load_causal_lm
 from tests.helpers import SMOLLM2_GGUF, smollm2_gguf
 
 PROMPTS = [

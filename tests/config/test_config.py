@@ -17,8 +17,7 @@ from ppo_core.config import (
     save_config,
     to_yaml,
 )
-from ppo_core.math.kl import KL_ESTIMATORS
-from ppo_core.math.losses import LOSS_AGG_MODES
+from ppo_core.math.choices import KL_ESTIMATORS, LOSS_AGG_MODES
 
 
 def test_defaults_load_and_nest(tmp_path):

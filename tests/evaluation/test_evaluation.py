@@ -24,7 +24,7 @@ from ppo_core.evaluation.evaluate import (
     evaluate,
     evaluation_reward,
 )
-from ppo_core.models.policy import load_tokenizer
+from ppo_core.models.causal_lm import load_tokenizer
 from ppo_core.models.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
 from ppo_core.rewards.loading import RewardError
 from tests.helpers import small_config

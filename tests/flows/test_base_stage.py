@@ -8,7 +8,8 @@ import pytest
 
 from flows.stages import base
 from ppo_core.config import load_config
-from ppo_core.models.policy import ModelFolderError, load_actor_critic
+from ppo_core.models.folders import ModelFolderError
+from ppo_core.models.policy import load_actor_critic
 
 
 def test_import_a_local_model_folder(tmp_path, tiny_model_dir):

@@ -106,8 +106,9 @@ def test_a_lora_version_exports_to_the_greedy_tokens_of_the_promoted_version(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import prompt_token_ids, stop_token_ids
-    from ppo_core.models.policy import load_causal_lm, load_tokenizer
+    from ppo_core.models.policy import load_causal_lm
     from tests.helpers import CHAT_TEMPLATE, build_tiny_causal_lm, smollm2_gguf
 
     if model == "smollm2":

@@ -5,8 +5,9 @@ import copy
 
 import torch
 
+from ppo_core.models.causal_lm import fuse_activations, load_tokenizer
 from ppo_core.models.generation import encode_prompts
-from ppo_core.models.policy import fuse_activations, load_actor_critic, load_tokenizer
+from ppo_core.models.policy import load_actor_critic
 from ppo_core.models.scoring import score_sequences
 from ppo_core.training.batch import RolloutBatch
 

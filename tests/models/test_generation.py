@@ -1,11 +1,12 @@
 import torch
 
+from ppo_core.models.causal_lm import load_tokenizer
 from ppo_core.models.generation import (
     decode_responses,
     generate_responses,
     response_mask_from_ids,
 )
-from ppo_core.models.policy import load_actor_critic, load_tokenizer
+from ppo_core.models.policy import load_actor_critic
 from ppo_core.models.scoring import score_sequences
 
 

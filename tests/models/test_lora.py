@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from ppo_core.config import ConfigError, load_config
 from ppo_core.files import tree_sha256
+from ppo_core.models.causal_lm import checkpoint_blocks, load_tokenizer
 from ppo_core.models.lora import (
     AdapterError,
     AdapterReference,
@@ -24,12 +25,7 @@ from ppo_core.models.lora import (
     add_lora,
     save_adapter,
 )
-from ppo_core.models.policy import (
-    checkpoint_blocks,
-    load_actor_critic,
-    load_causal_lm,
-    load_tokenizer,
-)
+from ppo_core.models.policy import load_actor_critic, load_causal_lm
 from ppo_core.models.scoring import score_sequences
 from ppo_core.registry.versions import load_registry, record_decision
 from ppo_core.training.loop import train
@@ -395,7 +391,7 @@ def count_block_passes(monkeypatch) -> list[tuple[int, int]]:
     and of the first module inside each block: ``(block calls, inner calls)`` per update. A
     checkpointed block runs its inner modules again during the backward pass (not the block's
     own ``__call__``), so inner = 2 x block with checkpointing and inner = block without."""
-    from ppo_core.models.policy import transformer_blocks
+    from ppo_core.models.causal_lm import transformer_blocks
     from ppo_core.training import loop as trainer
 
     counts: list[tuple[int, int]] = []

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from ppo_core.models import sampling
+from ppo_core.models.causal_lm import load_tokenizer
 from ppo_core.models.generation import encode_prompts
-from ppo_core.models.policy import load_actor_critic, load_tokenizer
+from ppo_core.models.policy import load_actor_critic
 from ppo_core.models.sampling import NonFiniteSamplingError, draw_from, sample_tokens
 
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from ppo_core.config import load_config
+from ppo_core.models.causal_lm import load_tokenizer
 from ppo_core.models.generation import (
     ChatTemplateError,
     check_chat_template,
     encode_prompts,
     prompt_token_ids,
 )
-from ppo_core.models.policy import load_tokenizer
 from ppo_core.prompts import PromptFileError, chat_json, load_prompts, prompt_text
 from ppo_core.rewards.loading import build_reward_fn
 from ppo_core.rewards.scorers import SentimentScorer

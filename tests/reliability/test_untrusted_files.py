@@ -30,7 +30,8 @@ from ppo_core.checkpoints.store import (
     save_checkpoint,
 )
 from ppo_core.config import ConfigError, load_config
-from ppo_core.models.policy import ModelFolderError, load_actor_critic, load_causal_lm
+from ppo_core.models.folders import ModelFolderError
+from ppo_core.models.policy import load_actor_critic, load_causal_lm
 from ppo_core.registry.versions import RegistryError, current_production
 
 

@@ -208,7 +208,8 @@ def test_group_estimators_compare_whole_returns_with_the_kl_penalty(
     ``beta`` times the KL of all its tokens when the KL is in the reward, its score alone when
     the KL is in the loss; the advantage is that return minus the mean of the others'."""
     from ppo_core.experience.judges import build_reward
-    from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.models.causal_lm import load_tokenizer
+    from ppo_core.models.policy import load_actor_critic, load_causal_lm
     from ppo_core.parallel.runtime import Runtime
     from ppo_core.training.rollout import collect_rollout
 
@@ -266,7 +267,8 @@ def test_old_logprobs_from_sampling_skip_the_policy_pass_and_match_a_rescore(
     sampler kept, the policy's scoring pass runs only for a critic's values, and a rescore of the
     same rollout agrees to float rounding (measured 4.8e-6 at most)."""
     from ppo_core.experience.judges import build_reward
-    from ppo_core.models.policy import load_actor_critic, load_causal_lm, load_tokenizer
+    from ppo_core.models.causal_lm import load_tokenizer
+    from ppo_core.models.policy import load_actor_critic, load_causal_lm
     from ppo_core.parallel.runtime import Runtime
     from ppo_core.training import rollout
 

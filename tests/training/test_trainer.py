@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file
 
 from ppo_core.config import load_config
-from ppo_core.models.policy import ModelFolderError
+from ppo_core.models.folders import ModelFolderError
 from ppo_core.prompts import PromptFileError
 from ppo_core.rewards.loading import RewardError, build_reward_fn
 from ppo_core.training.loop import train
@@ -439,8 +439,9 @@ def test_a_second_run_on_the_same_checkpoints_refuses_to_start(
 
 def test_a_non_finite_loss_is_named_before_the_optimizer_step(tiny_model_dir):
     from ppo_core.config import PPOConfig
+    from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import encode_prompts
-    from ppo_core.models.policy import load_actor_critic, load_tokenizer
+    from ppo_core.models.policy import load_actor_critic
     from ppo_core.training.batch import RolloutBatch
     from ppo_core.training.update import NonFiniteError, ppo_update
 
