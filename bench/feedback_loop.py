@@ -317,6 +317,8 @@ def train_against_the_reward(config, source: str, overrides: list[str], timeline
             *overrides,
             f"eval.reward={GOLD}",
             "eval.output_dir=reports/eval-gold",
+            # the base, not production: a promoted candidate is production by now
+            f"eval.baseline={config.model.policy}",
         ]
     )
     stages.evaluate(gold_config)
