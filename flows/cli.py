@@ -13,6 +13,7 @@ start without importing torch, transformers, Great Expectations or Prefect.
 
 from __future__ import annotations
 
+import ast
 import json
 import sys
 import time
@@ -24,6 +25,7 @@ from rich.console import Console
 
 from flows import operations
 from flows.command import ConfigOption, Overrides, app, console, load_settings, run_or_exit
+from ppo_core.catalog import declared_in
 
 
 @app.command("config")
@@ -193,8 +195,8 @@ def train(
 
 def _estimator_help() -> str:
     """What ``ppo train --help`` says of ``ppo.advantage_estimator``, from the estimators'
-    registry (:data:`ppo_core.math.choices.ESTIMATOR_NEEDS`), so a new estimator appears in it."""
-    from ppo_core.math.choices import ESTIMATOR_NEEDS, critic_free_estimators
+    registry (:data:`ppo_core.math.declarations.ESTIMATOR_NEEDS`), so a new estimator appears in it."""
+    from ppo_core.math.declarations import ESTIMATOR_NEEDS, critic_free_estimators
 
     with_critic = [name for name, needs in ESTIMATOR_NEEDS.items() if needs.critic]
     grouped = [name for name, needs in ESTIMATOR_NEEDS.items() if needs.groups]
@@ -320,6 +322,37 @@ def export_command(config: ConfigOption = None, overrides: Overrides = None) -> 
         console.print(f"  note: {note}", soft_wrap=True)
 
 
+def _stage_command(name: str):
+    """The ``ppo <name>`` command of a registered stage that has no command above: it runs the
+    stage on the loaded config and prints what the stage returns."""
+
+    def command(config: ConfigOption = None, overrides: Overrides = None) -> None:
+        from flows.stages import STAGES
+
+        cfg = load_settings(config, overrides)
+        result = run_or_exit(lambda: STAGES[name](cfg))
+        console.print(f"{name}: {result}", soft_wrap=True)
+
+    return command
+
+
+def _add_stage_commands() -> None:
+    """A command for each stage ``flows/stages.py`` registers without a command of its own, with
+    its docstring as the help; read from the file's text, so ``ppo --help`` imports no stage."""
+    home = Path(__file__).with_name("stages.py")
+    documented = {
+        node.name: ast.get_docstring(node) or ""
+        for node in ast.parse(home.read_text(encoding="utf-8")).body
+        if isinstance(node, ast.FunctionDef)
+    }
+    commands = {info.name or info.callback.__name__ for info in app.registered_commands}
+    functions = {info.callback.__name__ for info in app.registered_commands if info.callback}
+    for name in declared_in(home.read_text(encoding="utf-8"), "stage"):
+        if name not in commands and name not in functions:
+            app.command(name, help=documented.get(name, ""))(_stage_command(name))
+
+
+_add_stage_commands()
 # After the stages, so that `ppo --help` lists the pipeline first.
 for command in (operations.rollback, operations.notify, operations.ingest, operations.compare):
     app.command()(command)

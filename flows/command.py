@@ -123,6 +123,7 @@ USER_ERRORS = (
     ("ppo_core.rewards.loading", "RewardError"),
     ("ppo_core.registry.versions", "RegistryError"),
     ("ppo_core.registry.rewards", "RewardRegistryError"),
+    ("ppo_core.base_sources.kinds", "BaseSourceError"),
     ("flows.stages", "StaleEvaluationError"),
 )
 

@@ -20,7 +20,7 @@ from ppo_core.registry.versions import (
 )
 
 
-def export(config: Config) -> dict:
+def export_version(config: Config) -> dict:
     """Write production version ``export.version`` (default: the current one) as one GGUF file
     in ``export.dir`` (``ppo_core.models.gguf_export``), with a record beside it, and name the
     export in the version's registry entry. Returns the record.

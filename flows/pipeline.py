@@ -92,6 +92,7 @@ from flows.orchestration.run_params import (
     put_back_left_params,
 )
 from flows.raw_data import feedback_changes, raw_changes
+from flows.stages import STAGES as STAGE_CATALOG
 from ppo_core.config import ConfigError
 from ppo_core.files import exclusive_run
 
@@ -102,12 +103,13 @@ if TYPE_CHECKING:
 
     from flows.orchestration.records import DvcRunner
 
-STAGES = ("prepare", "base", "validate", "reward", "train", "evaluate", "promote")
+# The flow's stages in order, read from their registrations in flows/stages.py.
+STAGES = tuple(name for name in STAGE_CATALOG if STAGE_CATALOG.trait(name, "flow"))
 # Stages that run the models (on the accelerator, when there is one): they hold a slot of
 # flow.gpu_limit while they run.
-ACCELERATED = ("reward", "train", "evaluate")
+ACCELERATED = tuple(name for name in STAGES if STAGE_CATALOG.trait(name, "accelerated"))
 # Stages worth retrying: the long, resumable ones. A validation failure is not retried.
-RETRIED = {"reward": 1, "train": 2, "evaluate": 1}
+RETRIED = {name: STAGE_CATALOG.trait(name, "retries") for name in STAGES}
 
 
 class StageFailed(RuntimeError):

@@ -3,11 +3,17 @@
 ``dvc.yaml`` runs them as ``ppo <stage>``; the Prefect flow calls the same commands. Each reads
 and writes files only, and writes its outputs atomically.
 
+Every stage is registered here, in the order the retraining flow runs them, under
+``@stage("name", flow=..., accelerated=..., retries=...)`` (:data:`STAGES`, a
+:class:`ppo_core.catalog.Catalog`): the flow's order, its accelerator slots and retries, and a
+``ppo <name>`` command for a stage without a command of its own (``flows/cli.py``) all read the
+registrations. A stage is added by writing its function here and its entry in ``dvc.yaml``.
+
 Torch, transformers, pandas and Great Expectations (seconds each to import), and the loggers
 (rich's progress bars), are imported inside the stages that use them, so that ``ppo --help`` and
-the light stages start at once; everything else is imported here. Two stages that handle model
-files live in modules of their own, :mod:`flows.base_model` (``base``) and :mod:`flows.export`
-(``export``); every stage is reachable here as ``stages.<name>``.
+the light stages start at once; everything else is imported here. Three stages live in modules
+of their own, :mod:`flows.base_model` (``base``), :mod:`flows.reward_stage` (``reward``) and
+:mod:`flows.export` (``export``), and are registered here like the others.
 """
 
 from __future__ import annotations
@@ -17,8 +23,8 @@ import json
 import os
 from pathlib import Path
 
-from flows.base_model import base
-from flows.export import export
+from flows.base_model import import_base
+from flows.export import export_version
 from flows.feedback_data import prepare_feedback, publish_feedback, validate_feedback
 from flows.provenance import code_version
 from flows.raw_data import (
@@ -28,6 +34,7 @@ from flows.raw_data import (
     raw_sources,
     read_raw_prompts,
 )
+from ppo_core.catalog import Catalog
 from ppo_core.config import Config
 from ppo_core.files import (
     MAX_COPY_BYTES,
@@ -52,9 +59,31 @@ from ppo_core.registry.gate import gate
 from ppo_core.registry.lineage import read_lineage
 from ppo_core.registry.versions import current_production, record_decision
 
-__all__ = ["base", "evaluate", "export", "prepare", "promote", "train", "validate"]
+__all__ = [
+    "STAGES",
+    "base",
+    "evaluate",
+    "export",
+    "prepare",
+    "promote",
+    "reward",
+    "stage",
+    "train",
+    "validate",
+]
+
+STAGES: Catalog = Catalog(
+    "stage", Path(__file__), "stage", traits=("flow", "accelerated", "retries")
+)
+"""Each stage by its name (``ppo <name>``, the ``dvc.yaml`` stage), in the order the retraining
+flow runs them. ``flow``: the flow runs it (``export`` runs on demand); ``accelerated``: it runs
+the models, so it holds a slot of ``flow.gpu_limit``; ``retries``: how often the flow retries it
+(the long, resumable stages; a validation failure is not retried)."""
+
+stage = STAGES.register
 
 
+@stage("prepare", flow=True, accelerated=False, retries=0)
 def prepare(config: Config) -> Path:
     """Clean, deduplicate and split the raw prompts into a versioned train/eval set.
 
@@ -159,43 +188,14 @@ def _distinct_prompts(config: Config) -> tuple[list[str], dict[str, int], list[d
     return prompts, counts, source_info, bool(first_of_kind.get(True))
 
 
-def train(config: Config, show_progress: bool = True):
-    """The PPO loop with DVCLive metrics, a progress bar, and ``curves.png`` in the metrics
-    folder."""
-    from flows.loggers import ConsoleProgress, DVCLiveLogger
-    from flows.plots import plot_training_curves
-    from ppo_core.parallel.process_group import is_main_process
-    from ppo_core.training.loop import train as run_training
-
-    check_raw_data_is_prepared(config)
-    loggers: list[DVCLiveLogger | ConsoleProgress] = [DVCLiveLogger(config.train.metrics_dir)]
-    if show_progress:
-        loggers.append(ConsoleProgress(config.train.iterations))
-    try:
-        summary = run_training(config, loggers=loggers)
-    finally:
-        for logger in loggers:
-            logger.close()
-    if is_main_process():  # under torchrun, rank 0 writes the reports
-        plot_training_curves(summary.history, Path(config.train.metrics_dir) / "curves.png")
-    return summary
+@stage("base", flow=True, accelerated=False, retries=0)
+def base(config: Config) -> Path:
+    """Import ``base.source`` into ``model.policy``, or build the tiny default there
+    (:func:`flows.base_model.import_base`)."""
+    return import_base(config)
 
 
-def evaluate(config: Config, candidate: str | None = None, baseline: str | None = None):
-    """Evaluate the candidate (default ``train.output_dir``) against a baseline (default
-    ``eval.baseline``, else the current production version, else ``model.policy``), both scored
-    with ``eval.reward``, else the reward the candidate was trained with, else ``model.reward``.
-    A candidate with another tokenizer than the KL reference is refused; a baseline with
-    another tokenizer is scored without KL (:mod:`ppo_core.evaluation.evaluate`)."""
-    from ppo_core.evaluation.evaluate import evaluate as run_evaluation
-
-    return run_evaluation(
-        config,
-        candidate or config.train.output_dir,
-        baseline if baseline is not None else _evaluation_baseline(config),
-    )
-
-
+@stage("validate", flow=True, accelerated=False, retries=0)
 def validate(config: Config) -> Path:
     """Check the candidate data version with Great Expectations and publish it when it passes.
 
@@ -271,6 +271,54 @@ def validate(config: Config) -> Path:
     return atomic_folder(config.data.prepared_dir, publish)
 
 
+@stage("reward", flow=True, accelerated=True, retries=1)
+def reward(config: Config, progress=print, on_step=None) -> dict:
+    """Train, judge and version the reward model on the feedback's pairs, when
+    ``reward.enabled`` (:func:`flows.reward_stage.reward`)."""
+    from flows.reward_stage import reward as run_reward
+
+    return run_reward(config, progress=progress, on_step=on_step)
+
+
+@stage("train", flow=True, accelerated=True, retries=2)
+def train(config: Config, show_progress: bool = True):
+    """The PPO loop with DVCLive metrics, a progress bar, and ``curves.png`` in the metrics
+    folder."""
+    from flows.loggers import ConsoleProgress, DVCLiveLogger
+    from flows.plots import plot_training_curves
+    from ppo_core.parallel.process_group import is_main_process
+    from ppo_core.training.loop import train as run_training
+
+    check_raw_data_is_prepared(config)
+    loggers: list[DVCLiveLogger | ConsoleProgress] = [DVCLiveLogger(config.train.metrics_dir)]
+    if show_progress:
+        loggers.append(ConsoleProgress(config.train.iterations))
+    try:
+        summary = run_training(config, loggers=loggers)
+    finally:
+        for logger in loggers:
+            logger.close()
+    if is_main_process():  # under torchrun, rank 0 writes the reports
+        plot_training_curves(summary.history, Path(config.train.metrics_dir) / "curves.png")
+    return summary
+
+
+@stage("evaluate", flow=True, accelerated=True, retries=1)
+def evaluate(config: Config, candidate: str | None = None, baseline: str | None = None):
+    """Evaluate the candidate (default ``train.output_dir``) against a baseline (default
+    ``eval.baseline``, else the current production version, else ``model.policy``), both scored
+    with ``eval.reward``, else the reward the candidate was trained with, else ``model.reward``.
+    A candidate with another tokenizer than the KL reference is refused; a baseline with
+    another tokenizer is scored without KL (:mod:`ppo_core.evaluation.evaluate`)."""
+    from ppo_core.evaluation.evaluate import evaluate as run_evaluation
+
+    return run_evaluation(
+        config,
+        candidate or config.train.output_dir,
+        baseline if baseline is not None else _evaluation_baseline(config),
+    )
+
+
 def _evaluation_baseline(config: Config) -> str:
 
     if config.eval.baseline is not None:
@@ -327,6 +375,7 @@ def _evaluation_of_this_candidate(config: Config, metrics_file: Path) -> tuple[d
     return read["metrics.json"], models
 
 
+@stage("promote", flow=True, accelerated=False, retries=0)
 def promote(config: Config) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
     candidate as a new production version. Writes the decision to ``promote.report`` either way."""
@@ -374,3 +423,10 @@ def promote(config: Config) -> dict:
     report = {key: value for key, value in entry.items() if key not in ("date", "code_version")}
     atomic_write_text(rules.report, json.dumps(report, indent=1))
     return entry
+
+
+@stage("export", flow=False, accelerated=False, retries=0)
+def export(config: Config) -> dict:
+    """The current production version as one GGUF file in ``export.dir``
+    (:func:`flows.export.export_version`)."""
+    return export_version(config)

@@ -33,7 +33,7 @@ _MATH_NAMES: dict[str, tuple[str, ...]] = {
         "rloo_advantages",
     ),
     "batching": ("check_batch_sizes", "micro_batch_slices", "minibatch_indices"),
-    "choices": ("ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_MODES"),
+    "declarations": ("ADVANTAGE_ESTIMATORS", "KL_ESTIMATORS", "LOSS_AGG_MODES"),
     "gae": ("compute_gae", "whiten_advantages"),
     "kl": (
         "AdaptiveKLController",

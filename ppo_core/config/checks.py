@@ -18,7 +18,7 @@ from ppo_core.config.choices import CHOICES
 from ppo_core.config.keys import MAX_VALUE_CHARS, ConfigError, flatten, shown_value
 from ppo_core.config.schema import Config, ModelConfig, PPOConfig
 from ppo_core.files.output_paths import OutputPathError, check_output, overlap, real_path
-from ppo_core.math.choices import (
+from ppo_core.math.declarations import (
     check_batch_sizes,
     critic_free_estimators,
     needs_critic,

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal, TypeVar, get_args
 
-from ppo_core.math.choices import ADVANTAGE_ESTIMATORS, KLEstimator, LossAggMode
+from ppo_core.math.declarations import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS_AGG_MODES
 
-# The string choices owned here; the loss aggregation modes and KL estimators are defined by the
-# math functions that take them.
+# The string choices owned here; the advantage estimators, loss aggregation modes and KL estimators
+# are the math layer's catalogs (ppo_core/math/declarations.py).
 Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16"]
 Critic = Literal["shared", "separate", "none"]
@@ -34,18 +34,18 @@ else:
     Choice = _ChoiceOfStr()
 
 
-# Every key whose value is one of a fixed set of strings, with those strings (a Literal's, or the
-# registry of advantage estimators).
+# Every key whose value is one of a fixed set of strings, with those strings (a Literal's, or a
+# catalog's names).
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": get_args(Device),
     "precision": get_args(Precision),
     "model.critic": get_args(Critic),
     "model.reference_dtype": get_args(Precision),
     "base.dtype": get_args(Precision),
-    "ppo.loss_agg_mode": get_args(LossAggMode),
+    "ppo.loss_agg_mode": LOSS_AGG_MODES,
     "ppo.advantage_estimator": ADVANTAGE_ESTIMATORS,
     "ppo.old_logprobs": get_args(OldLogprobs),
-    "kl.estimator": get_args(KLEstimator),
+    "kl.estimator": KL_ESTIMATORS,
     "optim.name": get_args(OptimizerName),
     "optim.scheduler": get_args(SchedulerName),
     "parallel.strategy": get_args(StrategyName),

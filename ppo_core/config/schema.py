@@ -38,7 +38,7 @@ from ppo_core.config.stage_sections import (
     ScheduleConfig,
     ValidationConfig,
 )
-from ppo_core.math.choices import (
+from ppo_core.math.declarations import (
     DEFAULT_KL_ESTIMATOR,
     AdvantageEstimator,
     KLEstimator,

@@ -3,10 +3,10 @@ samples of the batch instead (no value model).
 
 Every estimator reads one :class:`AdvantageInputs` and returns ``(advantages, returns)``, each
 ``[B, T]`` and 0 at masked positions; ``returns`` is ``None`` where there is no critic to train.
-:data:`ESTIMATORS` maps each name of ``ppo.advantage_estimator`` to one; an estimator is added
-by writing its function here under :func:`estimator`, and nowhere else: the config's choices, its
-checks and the ``ppo train --help`` text read the names and needs from this file
-(:data:`ppo_core.math.choices.ESTIMATOR_NEEDS`).
+:data:`ESTIMATORS` (a :class:`ppo_core.catalog.Catalog`) maps each name of
+``ppo.advantage_estimator`` to one; an estimator is added by writing its function here under
+``@estimator``, and nowhere else: the config's choices, its checks and the ``ppo train --help``
+text read the names and needs from this file (:data:`ppo_core.math.declarations.ESTIMATOR_NEEDS`).
 
 Groups: the critic-free estimators compare samples of the same prompt. ``group_ids[i]`` names
 the group of row ``i`` (:func:`consecutive_groups` for ``k`` samples per prompt in a row); a
@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from ppo_core.math.choices import EstimatorNeeds
+from ppo_core.math.declarations import ADVANTAGE_ESTIMATOR_CATALOG
 from ppo_core.math.gae import compute_gae, whiten_advantages
 from ppo_core.math.masked import select
 
@@ -36,10 +36,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ESTIMATORS",
-    "REGISTERED_NEEDS",
     "AdvantageInputs",
     "consecutive_groups",
     "dr_grpo_advantages",
+    "estimator",
     "grpo_advantages",
     "reinforce_pp_advantages",
     "rloo_advantages",
@@ -191,35 +191,16 @@ class AdvantageInputs:
 
 EstimatorFn = Callable[[AdvantageInputs], tuple[Tensor, Tensor | None]]
 
-ESTIMATORS: dict[str, EstimatorFn] = {}
+ESTIMATORS = ADVANTAGE_ESTIMATOR_CATALOG
 """Each estimator by its name (the value of ``ppo.advantage_estimator``), filled by
-:func:`estimator`."""
+:func:`estimator` below."""
 
-REGISTERED_NEEDS: dict[str, EstimatorNeeds] = {}
-"""What each registered estimator reads besides the scores, as :func:`estimator` recorded it."""
-
-
-def estimator(name: str, *, critic: bool, groups: bool) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Register the decorated function as the advantage estimator ``name``.
-
-    Args:
-        name: its value of ``ppo.advantage_estimator``.
-        critic: it reads the critic's values (a value model is built, run and trained) and
-            returns the critic's targets.
-        groups: it compares the samples of one prompt (``ppo.samples_per_prompt >= 2``).
-
-    The three arguments must be literals: the config reads them from this file's text
-    (:mod:`ppo_core.math.choices`), so that checking a config never imports torch.
-    """
-
-    def register(function: EstimatorFn) -> EstimatorFn:
-        if name in ESTIMATORS:
-            raise ValueError(f"two advantage estimators are named {name!r}")
-        ESTIMATORS[name] = function
-        REGISTERED_NEEDS[name] = EstimatorNeeds(critic=critic, groups=groups)
-        return function
-
-    return register
+estimator = ESTIMATORS.register
+"""``@estimator("name", critic=..., groups=...)`` registers the decorated function as the advantage
+estimator ``name``: ``critic``, it reads the critic's values (a value model is built, run and
+trained) and returns the critic's targets; ``groups``, it compares the samples of one prompt
+(``ppo.samples_per_prompt >= 2``). The arguments are literals: the config reads them from this
+file's text."""
 
 
 @estimator("gae", critic=True, groups=False)

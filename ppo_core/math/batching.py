@@ -14,7 +14,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from ppo_core.math.choices import check_batch_sizes
+from ppo_core.math.declarations import check_batch_sizes
 
 __all__ = [
     "by_length",

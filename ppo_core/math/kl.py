@@ -21,16 +21,45 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ppo_core.math.choices import KL_ESTIMATORS, KLEstimator
+from ppo_core.math.declarations import KL_ESTIMATOR_CATALOG, KLEstimator
 from ppo_core.math.masked import select
 
 __all__ = [
+    "KL_ESTIMATOR_FNS",
     "AdaptiveKLController",
     "FixedKLController",
+    "kl_estimator",
     "kl_penalty",
     "last_valid_index",
     "token_rewards",
 ]
+
+
+KL_ESTIMATOR_FNS = KL_ESTIMATOR_CATALOG
+"""Each KL estimator by its name (``kl.estimator``): a function of ``d = log pi - log ref``."""
+
+kl_estimator = KL_ESTIMATOR_FNS.register
+"""``@kl_estimator("name")`` registers the decorated ``d -> estimate`` function (elementwise)."""
+
+
+@kl_estimator("k1")
+def _k1(d: Tensor) -> Tensor:
+    return d
+
+
+@kl_estimator("k2")
+def _k2(d: Tensor) -> Tensor:
+    return 0.5 * d * d
+
+
+@kl_estimator("k3")
+def _k3(d: Tensor) -> Tensor:
+    return torch.expm1(-d) + d
+
+
+@kl_estimator("abs")
+def _abs(d: Tensor) -> Tensor:
+    return d.abs()
 
 
 def kl_penalty(
@@ -44,7 +73,7 @@ def kl_penalty(
     Args:
         logprobs: ``[B, T]`` log-probabilities of the sampled tokens under the policy.
         ref_logprobs: ``[B, T]`` the same tokens under the frozen reference.
-        estimator: one of ``k1``, ``k2``, ``k3``, ``abs``.
+        estimator: a name of :data:`KL_ESTIMATOR_FNS` (``k1``, ``k2``, ``k3``, ``abs``).
         mask: optional ``[B, T]``; masked positions of the result are 0.
 
     Returns:
@@ -53,17 +82,7 @@ def kl_penalty(
     if mask is not None:
         logprobs = select(logprobs, mask)
         ref_logprobs = select(ref_logprobs, mask)
-    d = logprobs - ref_logprobs
-    if estimator == "k1":
-        kl = d
-    elif estimator == "k2":
-        kl = 0.5 * d * d
-    elif estimator == "k3":
-        kl = torch.expm1(-d) + d
-    elif estimator == "abs":
-        kl = d.abs()
-    else:
-        raise ValueError(f"unknown KL estimator {estimator!r}; choose one of {KL_ESTIMATORS}")
+    kl = KL_ESTIMATOR_FNS[estimator](logprobs - ref_logprobs)
     return kl if mask is None else select(kl, mask)
 
 

@@ -23,11 +23,12 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ppo_core.math.choices import LOSS_AGG_MODES, LossAggMode
+from ppo_core.math.declarations import LOSS_AGGREGATION_CATALOG, LossAggMode
 from ppo_core.math.masked import select
 from ppo_core.math.running_mean import RunningMean
 
 __all__ = [
+    "LOSS_AGGREGATIONS",
     "LossParts",
     "PolicyLossOutput",
     "ValueLossOutput",
@@ -35,6 +36,7 @@ __all__ = [
     "count_units",
     "entropy_from_logits",
     "logprobs_from_logits",
+    "loss_aggregation",
     "policy_loss",
     "value_loss",
 ]
@@ -187,15 +189,61 @@ def value_loss(
     )
 
 
+LOSS_AGGREGATIONS = LOSS_AGGREGATION_CATALOG
+"""Each loss aggregation mode by its name (``ppo.loss_agg_mode``): a class with two static
+methods over a micro-batch, ``count(mask)``, its units (scalar int64), and
+``total(losses, mask)``, the sum of its units' losses (``losses`` ``[B, T]``, 0 where masked,
+float32 at least). The mini-batch objective is ``sum(total) / sum(count)``."""
+
+loss_aggregation = LOSS_AGGREGATIONS.register
+"""``@loss_aggregation("name")`` registers the decorated class as the mode ``name``."""
+
+
+@loss_aggregation("token-mean")
+class _TokenMean:
+    """Every valid token is a unit: ``sum_i m_i l_i / sum_i m_i`` over the mini-batch."""
+
+    @staticmethod
+    def count(mask: Tensor) -> Tensor:
+        return mask.sum(dtype=torch.int64)
+
+    @staticmethod
+    def total(losses: Tensor, mask: Tensor) -> Tensor:
+        return losses.sum()
+
+
+def _sequences(mask: Tensor) -> Tensor:
+    # an all-masked sequence has no token mean and takes no part
+    return mask.any(dim=-1).sum(dtype=torch.int64)
+
+
+@loss_aggregation("seq-mean-token-mean")
+class _SeqMeanTokenMean:
+    """Every sequence is a unit, its loss the mean over its valid tokens."""
+
+    count = staticmethod(_sequences)
+
+    @staticmethod
+    def total(losses: Tensor, mask: Tensor) -> Tensor:
+        tokens_per_seq = mask.sum(dim=-1).clamp(min=1).to(losses.dtype)
+        return (losses.sum(dim=-1) / tokens_per_seq).sum()
+
+
+@loss_aggregation("seq-mean-token-sum")
+class _SeqMeanTokenSum:
+    """Every sequence is a unit, its loss the sum over its valid tokens."""
+
+    count = staticmethod(_sequences)
+
+    @staticmethod
+    def total(losses: Tensor, mask: Tensor) -> Tensor:
+        return losses.sum(dim=-1).sum()
+
+
 def count_units(response_mask: Tensor, mode: LossAggMode = "token-mean") -> Tensor:
     """How many units a ``[B, T]`` mask holds for ``mode``: valid tokens, or sequences with at least
     one valid token (an all-masked sequence has no token mean and takes no part). Scalar int64."""
-    mask = response_mask.bool()
-    if mode == "token-mean":
-        return mask.sum(dtype=torch.int64)
-    if mode in ("seq-mean-token-mean", "seq-mean-token-sum"):
-        return mask.any(dim=-1).sum(dtype=torch.int64)
-    raise ValueError(f"unknown loss aggregation mode {mode!r}; choose one of {LOSS_AGG_MODES}")
+    return LOSS_AGGREGATIONS[mode].count(response_mask.bool())
 
 
 def aggregate_loss(
@@ -210,15 +258,8 @@ def aggregate_loss(
 
     Sums are taken in float32 at least, whatever the model's dtype (docs/design.md section 4).
     """
+    aggregation = LOSS_AGGREGATIONS[mode]
     mask = response_mask.bool()
     acc_dtype = torch.promote_types(token_losses.dtype, torch.float32)
     losses = select(token_losses.to(acc_dtype), mask)
-    count = count_units(mask, mode)
-    if mode == "token-mean":
-        return LossParts(losses.sum(), count)
-    per_seq_sum = losses.sum(dim=-1)
-    if mode == "seq-mean-token-sum":
-        return LossParts(per_seq_sum.sum(), count)
-    tokens_per_seq = mask.sum(dim=-1)
-    per_seq_mean = per_seq_sum / tokens_per_seq.clamp(min=1).to(acc_dtype)
-    return LossParts(per_seq_mean.sum(), count)
+    return LossParts(aggregation.total(losses, mask), aggregation.count(mask))

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import Tensor
 
-from ppo_core.math.choices import DEFAULT_KL_ESTIMATOR, KLEstimator, ObjectiveCoefficients
+from ppo_core.math.declarations import DEFAULT_KL_ESTIMATOR, KLEstimator, ObjectiveCoefficients
 from ppo_core.math.kl import kl_penalty
 from ppo_core.math.losses import (
     LossParts,

@@ -40,7 +40,6 @@ from torch import Tensor
 from ppo_core.base_sources.hub_cache import HUB_ID, snapshot_of
 from ppo_core.models.folders import check_model_folder
 from ppo_core.prompts import Prompt
-from ppo_core.rewards import scorers as rewards
 from ppo_core.rewards.classifier import (
     has_scalar_head,
     load_reward_classifier,
@@ -48,6 +47,7 @@ from ppo_core.rewards.classifier import (
     scored_token_ids,
     sequence_logits,
 )
+from ppo_core.rewards.scorers import BUILTIN_REWARDS
 
 __all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
 
@@ -63,9 +63,6 @@ class RewardTimeoutError(RewardError):
 
 
 TIMEOUT_KEY = "model.reward_timeout"
-
-BUILTIN_REWARDS = {"builtin:sentiment": "SentimentScorer", "builtin:afinn": "AfinnScorer"}
-"""The built-in rewards and their classes in :mod:`ppo_core.rewards.scorers`."""
 
 
 def build_reward_fn(
@@ -103,7 +100,7 @@ def _reward_callable(
     """The bare function named by ``spec``, before any check or time limit."""
     if spec in BUILTIN_REWARDS:
         try:
-            return getattr(rewards, BUILTIN_REWARDS[spec])()
+            return BUILTIN_REWARDS[spec]()
         except ImportError as exc:  # a built-in scorer's optional package is missing
             raise RewardError(f"{key}={spec!r}: {exc}") from None
     if spec.startswith("builtin:"):

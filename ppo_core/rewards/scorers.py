@@ -20,12 +20,21 @@ Built-in scorers, both rule based and CPU only, so that nothing is downloaded:
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import torch
 
+from ppo_core.catalog import Catalog
 from ppo_core.prompts import Prompt
 
+BUILTIN_REWARDS: Catalog = Catalog("built-in reward", Path(__file__), "builtin_reward")
+"""The rewards ``model.reward=builtin:<name>`` names: each a class of this file under
+``@builtin_reward("builtin:<name>")``, built with no argument and called as a reward function."""
 
+builtin_reward = BUILTIN_REWARDS.register
+
+
+@builtin_reward("builtin:sentiment")
 class SentimentScorer:
     """Score ``prompt + response`` with VADER's compound sentiment (range -1..1).
 
@@ -56,6 +65,7 @@ class SentimentScorer:
         return torch.tensor(self.score_texts(texts), dtype=torch.float32)
 
 
+@builtin_reward("builtin:afinn")
 class AfinnScorer(SentimentScorer):
     """Score ``prompt + response`` with the AFINN-165 word list: the sum of the valences (-5..+5)
     of the words it lists, squashed to (-1, 1) by ``tanh(sum / 5)`` so that one clearly positive

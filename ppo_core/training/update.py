@@ -15,7 +15,7 @@ import torch
 
 from ppo_core.config import KLConfig, PPOConfig
 from ppo_core.math.accumulation import accumulate_gradients
-from ppo_core.math.choices import DEFAULT_KL_ESTIMATOR, ObjectiveCoefficients
+from ppo_core.math.declarations import DEFAULT_KL_ESTIMATOR, ObjectiveCoefficients
 from ppo_core.math.losses import LossParts
 from ppo_core.math.masked import select
 from ppo_core.math.objective import PPOObjective

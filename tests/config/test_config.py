@@ -17,7 +17,7 @@ from ppo_core.config import (
     save_config,
     to_yaml,
 )
-from ppo_core.math.choices import KL_ESTIMATORS, LOSS_AGG_MODES
+from ppo_core.math.declarations import KL_ESTIMATORS, LOSS_AGG_MODES
 
 
 def test_defaults_load_and_nest(tmp_path):
@@ -485,7 +485,7 @@ def test_the_objective_and_the_config_share_each_coefficient_and_default():
     import dataclasses
 
     from ppo_core.config import KLConfig, PPOConfig
-    from ppo_core.math.choices import ObjectiveCoefficients
+    from ppo_core.math.declarations import ObjectiveCoefficients
     from ppo_core.math.objective import PPOObjective
     from ppo_core.training.update import objective_from
 

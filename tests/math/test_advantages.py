@@ -12,7 +12,6 @@ from hypothesis import strategies as st
 
 from ppo_core.math.advantages import (
     ESTIMATORS,
-    REGISTERED_NEEDS,
     AdvantageInputs,
     consecutive_groups,
     dr_grpo_advantages,
@@ -20,12 +19,7 @@ from ppo_core.math.advantages import (
     reinforce_pp_advantages,
     rloo_advantages,
 )
-from ppo_core.math.choices import (
-    ADVANTAGE_ESTIMATORS,
-    ESTIMATOR_NEEDS,
-    EstimatorNeeds,
-    declared_estimators,
-)
+from ppo_core.math.declarations import ADVANTAGE_ESTIMATORS, ESTIMATOR_NEEDS
 from ppo_core.math.gae import compute_gae, whiten_advantages
 from tests.helpers import examples
 
@@ -222,32 +216,8 @@ def test_the_registry_runs_each_estimator_by_name():
         ESTIMATORS["grpo"](AdvantageInputs(scores, rewards, mask))
 
 
-def test_the_config_reads_the_registry_the_import_fills():
-    """The torch-free names and needs of ``ppo_core.math.choices`` (read from the text of
-    advantages.py) are the ones its ``@estimator`` registrations record when it is imported."""
-    assert REGISTERED_NEEDS == ESTIMATOR_NEEDS
+def test_the_estimators_in_their_order():
     assert ADVANTAGE_ESTIMATORS == ("gae", "grpo", "dr_grpo", "rloo", "reinforce_pp")
-
-
-def test_a_registration_in_the_text_is_read_with_its_needs():
-    source = (
-        "@estimator('gae', critic=True, groups=False)\ndef _a(inputs): ...\n\n"
-        "@other\n@estimator('toy', critic=False, groups=True)\ndef _b(inputs): ...\n"
-        "def _c(inputs): ...\n"
-    )
-    assert declared_estimators(source) == {
-        "gae": EstimatorNeeds(critic=True, groups=False),
-        "toy": EstimatorNeeds(critic=False, groups=True),
-    }
-
-
-@pytest.mark.parametrize(
-    "decorator",
-    ["@estimator(NAME, critic=True, groups=False)", "@estimator('x', critic=True)"],
-)
-def test_a_registration_the_config_cannot_read_is_refused(decorator):
-    with pytest.raises(ValueError, match="as literals"):
-        declared_estimators(f"{decorator}\ndef _x(inputs): ...\n")
 
 
 def test_two_estimators_of_one_name_are_refused():

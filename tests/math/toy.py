@@ -14,7 +14,7 @@ from ppo_core import (
     entropy_from_logits,
     logprobs_from_logits,
 )
-from ppo_core.math.choices import LossAggMode
+from ppo_core.math.declarations import LossAggMode
 
 VOCAB = 11
 HIDDEN = 8

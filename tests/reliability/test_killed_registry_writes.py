@@ -214,7 +214,7 @@ EXPORT_KILLER = textwrap.dedent(
         export.os.rename = die
     elif point == "after the rename":
         export.fsync_folder = die
-    export.export(load_config(overrides=overrides))
+    export.export_version(load_config(overrides=overrides))
     sys.exit("not killed")
     """
 )
@@ -231,7 +231,7 @@ EXPORT_KILL_POINTS = [
 def test_an_export_killed_at_each_step_is_completed_by_the_next_export(
     tmp_path, tiny_model_dir, point
 ):
-    from flows.export import export
+    from flows.stages import export
     from ppo_core.config import load_config
     from ppo_core.files import file_sha256
 

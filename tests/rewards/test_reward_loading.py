@@ -104,7 +104,7 @@ def test_every_kind_of_reward_is_stopped_after_the_timeout(kind, hanging, tmp_pa
         monkeypatch.delitem(sys.modules, "hanging_reward_module", raising=False)
         spec = "hanging_reward_module:score"
     elif kind == "builtin":
-        monkeypatch.setattr(rewards, "SentimentScorer", lambda: hanging)
+        monkeypatch.setitem(rewards.BUILTIN_REWARDS.entries, "builtin:sentiment", lambda: hanging)
         spec = "builtin:sentiment"
     else:
         (tmp_path / "reward-model").mkdir()
@@ -138,7 +138,7 @@ def test_a_reward_within_the_timeout_returns_its_scores_and_errors(monkeypatch):
         calls.append(torch.is_grad_enabled())
         return [float(len(r)) for r in responses]
 
-    monkeypatch.setattr(rewards, "SentimentScorer", lambda: fine)
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS.entries, "builtin:sentiment", lambda: fine)
     reward = build_reward_fn("builtin:sentiment", timeout=5)
     with torch.no_grad():
         assert reward(["a"], ["xyz"]).tolist() == [3.0]
@@ -147,7 +147,7 @@ def test_a_reward_within_the_timeout_returns_its_scores_and_errors(monkeypatch):
     def broken(prompts, responses):
         raise RuntimeError("scorer backend is down")
 
-    monkeypatch.setattr(rewards, "SentimentScorer", lambda: broken)
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS.entries, "builtin:sentiment", lambda: broken)
     with pytest.raises(RewardError, match=r"raised RuntimeError: scorer backend is down"):
         build_reward_fn("builtin:sentiment", timeout=5)(["a"], ["b"])
 
@@ -162,7 +162,7 @@ def test_no_timeout_calls_the_reward_in_the_calling_thread(monkeypatch):
         time.sleep(0.3)
         return [0.0] * len(prompts)
 
-    monkeypatch.setattr(rewards, "SentimentScorer", lambda: slow)
+    monkeypatch.setitem(rewards.BUILTIN_REWARDS.entries, "builtin:sentiment", lambda: slow)
     assert build_reward_fn("builtin:sentiment", timeout=0)(["a"], ["b"]).tolist() == [0.0]
     assert seen == [threading.current_thread()]
 

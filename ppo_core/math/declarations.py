@@ -1,24 +1,29 @@
-"""The math layer's named choices and batch-size rule, in plain Python.
+"""What the math layer declares, read without torch: its three catalogs (advantage estimators,
+KL estimators, loss aggregation modes), the objective's coefficients and the batch-size rule.
 
 The config (layer 3) checks these when it loads, before any tensor exists; keeping them free of
 torch lets the orchestration process (the Prefect flow, ``ppo ingest``, ``ppo config``) load and
 check a config without importing torch, which costs seconds a run (docs/benchmarks.md,
-"Orchestration overhead"). The modules that use them import them from here; none re-exports
-them.
+"Orchestration overhead"). Each catalog reads its names from its home's text
+(:class:`ppo_core.catalog.Catalog`); the home registers the functions under the same names.
 """
 
 from __future__ import annotations
 
-import ast
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple, get_args
+from typing import NamedTuple
+
+from ppo_core.catalog import Catalog
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ADVANTAGE_ESTIMATOR_CATALOG",
     "DEFAULT_KL_ESTIMATOR",
     "ESTIMATOR_NEEDS",
     "KL_ESTIMATORS",
+    "KL_ESTIMATOR_CATALOG",
+    "LOSS_AGGREGATION_CATALOG",
     "LOSS_AGG_MODES",
     "AdvantageEstimator",
     "EstimatorNeeds",
@@ -27,10 +32,27 @@ __all__ = [
     "ObjectiveCoefficients",
     "check_batch_sizes",
     "critic_free_estimators",
-    "declared_estimators",
     "needs_critic",
     "needs_groups",
 ]
+
+_HERE = Path(__file__).parent
+
+ADVANTAGE_ESTIMATOR_CATALOG: Catalog = Catalog(
+    "advantage estimator", _HERE / "advantages.py", "estimator", traits=("critic", "groups")
+)
+"""``ppo.advantage_estimator``: ``@estimator("name", critic=..., groups=...)`` in
+``ppo_core/math/advantages.py``."""
+
+KL_ESTIMATOR_CATALOG: Catalog = Catalog("KL estimator", _HERE / "kl.py", "kl_estimator")
+"""``kl.estimator``: ``@kl_estimator("name")`` in ``ppo_core/math/kl.py``, Schulman (2020),
+"Approximating KL divergence"."""
+
+LOSS_AGGREGATION_CATALOG: Catalog = Catalog(
+    "loss aggregation mode", _HERE / "losses.py", "loss_aggregation"
+)
+"""``ppo.loss_agg_mode``: ``@loss_aggregation("name")`` on a class of ``ppo_core/math/losses.py``
+that owns both the count of units and their total."""
 
 
 class EstimatorNeeds(NamedTuple):
@@ -42,45 +64,19 @@ class EstimatorNeeds(NamedTuple):
     """The other samples of the same prompt (at least 2 a prompt)."""
 
 
-def declared_estimators(source: str) -> dict[str, EstimatorNeeds]:
-    """Each advantage estimator that ``source`` (the text of a module) registers with
-    ``@estimator("name", critic=..., groups=...)``, in the order they are written.
-
-    Read from the text, not imported: ``ppo_core.math.advantages`` imports torch, and the config
-    checks its choices in processes that must not (the Prefect flow, ``ppo ingest``).
-
-    Raises:
-        ValueError: a registration whose arguments are not literals.
-    """
-    found: dict[str, EstimatorNeeds] = {}
-    for node in ast.parse(source).body:
-        if not isinstance(node, ast.FunctionDef):
-            continue
-        for decorator in node.decorator_list:
-            call = decorator
-            if not (isinstance(call, ast.Call) and getattr(call.func, "id", None) == "estimator"):
-                continue
-            try:
-                name = ast.literal_eval(call.args[0])
-                needs = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
-                found[name] = EstimatorNeeds(critic=needs["critic"], groups=needs["groups"])
-            except (IndexError, KeyError, ValueError) as error:
-                raise ValueError(
-                    f"@estimator on {node.name} must name the estimator and give critic= and "
-                    f"groups= as literals: {ast.unparse(call)}"
-                ) from error
-    return found
-
-
-ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = declared_estimators(
-    Path(__file__).with_name("advantages.py").read_text(encoding="utf-8")
-)
+ESTIMATOR_NEEDS: dict[str, EstimatorNeeds] = {
+    name: EstimatorNeeds(**traits) for name, traits in ADVANTAGE_ESTIMATOR_CATALOG.declared.items()
+}
 """Each advantage estimator of ``ppo_core.math.advantages`` with what it needs: the config's
 choices and checks and the CLI's help read it."""
 
-ADVANTAGE_ESTIMATORS: tuple[str, ...] = tuple(ESTIMATOR_NEEDS)
+ADVANTAGE_ESTIMATORS: tuple[str, ...] = ADVANTAGE_ESTIMATOR_CATALOG.names()
+KL_ESTIMATORS: tuple[str, ...] = KL_ESTIMATOR_CATALOG.names()
+LOSS_AGG_MODES: tuple[str, ...] = LOSS_AGGREGATION_CATALOG.names()
+# Names of the catalogs above (open sets, so not Literals).
 AdvantageEstimator = str
-"""A name of :data:`ADVANTAGE_ESTIMATORS` (a registry, so not a Literal)."""
+KLEstimator = str
+LossAggMode = str
 
 
 def critic_free_estimators() -> tuple[str, ...]:
@@ -96,15 +92,6 @@ def needs_critic(estimator: str) -> bool:
 def needs_groups(estimator: str) -> bool:
     """Whether an advantage estimator compares the samples of one prompt (at least 2 each)."""
     return ESTIMATOR_NEEDS[estimator].groups
-
-
-# KL(pi || ref) estimators of Schulman (2020), "Approximating KL divergence" (ppo_core.math.kl).
-KLEstimator = Literal["k1", "k2", "k3", "abs"]
-KL_ESTIMATORS: tuple[str, ...] = get_args(KLEstimator)
-
-# How token losses reduce to one loss (ppo_core.math.losses.aggregate_loss).
-LossAggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"]
-LOSS_AGG_MODES: tuple[str, ...] = get_args(LossAggMode)
 
 
 @dataclass(frozen=True)
