@@ -26,6 +26,7 @@ from rich.console import Console
 from flows import operations
 from flows.command import ConfigOption, Overrides, app, console, load_settings, run_or_exit
 from ppo_core.catalog import declared_in
+from ppo_core.files.artifacts import DATA_MANIFEST
 
 
 @app.command("config")
@@ -68,7 +69,7 @@ def prepare(config: ConfigOption = None, overrides: Overrides = None) -> None:
 
     cfg = load_settings(config, overrides)
     path = run_or_exit(lambda: stages.prepare(cfg))
-    manifest = (path / "manifest.json").read_text()
+    manifest = (path / DATA_MANIFEST).read_text()
     info = json.loads(manifest)
     c = info["counts"]
     console.print(
@@ -76,7 +77,7 @@ def prepare(config: ConfigOption = None, overrides: Overrides = None) -> None:
         f"({c['duplicates']} duplicates, {c['empty']} empty dropped) in [bold]{path}[/]; "
         f"data version {info['content_hash'][:12]}"
     )
-    feedback = json.loads((path / "feedback" / "manifest.json").read_text())
+    feedback = json.loads((path / "feedback" / DATA_MANIFEST).read_text())
     if feedback["pairs"] or feedback["sources"]:
         f = feedback["counts"]
         console.print(

@@ -124,7 +124,7 @@ USER_ERRORS = (
     ("ppo_core.registry.versions", "RegistryError"),
     ("ppo_core.registry.rewards", "RewardRegistryError"),
     ("ppo_core.base_sources.kinds", "BaseSourceError"),
-    ("flows.stages", "StaleEvaluationError"),
+    ("ppo_core.registry.promotion", "StaleEvaluationError"),
 )
 
 

@@ -52,6 +52,7 @@ from flows.validation_results import (
     token_stats,
 )
 from ppo_core.files import atomic_write_text
+from ppo_core.files.artifacts import VALIDATION_SUMMARY
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -140,7 +141,7 @@ def validate_feedback_pairs(
         failures=failures,
         evaluated=len(checks),
         docs_index=docs_index,
-        summary_path=report_dir / "summary.json",
+        summary_path=report_dir / VALIDATION_SUMMARY,
         splits={split: report["rows"] for split, report in split_reports.items()},
         what="Feedback pair validation",
         data="feedback pairs",
@@ -195,7 +196,7 @@ def _refuse_another_validations_folder(report_dir: Path) -> None:
     """Refuse a report folder that holds another validation's ``summary.json`` (the prompt
     splits'): its Data Docs and summary would be replaced by these and the next run of that one
     would replace these in turn. Give each validation its own folder (these go to a subfolder)."""
-    summary_path = report_dir / "summary.json"
+    summary_path = report_dir / VALIDATION_SUMMARY
     if not summary_path.is_file() or summary_path.is_symlink():
         return
     try:

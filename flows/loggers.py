@@ -1,9 +1,9 @@
 """Metric names and sinks: DVCLive files (for `dvc metrics` / `dvc plots`) and the console.
 
 A metric is named ``group/name`` (``rollout/score``, ``ppo/approx_kl``, ``candidate/score``).
-:func:`metric_file` says where DVCLive keeps one metric's series and :func:`metric_group` reads
-one group of a flat mapping; code that needs either goes through them (``dvc.yaml``'s plot
-paths are checked against :func:`metric_file` by the tests). DVCLive and the trainer's names
+:func:`metric_file` says where DVCLive keeps one metric's series (``dvc.yaml``'s plot paths are
+checked against it by the tests); ``ppo_core.files.artifacts.metric_group`` reads one group of a
+flat mapping. DVCLive and the trainer's names
 are imported where a run logs, so that the stages that only read metrics import neither.
 """
 
@@ -40,13 +40,6 @@ def metric_file(folder: str | Path, key: str) -> Path:
     ``rollout/score``, a ``step`` column and one named after the key's last part. The folder's
     ``metrics.json`` holds the latest values, nested by the same parts."""
     return Path(folder) / "plots" / "metrics" / f"{key}.tsv"
-
-
-def metric_group(flat: Mapping[str, float], group: str) -> dict[str, float]:
-    """The metrics ``{group}/{name}`` of ``flat`` as ``{name: value}``, e.g. the ``candidate``
-    side of the ``metrics.json`` written by ``ppo evaluate``."""
-    prefix = f"{group}/"
-    return {key[len(prefix) :]: value for key, value in flat.items() if key.startswith(prefix)}
 
 
 TIMINGS_FILE = "timings.json"

@@ -29,6 +29,7 @@ from typing import Any
 from flows.provenance import code_version
 from ppo_core.config import Config
 from ppo_core.files import atomic_write_text
+from ppo_core.files.artifacts import EVAL_METRICS
 from ppo_core.preference.pairs import FEEDBACK_FOLDER, read_pair_split, read_pair_version
 from ppo_core.registry.rewards import (
     current_reward,
@@ -190,7 +191,7 @@ def _write_reports(
     report_dir: Path, metrics: dict[str, Any], decision: dict[str, Any], versions_dir: str
 ) -> None:
     report_dir.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(report_dir / "metrics.json", json.dumps(metrics, indent=1) + "\n")
+    atomic_write_text(report_dir / EVAL_METRICS, json.dumps(metrics, indent=1) + "\n")
     atomic_write_text(report_dir / "decision.json", json.dumps(decision, indent=1) + "\n")
     write_current(report_dir, versions_dir)
 

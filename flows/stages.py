@@ -18,46 +18,35 @@ of their own, :mod:`flows.base_model` (``base``), :mod:`flows.reward_stage` (``r
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
 from pathlib import Path
 
 from flows.base_model import import_base
 from flows.export import export_version
-from flows.feedback_data import prepare_feedback, publish_feedback, validate_feedback
+from flows.feedback_data import publish_feedback, validate_feedback
+from flows.prepare import prepare_prompts
 from flows.provenance import code_version
 from flows.raw_data import (
     check_raw_data_is_prepared,
-    in_eval_split,
-    normalise_prompt,
-    raw_sources,
-    read_raw_prompts,
 )
 from ppo_core.catalog import Catalog
 from ppo_core.config import Config
 from ppo_core.files import (
     MAX_COPY_BYTES,
     atomic_folder,
-    atomic_write_text,
-    check_replaceable_file,
     copy_regular_file,
-    file_sha256,
-    printable,
 )
-from ppo_core.files.output_paths import real_path
+from ppo_core.files.artifacts import (
+    DATA_MANIFEST,
+)
 from ppo_core.prompts import (
     CHAT_FIELD,
     Prompt,
     PromptFileError,
-    is_chat,
-    parquet_size,
     parse_messages,
-    project_path,
 )
-from ppo_core.registry.gate import gate
-from ppo_core.registry.lineage import read_lineage
-from ppo_core.registry.versions import current_production, record_decision
+from ppo_core.registry.promotion import promote as run_promotion
+from ppo_core.registry.versions import current_production
 
 __all__ = [
     "STAGES",
@@ -85,107 +74,9 @@ stage = STAGES.register
 
 @stage("prepare", flow=True, accelerated=False, retries=0)
 def prepare(config: Config) -> Path:
-    """Clean, deduplicate and split the raw prompts into a versioned train/eval set.
-
-    Reads every ``*.jsonl`` / ``*.parquet`` in ``data.raw_dir`` (sorted by name), strips and
-    normalises whitespace, drops empty prompts and duplicates (first occurrence wins), splits by a
-    hash of each prompt, and writes ``train.parquet``, ``eval.parquet`` and ``manifest.json``
-    (content hash, counts, source files with their hashes) into ``data.interim_dir``, atomically;
-    ``validate`` publishes it to ``data.prepared_dir``. The feedback in ``data.feedback_dir``
-    becomes a pair version in ``feedback/`` beside the splits (:mod:`flows.feedback_data`).
-    A malformed line fails the stage naming its file and line; nothing is written then. So does a
-    raw file over ``data.max_rows_per_file`` or ``data.max_bytes_per_file``, and a split over them
-    (training and evaluation read the splits under the same caps). The manifest names each source
-    as ``project_path`` does: relative to the working folder, or by its name alone outside it.
-    """
-    import pandas as pd
-
-    data = config.data
-    prompts, counts, source_info, chat = _distinct_prompts(config)
-    column = CHAT_FIELD if chat else data.prompt_field
-    evals = [p for p in prompts if in_eval_split(p, data.split_seed, data.eval_fraction)]
-    trains = [p for p in prompts if not in_eval_split(p, data.split_seed, data.eval_fraction)]
-    if not trains or not evals:
-        raise PromptFileError(
-            f"{len(prompts)} distinct prompts give {len(trains)} train and {len(evals)} eval "
-            f"prompts with data.eval_fraction={data.eval_fraction}; both splits need prompts"
-        )
-    # Each split is a prompt file that `ppo train` or `ppo evaluate` reads under the same caps.
-    readers = {"train": "`ppo train`", "eval": "`ppo evaluate`"}
-    for split, items in (("train", trains), ("eval", evals)):
-        if len(items) > data.max_rows_per_file:
-            raise PromptFileError(
-                f"{Path(data.interim_dir) / f'{split}.parquet'} would hold {len(items)} prompts, "
-                f"more than data.max_rows_per_file={data.max_rows_per_file}, so {readers[split]} "
-                "could not read it; raise the limit"
-            )
-    content = hashlib.sha256()
-    for split, items in (("train", trains), ("eval", evals)):
-        for prompt in items:
-            content.update(f"{split}\x00{prompt}\n".encode())
-    # the feedback's pair version, read (and refused when malformed) before anything is written
-    feedback = prepare_feedback(config)
-    manifest = {
-        "content_hash": content.hexdigest(),
-        "counts": {**counts, "train": len(trains), "eval": len(evals)},
-        "eval_fraction": data.eval_fraction,
-        "split_seed": data.split_seed,
-        "sources": source_info,
-    }
-
-    def write(tmp: Path) -> None:
-        for split, items in (("train", trains), ("eval", evals)):
-            pd.DataFrame({column: items}).to_parquet(tmp / f"{split}.parquet", index=False)
-            # the size a reader measures first, known only once written
-            _, size = parquet_size(tmp / f"{split}.parquet", column)
-            if size > data.max_bytes_per_file:
-                raise PromptFileError(
-                    f"{Path(data.interim_dir) / f'{split}.parquet'} would hold {size} bytes "
-                    f"uncompressed, more than data.max_bytes_per_file={data.max_bytes_per_file}, "
-                    f"so {readers[split]} could not read it; raise the limit"
-                )
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
-        feedback.write(tmp)
-
-    return atomic_folder(data.interim_dir, write)
-
-
-def _distinct_prompts(config: Config) -> tuple[list[str], dict[str, int], list[dict], bool]:
-    """The normalised, distinct prompts of every raw file in order (first occurrence wins),
-    with the counts of raw, empty and duplicate rows, each source file's record, and whether
-    they are chats; a mix of plain and chat files is refused naming one of each."""
-    data = config.data
-    sources = raw_sources(Path(data.raw_dir))
-    if not sources:
-        raise PromptFileError(f"no .jsonl or .parquet prompt files in {str(Path(data.raw_dir))!r}")
-    seen: set[str] = set()
-    prompts: list[str] = []
-    counts = {"raw": 0, "empty": 0, "duplicates": 0}
-    source_info = []
-    first_of_kind: dict[bool, str] = {}  # is_chat -> the first source file of that kind
-    for source in sources:
-        rows = read_raw_prompts(config, source)
-        source_info.append(
-            {"file": project_path(source), "sha256": file_sha256(source), "rows": len(rows)}
-        )
-        for raw in rows:
-            first_of_kind.setdefault(is_chat(raw), project_path(source))
-            counts["raw"] += 1
-            prompt = normalise_prompt(raw)
-            if not prompt:
-                counts["empty"] += 1
-            elif prompt in seen:
-                counts["duplicates"] += 1
-            else:
-                seen.add(prompt)
-                prompts.append(prompt)
-    if len(first_of_kind) > 1:
-        raise PromptFileError(
-            f"{first_of_kind[False]} holds plain {data.prompt_field!r} rows and "
-            f"{first_of_kind[True]} chat {CHAT_FIELD!r} rows; a data version holds one kind "
-            "(write a plain prompt as a chat with one user turn to mix them)"
-        )
-    return prompts, counts, source_info, bool(first_of_kind.get(True))
+    """Clean, deduplicate and split the raw prompts into a versioned train/eval set, with the
+    feedback's pair version beside it (:func:`flows.prepare.prepare_prompts`)."""
+    return prepare_prompts(config)
 
 
 @stage("base", flow=True, accelerated=False, retries=0)
@@ -213,7 +104,7 @@ def validate(config: Config) -> Path:
 
     interim = Path(config.data.interim_dir)
     files = {name: interim / f"{name}.parquet" for name in ("train", "eval")}
-    for path in (*files.values(), interim / "manifest.json"):
+    for path in (*files.values(), interim / DATA_MANIFEST):
         if path.is_symlink() or (path.exists() and not path.is_file()):
             # a link would make validate read, and publish, a file from anywhere
             raise PromptFileError(
@@ -259,7 +150,7 @@ def validate(config: Config) -> Path:
         raise DataValidationError(feedback_result)
 
     def publish(tmp: Path) -> None:
-        for name in ("train.parquet", "eval.parquet", "manifest.json"):
+        for name in ("train.parquet", "eval.parquet", DATA_MANIFEST):
             # regular files only, never through a link put there since the check above
             fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
             try:
@@ -327,102 +218,12 @@ def _evaluation_baseline(config: Config) -> str:
     return str(production) if production is not None else config.model.policy
 
 
-def _is_report(content: bytes) -> bool:
-    """Whether ``content`` is a promotion report as :func:`promote` writes it."""
-    try:
-        report = json.loads(content)
-    except ValueError:
-        return False
-    return isinstance(report, dict) and report.get("decision") in ("promoted", "rejected")
-
-
-class StaleEvaluationError(ValueError):
-    """The evaluation in ``eval.output_dir`` is not one of this candidate with these settings."""
-
-
-def _evaluation_of_this_candidate(config: Config, metrics_file: Path) -> tuple[dict, dict]:
-    """``metrics.json`` and ``models.json`` of the evaluation in ``eval.output_dir``, checked to
-    be an evaluation of ``train.output_dir``, scored by ``promote.check_reward`` when that guard
-    is on: the gate decides on nothing else (an evaluation of another folder, or one whose check
-    score came from another scorer, is :class:`StaleEvaluationError`)."""
-    again = "; run `ppo evaluate` again with the same settings"
-    read = {}
-    for name in ("metrics.json", "models.json"):
-        path = metrics_file.with_name(name)
-        if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing; run `ppo evaluate` first")
-        try:
-            read[name] = json.loads(path.read_text())
-        except (ValueError, UnicodeDecodeError, RecursionError):
-            raise StaleEvaluationError(f"{path} is not valid JSON{again}") from None
-        if not isinstance(read[name], dict):
-            raise StaleEvaluationError(f"{path} is not a JSON object{again}")
-    models = read["models.json"]
-    evaluated = models.get("candidate")
-    if not isinstance(evaluated, str) or real_path(evaluated) != real_path(config.train.output_dir):
-        raise StaleEvaluationError(
-            f"{metrics_file.with_name('models.json')} is an evaluation of "
-            f"{printable(str(evaluated))!r}, not of train.output_dir="
-            f"{config.train.output_dir!r}{again}"
-        )
-    wanted = config.promote.check_reward
-    if wanted is not None and models.get("check_reward") != wanted:
-        raise StaleEvaluationError(
-            f"the evaluation was scored with check_reward "
-            f"{printable(str(models.get('check_reward')))!r}, but promote.check_reward is "
-            f"{config.promote.check_reward!r}{again}"
-        )
-    return read["metrics.json"], models
-
-
 @stage("promote", flow=True, accelerated=False, retries=0)
 def promote(config: Config) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
-    candidate as a new production version. Writes the decision to ``promote.report`` either way."""
-    from flows.loggers import metric_group  # rich's progress bars: only train and promote
-
-    rules = config.promote
-    # Checked before anything is decided or published: the decision must be writable.
-    check_replaceable_file(rules.report, "promote.report", "a promotion report", _is_report)
-    metrics_file = Path(config.eval.output_dir) / "metrics.json"
-    flat, models = _evaluation_of_this_candidate(config, metrics_file)
-
-    def side(name: str) -> dict[str, float] | None:
-        return metric_group(flat, name) or None
-
-    candidate = side("candidate")
-    if candidate is None:
-        raise ValueError(f"{metrics_file} has no candidate metrics")
-    decision = gate(candidate, side("baseline"), rules, config.generation.max_new_tokens)
-    summary_file = Path(config.train.output_dir) / "training_summary.json"
-    summary = json.loads(summary_file.read_text()) if summary_file.is_file() else {}
-    config_file = Path(config.train.output_dir) / "ppo_config.yaml"
-    trained_with = config_file.read_text() if config_file.is_file() else None
-    entry = record_decision(
-        registry_path=rules.registry,
-        production_dir=rules.production_dir,
-        candidate_dir=config.train.output_dir,
-        decision=decision,
-        base_dir=config.model.policy,
-        lineage={
-            **read_lineage(config.model.policy).as_record(),
-            "data_hash": summary.get("data_hash"),
-            "base_model": summary.get("base_model"),
-            "code_version": code_version(),
-            "seed": summary.get("seed"),
-            "config": trained_with,
-            "metrics": candidate,
-            "baseline_metrics": side("baseline"),
-            "baseline": models.get("baseline"),
-            "reward": models.get("reward"),
-            "previous_reward": models.get("previous_reward"),
-        },
-    )
-    # The report is a DVC output, so it holds only what the stage's inputs determine (a rerun of
-    # one commit writes the same bytes); when, and from which commit, stay in the registry.
-    report = {key: value for key, value in entry.items() if key not in ("date", "code_version")}
-    atomic_write_text(rules.report, json.dumps(report, indent=1))
-    return entry
+    candidate as a new production version. Writes the decision to ``promote.report`` either way
+    (:func:`ppo_core.registry.promotion.promote`)."""
+    return run_promotion(config, code_version())
 
 
 @stage("export", flow=False, accelerated=False, retries=0)

@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from flows.validation_results import read_result, token_stats
 from ppo_core.files import atomic_write_text, clear_output_folder
+from ppo_core.files.artifacts import VALIDATION_SUMMARY
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -56,7 +57,7 @@ class ValidationResult:
     failures: list[FailedExpectation]
     evaluated: int  # number of expectations evaluated, both splits together
     docs_index: Path  # the Data Docs index.html under report_dir
-    summary_path: Path  # report_dir / "summary.json"
+    summary_path: Path  # report_dir / VALIDATION_SUMMARY
     splits: dict[str, int] = field(default_factory=dict)  # rows per split, for the summary line
     what: str = "Prompt data validation"  # what was validated, as describe() names it
     data: str = "prompt data"  # the data to fix, as DataValidationError names it
@@ -165,7 +166,7 @@ def validate_prompt_splits(
         failures=failures,
         evaluated=len(checks),
         docs_index=docs_index,
-        summary_path=report_dir / "summary.json",
+        summary_path=report_dir / VALIDATION_SUMMARY,
         splits={split: report["rows"] for split, report in split_reports.items()},
     )
     settings = {

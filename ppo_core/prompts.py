@@ -21,6 +21,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ppo_core.files.artifacts import DATA_MANIFEST
+
 __all__ = [
     "CHAT_FIELD",
     "CHAT_ROLES",
@@ -421,7 +423,7 @@ def project_path(path: str | Path) -> str:
 
 def read_manifest_hash(prompt_file: str | Path) -> str | None:
     """The content hash of the data version, from ``manifest.json`` beside the prompt file."""
-    manifest = Path(prompt_file).with_name("manifest.json")
+    manifest = Path(prompt_file).with_name(DATA_MANIFEST)
     if not manifest.is_file():
         return None
     try:

@@ -71,7 +71,7 @@ ROOM_IMPORTS: dict[str, set[str]] = {
     "catalog": set(),
     "math": set(),
     "files": set(),
-    "prompts": set(),
+    "prompts": {"files"},
     "feedback": {"files", "prompts"},
     "models": {"math", "files", "prompts"},
     "base_sources": {"files", "models"},

@@ -13,9 +13,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from prefect.events import emit_event
 
 from flows.ingest import Taken, set_aside_rejected
-from flows.loggers import metric_group
 from flows.orchestration.project import load_params, production_version, stays
 from ppo_core.evaluation.markdown import escape_markdown
+from ppo_core.files.artifacts import EVAL_METRICS, EVAL_REPORT, metric_group
 
 
 def decision_message(
@@ -54,8 +54,8 @@ def publish_results(repo_dir: str, status: dict[str, str]) -> dict[str, Any]:
     root = Path(repo_dir)
     config = load_params(repo_dir)
     eval_dir = root / config.eval.output_dir
-    report = eval_dir / "report.md"
-    metrics_file = eval_dir / "metrics.json"
+    report = eval_dir / EVAL_REPORT
+    metrics_file = eval_dir / EVAL_METRICS
     metrics = json.loads(metrics_file.read_text())
     promotion = json.loads((root / config.promote.report).read_text())
     decision = promotion["decision"]
@@ -98,7 +98,7 @@ def publish_results(repo_dir: str, status: dict[str, str]) -> dict[str, Any]:
         # project, not where the project lies on this machine
         "shared": {
             "production": None if production is None else str(production),
-            "report": str(Path(config.eval.output_dir) / "report.md"),
+            "report": str(Path(config.eval.output_dir) / EVAL_REPORT),
             "registry": str(config.promote.registry),
         },
         "metrics": str(metrics_file),

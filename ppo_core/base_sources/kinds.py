@@ -31,6 +31,7 @@ from ppo_core.files import (
     printable,
     regular_files,
 )
+from ppo_core.files.artifacts import IMPORT_RECORD
 from ppo_core.models.adapter_folders import (
     ADAPTER_BASE_FILE,
     ADAPTER_CONFIG_FILE,
@@ -45,8 +46,6 @@ BASE_SOURCES: Catalog = Catalog("base-model source", Path(__file__), "base_sourc
 """Each kind of ``base.source`` by its name, in the order their claims are asked."""
 
 base_source = BASE_SOURCES.register
-
-IMPORT_RECORD = "imported_from.json"
 
 
 class BaseSourceError(ValueError):

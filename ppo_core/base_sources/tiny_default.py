@@ -30,6 +30,7 @@ from torch import Tensor
 
 from ppo_core.base_sources.review_grammar import generate_review_corpus
 from ppo_core.files import atomic_folder
+from ppo_core.files.artifacts import TINY_DEFAULT_RECORD
 
 __all__ = ["build_tiny_default", "tiny_gpt2_config", "train_tokenizer"]
 
@@ -254,7 +255,7 @@ def _build_into(tmp_dir: Path, settings: _TinySettings) -> None:
         # no build time: the folder is a DVC output, the same bytes for the same inputs
         "num_threads": torch.get_num_threads(),
     }
-    (tmp_dir / "tiny_default.json").write_text(json.dumps(record, indent=2) + "\n")
+    (tmp_dir / TINY_DEFAULT_RECORD).write_text(json.dumps(record, indent=2) + "\n")
 
 
 def _warm_start(

@@ -41,6 +41,7 @@ from ppo_core.experience.sampling import (
     score_responses,
 )
 from ppo_core.files import first_line
+from ppo_core.files.artifacts import TRAINED_CONFIG, TRAINING_SUMMARY
 from ppo_core.files.output_paths import real_path
 from ppo_core.math.masked import masked_sum
 from ppo_core.models.causal_lm import load_tokenizer
@@ -96,16 +97,12 @@ def distinct_n(texts: list[str], n: int) -> float:
     return len(seen) / total if total else 0.0
 
 
-SUMMARY_FILE = "training_summary.json"
-CONFIG_FILE = "ppo_config.yaml"
-
-
 def recorded_reward(candidate: str | Path) -> tuple[str, Path] | None:
     """The reward the candidate was trained with and the file that records it: ``reward`` in
     ``training_summary.json``, else ``model.reward`` in ``ppo_config.yaml`` (candidates saved
     before the summary named it); None for a folder with neither."""
     folder = Path(candidate)
-    summary = folder / SUMMARY_FILE
+    summary = folder / TRAINING_SUMMARY
     if summary.is_file():
         try:
             recorded = json.loads(summary.read_text())
@@ -117,7 +114,7 @@ def recorded_reward(candidate: str | Path) -> tuple[str, Path] | None:
         reward = recorded.get("reward") if isinstance(recorded, dict) else None
         if isinstance(reward, str):
             return reward, summary
-    config_file = folder / CONFIG_FILE
+    config_file = folder / TRAINED_CONFIG
     if config_file.is_file():
         # Plain YAML, not OmegaConf: a tampered file must not get its ${...} resolved here.
         try:
@@ -460,7 +457,7 @@ def _refusal(
     key = "model.reference" if config.model.reference else "model.policy"
     trained_against = _recorded_reference(candidate)
     hint = (
-        f" (its {SUMMARY_FILE} names {trained_against})"
+        f" (its {TRAINING_SUMMARY} names {trained_against})"
         if trained_against and trained_against != reference_vocab.folder
         else ""
     )
@@ -474,7 +471,7 @@ def _refusal(
 
 def _recorded_reference(candidate: str | Path) -> str | None:
     try:
-        recorded = json.loads((Path(candidate) / SUMMARY_FILE).read_text())
+        recorded = json.loads((Path(candidate) / TRAINING_SUMMARY).read_text())
     except (OSError, ValueError):
         return None
     reference = recorded.get("reference") if isinstance(recorded, dict) else None

@@ -10,6 +10,7 @@ from pathlib import Path
 from ppo_core.config import Config
 from ppo_core.evaluation.markdown import escape_markdown
 from ppo_core.files import atomic_folder
+from ppo_core.files.artifacts import EVAL_METRICS, EVAL_MODELS, EVAL_REPORT, EVAL_SAMPLES
 
 __all__ = ["ModelReport", "RewardChoice", "markdown_report", "metric_table", "write_reports"]
 
@@ -81,7 +82,7 @@ def write_reports(
                 reports["candidate"].metrics["score"] - reports["baseline"].metrics["score"]
             )
         flat["num_prompts"] = num_prompts
-        (tmp / "metrics.json").write_text(json.dumps(flat, indent=1, sort_keys=True))
+        (tmp / EVAL_METRICS).write_text(json.dumps(flat, indent=1, sort_keys=True))
         described = {
             **{n: r.path for n, r in reports.items()},
             "reference": reference,
@@ -95,11 +96,11 @@ def write_reports(
                 else {}
             ),
         }
-        (tmp / "models.json").write_text(json.dumps(described, indent=1))
-        (tmp / "samples.json").write_text(
+        (tmp / EVAL_MODELS).write_text(json.dumps(described, indent=1))
+        (tmp / EVAL_SAMPLES).write_text(
             json.dumps({name: r.samples for name, r in reports.items()}, indent=1)
         )
-        (tmp / "report.md").write_text(
+        (tmp / EVAL_REPORT).write_text(
             markdown_report(
                 reports, num_prompts, config, reward=reward, reference=reference, origin=origin
             )

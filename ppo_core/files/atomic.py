@@ -22,6 +22,17 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+from ppo_core.files.artifacts import (
+    DATA_MANIFEST,
+    EVAL_METRICS,
+    EVAL_MODELS,
+    EVAL_REPORT,
+    EVAL_SAMPLES,
+    IMPORT_RECORD,
+    TINY_DEFAULT_RECORD,
+    TRAINING_SUMMARY,
+)
+
 # Hidden siblings of a target: being written, replaced (kept until the swap is done), being
 # deleted. The last two end with the writer's pid, so a live writer's folder is left alone.
 TMP_TAG, OLD_TAG, DISCARD_TAG = ".tmp-", ".old-", ".discard-"
@@ -46,14 +57,14 @@ _MARKER_TEXT = (
 # candidate, a checkpoint, and an evaluation report, of which git keeps metrics.json alone (so a
 # fresh clone holds just that file there, and nothing but evaluation files is accepted).
 EARLIER_OUTPUTS: tuple[tuple[frozenset[str], frozenset[str] | None], ...] = (
-    (frozenset({"manifest.json", "train.parquet", "eval.parquet"}), None),
-    (frozenset({"tiny_default.json", "config.json"}), None),
-    (frozenset({"imported_from.json", "config.json"}), None),
-    (frozenset({"training_summary.json", "config.json"}), None),
+    (frozenset({DATA_MANIFEST, "train.parquet", "eval.parquet"}), None),
+    (frozenset({TINY_DEFAULT_RECORD, "config.json"}), None),
+    (frozenset({IMPORT_RECORD, "config.json"}), None),
+    (frozenset({TRAINING_SUMMARY, "config.json"}), None),
     (frozenset({"trainer_state.json", "checksums.json"}), None),
     (
-        frozenset({"metrics.json"}),
-        frozenset({"metrics.json", "report.md", "samples.json", "models.json"}),
+        frozenset({EVAL_METRICS}),
+        frozenset({EVAL_METRICS, EVAL_REPORT, EVAL_SAMPLES, EVAL_MODELS}),
     ),
 )
 

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from ppo_core.feedback import PreferencePair
+from ppo_core.files.artifacts import DATA_MANIFEST
 from ppo_core.prompts import Prompt, PromptFileError, parse_messages
 
 __all__ = ["FEEDBACK_FOLDER", "TokenisedPair", "read_pair_split", "read_pair_version", "tokenise"]
@@ -28,7 +29,7 @@ class TokenisedPair:
 def read_pair_version(folder: str | Path) -> dict[str, Any]:
     """The manifest of the pair version in ``folder`` (``manifest.json``), or a
     :class:`PromptFileError` naming what is missing."""
-    path = Path(folder) / "manifest.json"
+    path = Path(folder) / DATA_MANIFEST
     if not path.is_file():
         raise PromptFileError(f"{path} is missing; run `ppo prepare` and `ppo validate` first")
     manifest = json.loads(path.read_text())

@@ -32,6 +32,7 @@ from ppo_core.files import (
     regular_files,
     tree_sha256,
 )
+from ppo_core.files.artifacts import IMPORT_RECORD
 from ppo_core.models.adapter_folders import (
     STORED_BASES,
     AdapterError,
@@ -43,7 +44,6 @@ from ppo_core.models.folders import check_model_folder
 
 __all__ = [
     "BASES_DIR",
-    "IMPORT_RECORD",
     "Lineage",
     "LineageError",
     "origin_folder",
@@ -51,9 +51,6 @@ __all__ = [
     "store_base",
     "stored_base_hashes",
 ]
-
-IMPORT_RECORD = "imported_from.json"
-"""What ``ppo base`` writes into the base it imports: the source, its hash, and the lineage."""
 
 BASES_DIR = STORED_BASES
 """Folder under ``promote.production_dir`` holding the whole models versions depend on."""
@@ -131,7 +128,7 @@ def origin_folder(policy: str | Path) -> Path:
     return folder
 
 
-VARYING_FILES = frozenset({"imported_from.json", ".ppo-output"})
+VARYING_FILES = frozenset({IMPORT_RECORD, ".ppo-output"})
 """Files of a base that differ between two imports of the same model (the import's record,
 dated; the pipeline's output marker): a stored base the registry has no content hash for may
 differ from the base being stored in these alone."""

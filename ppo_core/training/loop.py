@@ -34,6 +34,7 @@ import torch
 from ppo_core.config import Config, save_config, to_yaml
 from ppo_core.experience.judges import with_resolved_reward
 from ppo_core.files import atomic_folder, exclusive_run
+from ppo_core.files.artifacts import TRAINED_CONFIG, TRAINING_SUMMARY
 from ppo_core.models.policy import ActorCritic
 from ppo_core.parallel.process_group import is_main_process
 from ppo_core.parallel.runtime import Runtime, setup_runtime
@@ -274,9 +275,9 @@ def save_output(
 
     def write(folder: Path) -> None:
         actor_critic.save(folder, tokenizer, merged=config.model.lora.merge, full_state=full_state)
-        save_config(config, folder / "ppo_config.yaml")
+        save_config(config, folder / TRAINED_CONFIG)
         described = {k: v for k, v in summary.items() if k != "config"}
-        (folder / "training_summary.json").write_text(
+        (folder / TRAINING_SUMMARY).write_text(
             json.dumps(
                 {
                     "iterations": config.train.iterations,

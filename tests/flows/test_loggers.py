@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from flows.loggers import DVCLiveLogger, metric_file, metric_group
+from flows.loggers import DVCLiveLogger, metric_file
 
 
 def test_dvclive_writes_each_metric_where_metric_file_says(tmp_path):
@@ -35,19 +35,6 @@ def test_wall_clock_timings_stay_out_of_the_dvclive_files(tmp_path):
     assert not metric_file(folder, "perf/rollout_s").exists()
     timings = json.loads((folder / "timings.json").read_text())
     assert timings == {"perf": {"rollout_s": 1.25, "tokens_per_s": 48.0}}
-
-
-def test_metric_group_reads_one_side_of_a_flat_mapping():
-    flat = {
-        "candidate/score": 0.7,
-        "candidate/kl_to_reference": 2.0,
-        "baseline/score": 0.1,
-        "delta/score": 0.6,
-        "num_prompts": 64,
-    }
-    assert metric_group(flat, "candidate") == {"score": 0.7, "kl_to_reference": 2.0}
-    assert metric_group(flat, "baseline") == {"score": 0.1}
-    assert metric_group(flat, "production") == {}
 
 
 def test_progress_in_a_log_is_a_plain_line_every_tenth_of_the_run():

@@ -11,6 +11,7 @@ import pytest
 
 from flows import stages
 from ppo_core.config import load_config
+from ppo_core.registry.promotion import StaleEvaluationError
 from ppo_core.registry.versions import load_registry
 
 SIDE = {
@@ -99,7 +100,7 @@ def test_an_evaluation_of_another_candidate_or_scorer_decides_nothing(tmp_path, 
     candidate = str(tmp_path / "candidate")
     models = {k: candidate if v == "CANDIDATE" else v for k, v in models.items()}
     config = planted(tmp_path, flat(candidate=SIDE, baseline=SIDE), models)
-    with pytest.raises(stages.StaleEvaluationError, match="run `ppo evaluate` again") as refused:
+    with pytest.raises(StaleEvaluationError, match="run `ppo evaluate` again") as refused:
         stages.promote(config)
     assert named in str(refused.value)
     assert not Path(config.promote.registry).exists()
@@ -109,6 +110,6 @@ def test_an_evaluation_of_another_candidate_or_scorer_decides_nothing(tmp_path, 
 def test_a_models_file_that_is_not_json_decides_nothing(tmp_path):
     config = planted(tmp_path, flat(candidate=SIDE, baseline=SIDE))
     (tmp_path / "eval" / "models.json").write_text("{not json")
-    with pytest.raises(stages.StaleEvaluationError, match="models.json is not valid JSON"):
+    with pytest.raises(StaleEvaluationError, match="models.json is not valid JSON"):
         stages.promote(config)
     assert not Path(config.promote.registry).exists()
