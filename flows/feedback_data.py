@@ -10,7 +10,7 @@ when there is no feedback (``pairs`` 0, no splits), so that ``ppo reward`` alway
 version to read and says there is nothing to learn.
 
 The rows: pair rows as they are; rating rows made into pairs by the rule of
-:func:`ppo_core.feedback.pairs_from_ratings` (every liked reply against every disliked reply to
+:func:`ppo_core.feedback.rows.pairs_from_ratings` (every liked reply against every disliked reply to
 the same prompt), counted in the manifest. Prompts are normalised as prompt files' are, replies
 stripped of leading and trailing whitespace; a pair whose prompt is empty is dropped, as are
 repeated pairs (same prompt, chosen and rejected; the first wins). The split hashes the
@@ -29,7 +29,7 @@ from typing import Any
 
 from flows.raw_data import in_eval_split, normalise_prompt
 from ppo_core.config import Config
-from ppo_core.feedback import (
+from ppo_core.feedback.rows import (
     PreferencePair,
     feedback_sources,
     load_feedback_file,
@@ -65,7 +65,7 @@ class FeedbackVersion:
 
 def prepare_feedback(config: Config) -> FeedbackVersion:
     """The pair version of ``data.feedback_dir`` (module docstring); a malformed file is a
-    :class:`ppo_core.feedback.FeedbackFileError` naming its file and line before anything is
+    :class:`ppo_core.feedback.fields.FeedbackFileError` naming its file and line before anything is
     written."""
     data = config.data
     pairs: list[PreferencePair] = []

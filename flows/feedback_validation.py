@@ -34,6 +34,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from flows.length_bias import LENGTH_BIAS_HIGH, LENGTH_BIAS_LOW, length_notes, measure_length_bias
 from flows.validation import (
     FAILURE_FIELDS,
     SPLITS,
@@ -59,8 +60,6 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DERIVED_COLUMNS",
-    "LENGTH_BIAS_HIGH",
-    "LENGTH_BIAS_LOW",
     "DataValidationError",
     "ValidationResult",
     "validate_feedback_pairs",
@@ -79,8 +78,6 @@ DERIVED_COLUMNS = {
     "same_reply": "chosen",
 }
 # Outside these bounds on the share of pairs whose chosen reply is longer, describe() warns.
-LENGTH_BIAS_LOW = 0.35
-LENGTH_BIAS_HIGH = 0.65
 # summary.json's "validation": tells these reports from another validation's in the same folder.
 _SUMMARY_KIND = "feedback_pairs"
 
@@ -135,7 +132,7 @@ def validate_feedback_pairs(
     docs_index = docs_dir / "index.html"
     if not docs_index.is_file():
         raise RuntimeError(f"Great Expectations did not write its Data Docs index at {docs_index}")
-    length_bias = _length_bias(lengths)
+    length_bias = measure_length_bias(lengths)
     result = ValidationResult(
         success=not failures,
         failures=failures,
@@ -145,7 +142,7 @@ def validate_feedback_pairs(
         splits={split: report["rows"] for split, report in split_reports.items()},
         what="Feedback pair validation",
         data="feedback pairs",
-        notes=_length_notes(length_bias, split_reports),
+        notes=length_notes(length_bias, split_reports),
     )
     settings = {
         "max_tokens": max_tokens,
@@ -186,7 +183,7 @@ def _check_split(
         "success": all(check["success"] for check in checks),
         "chosen_tokens": token_stats(frame[names["chosen_tokens"]]),
         "rejected_tokens": token_stats(frame[names["rejected_tokens"]]),
-        "length_bias": _length_bias([lengths]),
+        "length_bias": measure_length_bias([lengths]),
         "expectations": checks,
     }
     return report, lengths
@@ -460,77 +457,3 @@ def _examples(details: dict[str, Any], frame: pd.DataFrame, role: str, column: s
         if len(examples) == MAX_EXAMPLES:
             break
     return examples
-
-
-def _length_bias(lengths: list[tuple[pd.Series, pd.Series]]) -> dict[str, Any]:
-    """How the chosen replies' token counts compare with the rejected ones', over the pairs
-    where both were counted: the share where chosen is longer, where the two tie, the means."""
-    import pandas as pd
-
-    chosen = pd.concat([c for c, _ in lengths], ignore_index=True).astype("int64")
-    rejected = pd.concat([r for _, r in lengths], ignore_index=True).astype("int64")
-    counted = (chosen >= 0) & (rejected >= 0)
-    chosen, rejected = chosen[counted], rejected[counted]
-    pairs = int(counted.sum())
-    if pairs == 0:
-        return {
-            "pairs": 0,
-            "chosen_longer_share": None,
-            "ties_share": None,
-            "chosen_mean_tokens": None,
-            "rejected_mean_tokens": None,
-            "warning": None,
-        }
-    longer = float((chosen > rejected).mean())
-    return {
-        "pairs": pairs,
-        "chosen_longer_share": round(longer, 4),
-        "ties_share": round(float((chosen == rejected).mean()), 4),
-        "chosen_mean_tokens": round(float(chosen.mean()), 2),
-        "rejected_mean_tokens": round(float(rejected.mean()), 2),
-        "warning": _bias_warning(longer),
-    }
-
-
-def _bias_warning(chosen_longer_share: float) -> str | None:
-    share = f"{chosen_longer_share:.1%}"
-    if chosen_longer_share > LENGTH_BIAS_HIGH:
-        return (
-            f"the chosen reply is the longer one in {share} of pairs (above "
-            f"{LENGTH_BIAS_HIGH:.0%}): a reward model trained on them may learn to prefer "
-            "longer replies"
-        )
-    if chosen_longer_share < LENGTH_BIAS_LOW:
-        return (
-            f"the chosen reply is the longer one in only {share} of pairs (below "
-            f"{LENGTH_BIAS_LOW:.0%}): a reward model trained on them may learn to prefer "
-            "shorter replies"
-        )
-    return None
-
-
-def _length_notes(
-    length_bias: dict[str, Any], split_reports: dict[str, dict[str, Any]]
-) -> list[str]:
-    """The lines describe() adds: the chosen-longer share (a length bias a reward model would
-    learn), and a warning when it is outside ``LENGTH_BIAS_LOW..LENGTH_BIAS_HIGH``."""
-    share = length_bias["chosen_longer_share"]
-    if share is None:
-        return ["Length bias: no pair had both replies counted."]
-
-    def percent(value: float | None) -> str:
-        return "n/a" if value is None else f"{value:.1%}"
-
-    per_split = ", ".join(
-        f"{split} {percent(report['length_bias']['chosen_longer_share'])}"
-        for split, report in split_reports.items()
-    )
-    notes = [
-        f"Length bias: the chosen reply has more tokens than the rejected one in {percent(share)} "
-        f"of {length_bias['pairs']} pairs ({per_split}); ties "
-        f"{percent(length_bias['ties_share'])}; mean tokens with the prompt: chosen "
-        f"{length_bias['chosen_mean_tokens']}, rejected {length_bias['rejected_mean_tokens']}."
-    ]
-    if length_bias["warning"] is not None:
-        notes.append(f"Warning: {length_bias['warning']}.")
-    return notes

@@ -37,7 +37,8 @@ from typing import Any
 
 from flows.raw_data import read_raw_prompts
 from ppo_core.config import Config
-from ppo_core.feedback import FeedbackFileError, load_feedback_file
+from ppo_core.feedback.fields import FeedbackFileError
+from ppo_core.feedback.rows import load_feedback_file
 from ppo_core.files import (
     UnsafeCopyError,
     copy_regular_file,
@@ -84,7 +85,7 @@ class Inbox:
 
     def error(self, message: str) -> PromptFileError:
         """The error a refused file of this kind raises (a feedback one is a
-        :class:`~ppo_core.feedback.FeedbackFileError`, itself a ``PromptFileError``)."""
+        :class:`~ppo_core.feedback.fields.FeedbackFileError`, itself a ``PromptFileError``)."""
         return FeedbackFileError(message) if self.kind == "feedback" else PromptFileError(message)
 
 
@@ -171,7 +172,7 @@ def ingest_files(config: Config, files: Sequence[str | Path], inbox: Inbox = PRO
             feedback row) or does not parse (naming the file and line), two files of one name,
             or a name already taken in the inbox or the folder the run moves it to
             (``data.raw_dir``, ``data.feedback_dir``) by other bytes (ingest adds files, it
-            never replaces one). For feedback, a :class:`~ppo_core.feedback.FeedbackFileError`.
+            never replaces one). For feedback, a :class:`~ppo_core.feedback.fields.FeedbackFileError`.
     """
     folder = inbox.folder(config)
     folder.mkdir(parents=True, exist_ok=True)

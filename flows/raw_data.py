@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 from ppo_core.config import Config
-from ppo_core.feedback import feedback_sources
+from ppo_core.feedback.rows import feedback_sources
 from ppo_core.files import entry_kind, file_sha256, printable
 from ppo_core.prompts import Prompt, PromptFileError, chat_json, load_prompts
 

@@ -8,12 +8,13 @@ anything is sampled, a prompt and response budget past the model's positions.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ppo_core.config import Config, GenerationConfig
+from ppo_core.config import Config, ConfigError, GenerationConfig
 from ppo_core.math.batching import by_length, kept_columns, micro_batch_slices
 from ppo_core.models.folders import check_model_folder
 from ppo_core.models.generation import (
@@ -143,10 +144,6 @@ def check_context_length(config: Config) -> None:
     positions ``model.policy``'s ``config.json`` declares. Past them a learned position table
     fails mid-run with an ``IndexError``, and a rotary model samples where it was never
     trained, silently."""
-    import json
-
-    from ppo_core.config import ConfigError
-
     path = check_model_folder(config.model.policy, "model.policy") / "config.json"
     try:
         declared = json.loads(path.read_text())

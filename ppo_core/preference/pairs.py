@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ppo_core.feedback import PreferencePair
+from ppo_core.feedback.rows import PreferencePair
 from ppo_core.files.artifacts import DATA_MANIFEST
 from ppo_core.prompts import Prompt, PromptFileError, parse_messages
 

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 from ppo_core.checkpoints.store import load_latest_good, save_checkpoint, save_tensors
 from ppo_core.config import Config
 from ppo_core.config.stage_sections import RewardModelConfig
-from ppo_core.feedback import PreferencePair
+from ppo_core.feedback.rows import PreferencePair
 from ppo_core.files import atomic_folder, exclusive_run, folder_fingerprint
 from ppo_core.math.accumulation import (
     AccumulationResult,

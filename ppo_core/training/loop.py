@@ -9,7 +9,7 @@ sentiment example, with the exact micro-batch accumulation of docs/design.md sec
    nothing is written before;
 3. :func:`resolve_resume` (``training/resume.py``): the newest good checkpoint that continues
    this very run, if any;
-4. :func:`build_models` (``training/models.py``): policy with value head (DDP-wrapped for the
+4. :func:`build_models` (``training/networks.py``): policy with value head (DDP-wrapped for the
    update), frozen reference;
 5. :class:`TrainState` (``training/state.py``): optimizer, scheduler, KL controller, iteration
    and history, which is exactly what a checkpoint stores besides the weights;
@@ -41,7 +41,7 @@ from ppo_core.parallel.runtime import Runtime, setup_runtime
 from ppo_core.parallel.strategies import make_strategy
 from ppo_core.prompts import Prompt, prompt_text
 from ppo_core.training.inputs import RunInputs, check_inputs
-from ppo_core.training.models import Models, build_models
+from ppo_core.training.networks import Models, build_models
 from ppo_core.training.resume import resolve_resume
 from ppo_core.training.rollout import collect_rollout
 from ppo_core.training.seeds import RandomStream, draw_prompts, sampling_seeds, stream_seed

@@ -14,7 +14,8 @@ from ppo_core.config import Config
 from ppo_core.math.kl import AdaptiveKLController, FixedKLController
 from ppo_core.models.policy import ActorCritic
 from ppo_core.parallel.process_group import DataParallel
-from ppo_core.training.models import Models, build_optimizer, build_scheduler
+from ppo_core.training.networks import Models
+from ppo_core.training.optimizer import build_optimizer, build_scheduler
 from ppo_core.training.stopwatch import TIMINGS
 
 

@@ -1,4 +1,4 @@
-"""Preference feedback files (``ppo_core.feedback``): pair and rating rows in JSONL and Parquet,
+"""Preference feedback files (``ppo_core/feedback/``): pair and rating rows in JSONL and Parquet,
 plain and chat prompts, one-line errors naming the file, the line or row and the field, the
 size caps, which entries of a folder are feedback, and the rule that makes pairs of ratings."""
 
@@ -12,8 +12,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from ppo_core.feedback import (
-    FeedbackFileError,
+from ppo_core.feedback.fields import FeedbackFileError
+from ppo_core.feedback.rows import (
     PreferencePair,
     Rating,
     feedback_sources,

@@ -31,7 +31,7 @@ from flows.ingest import (
 )
 from flows.raw_data import feedback_changes, raw_changes
 from ppo_core.config import Config
-from ppo_core.feedback import FeedbackFileError
+from ppo_core.feedback.fields import FeedbackFileError
 from ppo_core.files import exclusive_run
 from ppo_core.prompts import PromptFileError
 

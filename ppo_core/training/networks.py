@@ -1,17 +1,16 @@
-"""Step 4 of the run (layer 3): the models (policy with value head, or LoRA adapters on a
-frozen base, the reference, the data-parallel wrapping), the optimizer and the learning-rate
-schedule. The reference and the reward come from :mod:`ppo_core.experience.judges`, where
+"""Step 4 of the run (layer 3): the networks (policy with value head, or LoRA adapters on a
+frozen base, the reference, the data-parallel wrapping); the optimizer and the learning-rate
+schedule are in :mod:`ppo_core.training.optimizer`. The reference and the reward come from :mod:`ppo_core.experience.judges`, where
 evaluation builds its own, so both judge with the same ones."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ppo_core.config import Config, OptimConfig
+from ppo_core.config import Config
 from ppo_core.experience.judges import load_reference
 from ppo_core.models.causal_lm import checkpoint_blocks
 from ppo_core.models.lora import LoraSettings, LoraWeights
@@ -81,37 +80,3 @@ def policy_weights(config: Config) -> PolicyWeights:
         target_modules=tuple(lora.target_modules),
     )
     return LoraWeights(settings, config.model.policy, lora.adapter)
-
-
-def build_optimizer(
-    parameters: Iterable[torch.nn.Parameter], optim: OptimConfig
-) -> torch.optim.Optimizer:
-    params = [p for p in parameters if p.requires_grad]
-    if optim.name == "adamw":
-        return torch.optim.AdamW(
-            params,
-            lr=optim.lr,
-            weight_decay=optim.weight_decay,
-            betas=(optim.betas[0], optim.betas[1]),
-            eps=optim.eps,
-        )
-    if optim.name == "sgd":
-        return torch.optim.SGD(
-            params, lr=optim.lr, momentum=optim.momentum, weight_decay=optim.weight_decay
-        )
-    raise ValueError(f"unknown optimizer {optim.name!r}; choose adamw or sgd")
-
-
-def build_scheduler(
-    optimizer: torch.optim.Optimizer, optim: OptimConfig, total_iterations: int
-) -> torch.optim.lr_scheduler.LambdaLR:
-    """Linear warm-up over ``optim.warmup_iterations``, then constant or a linear decay to 0."""
-    warmup = optim.warmup_iterations
-
-    def factor(iteration: int) -> float:
-        warm = min(1.0, (iteration + 1) / warmup) if warmup > 0 else 1.0
-        if optim.scheduler == "linear":
-            return warm * max(0.0, 1.0 - iteration / max(total_iterations, 1))
-        return warm
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)

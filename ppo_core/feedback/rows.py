@@ -40,71 +40,43 @@ reply whose prompt has no reply of the other kind stays unpaired.
 
 from __future__ import annotations
 
-import json
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ppo_core.feedback.fields import (
+    DISLIKED_WORDS,
+    FEEDBACK_FIELDS,
+    FEEDBACK_SUFFIXES,
+    FIELDS_HELP,
+    LIKED_WORDS,
+    PAIR_FIELDS,
+    PROMPT_FIELD,
+    RATING_FIELDS,
+    RATING_HELP,
+    FeedbackFileError,
+)
+from ppo_core.feedback.records import jsonl_records, parquet_records
 from ppo_core.files import entry_kind, printable
 from ppo_core.prompts import (
     CHAT_FIELD,
     MAX_BYTES_PER_FILE,
-    MAX_LINE_BYTES,
     MAX_ROWS_PER_FILE,
     Prompt,
     PromptFileError,
-    _metadata_size,
-    _one_line,
     chat_json,
     parse_messages,
 )
 
 __all__ = [
-    "DISLIKED_WORDS",
-    "FEEDBACK_FIELDS",
-    "FEEDBACK_SUFFIXES",
-    "LIKED_WORDS",
-    "FeedbackFileError",
     "PreferencePair",
     "Rating",
     "feedback_sources",
     "load_feedback_file",
     "pairs_from_ratings",
 ]
-
-FEEDBACK_SUFFIXES = (".jsonl", ".parquet")
-"""The suffixes of the files :func:`feedback_sources` lists; other files are not feedback."""
-
-PROMPT_FIELD = "prompt"
-PAIR_FIELDS = ("chosen", "rejected")
-RATING_FIELDS = ("response", "rating")
-OPTIONAL_FIELDS = ("id", "source")
-FEEDBACK_FIELDS = (PROMPT_FIELD, CHAT_FIELD, *PAIR_FIELDS, *RATING_FIELDS, *OPTIONAL_FIELDS)
-"""Every field (JSONL) or column (Parquet) a feedback row may have."""
-_FIELDS_HELP = (
-    "a row has prompt or messages; chosen and rejected (a pair) or response and rating "
-    "(a rating); and optionally id and source"
-)
-
-LIKED_WORDS = ("up", "like", "thumbs_up")
-"""The words (any case) of a liked ``rating``."""
-DISLIKED_WORDS = ("down", "dislike", "thumbs_down")
-"""The words (any case) of a disliked ``rating``."""
-_RATING_HELP = (
-    "a rating is a number (>0 liked, <0 disliked, 0 neutral), true or false, or one of "
-    f"{', '.join(LIKED_WORDS + DISLIKED_WORDS)}"
-)
-_RAISE = "; split the file or raise the limit"
-
-
-class FeedbackFileError(PromptFileError):
-    """A feedback file is missing or malformed; the message names the file and line or row.
-
-    A :class:`~ppo_core.prompts.PromptFileError`, so that code which reports a bad prompt file
-    in one line (the ``ppo`` command) reports this one the same way.
-    """
 
 
 @dataclass(frozen=True)
@@ -180,9 +152,9 @@ def load_feedback_file(
     if kind is not None:
         raise FeedbackFileError(f"{name} is {kind}, not a feedback file")
     if path.suffix == ".jsonl":
-        records = _jsonl_records(path, name, max_rows, max_bytes)
+        records = jsonl_records(path, name, max_rows, max_bytes)
     elif path.suffix == ".parquet":
-        records = _parquet_records(path, name, max_rows, max_bytes)
+        records = parquet_records(path, name, max_rows, max_bytes)
     else:
         raise FeedbackFileError(
             f"{name}: unknown feedback file type {path.suffix!r}; use .jsonl or .parquet"
@@ -283,7 +255,7 @@ def _feedback_row(record: dict[str, Any], where: str) -> PreferencePair | Rating
     if unknown:
         names = ", ".join(repr(printable(str(key))[:40]) for key in unknown)
         field_word = "field" if len(unknown) == 1 else "fields"
-        raise FeedbackFileError(f"{where}: unknown {field_word} {names}; {_FIELDS_HELP}")
+        raise FeedbackFileError(f"{where}: unknown {field_word} {names}; {FIELDS_HELP}")
     record = {key: value for key, value in record.items() if value is not None}
     prompt = _row_prompt(record, where)
     pair_fields = [field for field in PAIR_FIELDS if field in record]
@@ -371,7 +343,7 @@ def _liked(value: Any, where: str) -> bool | None:
     if isinstance(value, float):
         if not math.isfinite(value):
             raise FeedbackFileError(
-                f"{where}: 'rating' is {value}, not a finite number; {_RATING_HELP}"
+                f"{where}: 'rating' is {value}, not a finite number; {RATING_HELP}"
             )
         return None if value == 0 else value > 0
     if isinstance(value, str):
@@ -381,11 +353,11 @@ def _liked(value: Any, where: str) -> bool | None:
         if word in DISLIKED_WORDS:
             return False
         raise FeedbackFileError(
-            f"{where}: 'rating' is the unknown word {printable(value)[:40]!r}; {_RATING_HELP}"
+            f"{where}: 'rating' is the unknown word {printable(value)[:40]!r}; {RATING_HELP}"
         )
     raise FeedbackFileError(
         f"{where}: 'rating' must be a number, a bool or a word, got {type(value).__name__}; "
-        f"{_RATING_HELP}"
+        f"{RATING_HELP}"
     )
 
 
@@ -396,258 +368,3 @@ def _check_encodable(value: str, field: str, where: str) -> None:
         raise FeedbackFileError(
             f"{where}: {field!r} holds a lone UTF-16 surrogate, which is not text"
         ) from None
-
-
-# --- JSONL ----------------------------------------------------------------------------------
-
-
-class _DuplicateKeyError(ValueError):
-    """A JSON object with a key twice: ``json`` would keep the last value without a word."""
-
-
-def _object_without_duplicates(items: list[tuple[str, Any]]) -> dict[str, Any]:
-    record: dict[str, Any] = {}
-    for key, value in items:
-        if key in record:
-            raise _DuplicateKeyError(key)
-        record[key] = value
-    return record
-
-
-def _jsonl_records(
-    path: Path, name: str, max_rows: int, max_bytes: int
-) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Each non-blank line's object, and where it is
-    (``<file> line <n>``), the caps checked before and while the file is read."""
-    size = path.stat().st_size
-    if size > max_bytes:
-        raise FeedbackFileError(
-            f"{name}: {size} bytes, more than the limit of {max_bytes} bytes a file{_RAISE}"
-        )
-    with path.open("rb") as handle:
-        number = read = rows = 0
-        while raw := handle.readline(MAX_LINE_BYTES + 1):
-            number += 1
-            where = f"{name} line {number}"
-            read += len(raw)
-            if read > max_bytes:  # the file grew while it was read
-                raise FeedbackFileError(
-                    f"{name}: at least {read} bytes, more than the limit of {max_bytes} bytes "
-                    f"a file{_RAISE}"
-                )
-            if len(raw) > MAX_LINE_BYTES:
-                raise FeedbackFileError(
-                    f"{where}: longer than the limit of {MAX_LINE_BYTES} bytes a line"
-                )
-            record = _json_object(raw, where)
-            if record is None:
-                continue
-            rows += 1
-            if rows > max_rows:
-                raise FeedbackFileError(
-                    f"{where}: more than the limit of {max_rows} rows a file{_RAISE}"
-                )
-            yield where, record
-
-
-def _json_object(raw: bytes, where: str) -> dict[str, Any] | None:
-    """The JSON object of one line, None for a blank line."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise FeedbackFileError(f"{where}: not valid UTF-8 ({exc.reason})") from None
-    if not text.strip():
-        return None
-    try:
-        record = json.loads(text, object_pairs_hook=_object_without_duplicates)
-    except _DuplicateKeyError as exc:
-        key = printable(str(exc.args[0]))[:40]
-        raise FeedbackFileError(f"{where}: the key {key!r} appears twice in one object") from None
-    except json.JSONDecodeError as exc:
-        raise FeedbackFileError(f"{where}: not valid JSON ({exc.msg})") from None
-    except RecursionError:  # caught before ValueError: deep nesting is its own message
-        raise FeedbackFileError(f"{where}: JSON nested too deeply") from None
-    except ValueError as exc:  # e.g. an integer of more than 4300 digits
-        reason = " ".join(str(exc).split(":")[0].split())
-        raise FeedbackFileError(f"{where}: not valid JSON ({reason})") from None
-    if not isinstance(record, dict):
-        raise FeedbackFileError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    return record
-
-
-# --- Parquet --------------------------------------------------------------------------------
-
-
-def _parquet_records(
-    path: Path, name: str, max_rows: int, max_bytes: int
-) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Each row's values by column, and where it is (``<file> row <n>``), after the
-    whole file is measured against the caps.
-
-    Order matters, as in :func:`ppo_core.prompts.load_prompts`: the schema and the metadata
-    alone (columns, rows, the data's declared uncompressed size), then the columns a row group
-    at a time with every text leaf (a ``messages`` list's contents too) read as a dictionary,
-    its length added up from the dictionary without any row's text being built, and only under
-    every cap the Python values built.
-    """
-    import pyarrow.parquet as pq  # here: only a Parquet file needs pyarrow
-
-    try:
-        plain = pq.ParquetFile(path)
-        schema = plain.schema_arrow
-        leaves = [plain.schema.column(i) for i in range(len(plain.schema))]
-        text_leaves = [leaf.path for leaf in leaves if leaf.physical_type == "BYTE_ARRAY"]
-        file = pq.ParquetFile(path, read_dictionary=text_leaves)
-        rows, declared = _metadata_size(file.metadata, "")
-    except Exception as exc:  # pyarrow raises many kinds for a damaged or foreign file
-        raise FeedbackFileError(f"{name}: not a readable parquet file ({_one_line(exc)})") from None
-    columns = _parquet_columns(schema, name)
-    if rows > max_rows:
-        raise FeedbackFileError(
-            f"{name}: {rows} rows, more than the limit of {max_rows} rows a file{_RAISE}"
-        )
-    if declared > max_bytes:
-        raise FeedbackFileError(
-            f"{name}: its data is {declared} bytes uncompressed, more than the limit of "
-            f"{max_bytes} bytes a file{_RAISE}"
-        )
-    tables = _measured_row_groups(file, name, columns, rows, max_rows, max_bytes)
-    values = {column: _column_values(tables, column, name) for column in columns}
-    if "id" in values and _is_float_column(schema, "id"):
-        values["id"] = [_integral_id(value) for value in values["id"]]
-    for row in range(sum(table.num_rows for table in tables)):
-        yield f"{name} row {row}", {column: values[column][row] for column in columns}
-
-
-def _parquet_columns(schema: Any, name: str) -> list[str]:
-    """The columns to read: every column but a pandas index, refused when one is not a
-    feedback field or two share a name."""
-    try:
-        metadata = schema.pandas_metadata or {}
-        described = list(metadata.get("index_columns", []))
-    except Exception:  # metadata that is not pandas' JSON: no index is known to be there
-        described = []
-    # a range index is described (a dict), not stored; any other index is a column, named here
-    index = {column for column in described if isinstance(column, str)}
-    columns = [column for column in schema.names if column not in index]
-    unknown = [column for column in columns if column not in FEEDBACK_FIELDS]
-    if unknown:
-        names = ", ".join(repr(printable(str(column))[:40]) for column in unknown)
-        word = "column" if len(unknown) == 1 else "columns"
-        raise FeedbackFileError(f"{name}: unknown {word} {names}; {_FIELDS_HELP}")
-    repeated = next((column for column in columns if columns.count(column) > 1), None)
-    if repeated is not None:
-        raise FeedbackFileError(f"{name}: {columns.count(repeated)} columns named {repeated!r}")
-    return columns
-
-
-def _measured_row_groups(
-    file: Any, name: str, columns: list[str], rows: int, max_rows: int, max_bytes: int
-) -> list[Any]:
-    """The file's row groups (``columns`` only, text as dictionaries), refused as soon as the
-    rows or the bytes their values take (text lengths from the dictionaries, fixed-width
-    columns by their width) pass a cap."""
-    # fixed-width values (numbers, fixed-size binary) are not dictionaries: count them by width
-    # before reading, as a column stored with a dictionary is small on disk however many rows
-    measured = rows * sum(_byte_width(file.schema_arrow.field(column).type) for column in columns)
-    read = 0
-    tables = []
-    for group in range(file.num_row_groups):
-        try:
-            table = file.read_row_group(group, columns=columns)
-            measured += sum(
-                _text_bytes(chunk) for column in table.columns for chunk in column.chunks
-            )
-        # a damaged file: pages that do not decode, indices past a dictionary
-        except Exception as exc:
-            raise FeedbackFileError(
-                f"{name}: not a readable parquet file ({_one_line(exc)})"
-            ) from None
-        read += table.num_rows
-        tables.append(table)
-        if read > max_rows:  # metadata that does not match the data
-            raise FeedbackFileError(
-                f"{name}: at least {read} rows, more than the limit of {max_rows} rows a "
-                f"file{_RAISE}"
-            )
-        if measured > max_bytes:
-            raise FeedbackFileError(
-                f"{name}: its values are at least {measured} bytes, more than the limit of "
-                f"{max_bytes} bytes a file{_RAISE}"
-            )
-    return tables
-
-
-def _byte_width(kind: Any) -> int:
-    """The bytes a value of a fixed-width Arrow type takes (a bool counted as one), else 0."""
-    try:
-        bits = kind.bit_width
-    except ValueError:  # a variable-width type: text, lists, structs
-        return 0
-    return max(1, bits // 8) if bits else 0
-
-
-def _text_bytes(array: Any) -> int:
-    """The bytes of text and binary in ``array``, nested ones included; a dictionary's values
-    are measured through it, no row's value copied."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-
-    kind = array.type
-    if pa.types.is_dictionary(kind):
-        if not _holds_bytes(kind.value_type):
-            return 0
-        lengths = pc.take(pc.binary_length(array.dictionary), array.indices)
-        return pc.sum(lengths).as_py() or 0
-    if _holds_bytes(kind):
-        return pc.sum(pc.binary_length(array)).as_py() or 0
-    if pa.types.is_map(kind):
-        return _text_bytes(array.keys) + _text_bytes(array.items)
-    if pa.types.is_list(kind) or pa.types.is_large_list(kind) or pa.types.is_fixed_size_list(kind):
-        return _text_bytes(array.flatten())
-    if pa.types.is_struct(kind):
-        return sum(_text_bytes(child) for child in array.flatten())
-    return 0
-
-
-def _holds_bytes(kind: Any) -> bool:
-    """Whether an Arrow type is text or binary of variable length."""
-    import pyarrow as pa
-
-    checks = (pa.types.is_string, pa.types.is_large_string, pa.types.is_binary)
-    return any(check(kind) for check in (*checks, pa.types.is_large_binary))
-
-
-def _column_values(tables: list[Any], column: str, name: str) -> list[Any]:
-    """The Python values of ``column`` over every row group; text not valid UTF-8 (a damaged
-    or foreign file) is named by its first row."""
-    values: list[Any] = []
-    for table in tables:
-        chunked = table.column(column)
-        try:
-            values.extend(chunked.to_pylist())
-        except UnicodeDecodeError:
-            for row, scalar in enumerate(chunked):
-                try:
-                    scalar.as_py()
-                except UnicodeDecodeError:
-                    raise FeedbackFileError(
-                        f"{name} row {len(values) + row}: {column!r} is not valid UTF-8"
-                    ) from None
-            raise FeedbackFileError(f"{name}: column {column!r} is not valid UTF-8") from None
-    return values
-
-
-def _is_float_column(schema: Any, column: str) -> bool:
-    import pyarrow as pa
-
-    return bool(pa.types.is_floating(schema.field(column).type))
-
-
-def _integral_id(value: Any) -> Any:
-    """An id of a float column as the integer it is: pandas stores a column of integers with a
-    missing value as floats, so ``3.0`` there means the id 3. Other values are left for the
-    row's check to refuse."""
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value
