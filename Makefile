@@ -87,8 +87,8 @@ fuzz: $(STAMP)
 # the export's (bench/.trl-venv and bench/.llama-venv are built first when missing, from PyPI;
 # llama.cpp compiles in about 11 minutes on two cores). It prints how long it took.
 soak: $(STAMP)
-	test -x bench/.trl-venv/bin/python || bash bench/setup_trl.sh
-	test -x bench/.llama-venv/bin/python || bash bench/setup_llama_cpp.sh
+	test -x bench/.trl-venv/bin/python || bash bench/peers/setup_trl.sh
+	test -x bench/.llama-venv/bin/python || bash bench/peers/setup_llama_cpp.sh
 	@start=$$(date +%s); \
 	PPO_SOAK=1 $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist worksteal --durations=10 \
 		-m soak tests; status=$$?; \

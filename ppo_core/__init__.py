@@ -2,9 +2,13 @@
 
 Layers (a lower one never imports a higher one; docs/design.md section 2 names each room):
 
-1. ``ppo_core.math``: tensors in, tensors out (masked ops, GAE, losses, exact accumulation).
-2. model I/O: ``prompts``, ``models``, ``base_sources``, ``rewards``, ``checkpoints``.
-3. composition: ``config``, ``parallel``, ``training``, ``evaluation``, ``registry``.
+0. ``ppo_core.catalog``: the one mechanism of the open sets, under everything.
+1. ``ppo_core.math``: tensors in, tensors out (masked ops, GAE, losses, exact accumulation);
+   ``ppo_core.files``: atomic writes, locks, hashes, the artifact files' names.
+2. model I/O: ``prompts``, ``feedback``, ``models``, ``base_sources``, ``rewards``,
+   ``checkpoints``.
+3. composition: ``config``, ``parallel``, ``registry``, ``experience``, ``training``,
+   ``preference``, ``evaluation``.
 
 The math layer's public names can be imported from here (``from ppo_core import PPOObjective``);
 each loads with its module on first use, so importing the package alone does not import torch.

@@ -2,21 +2,23 @@
 with the project's Python.
 
 The benchmarks are found by glob, so that one added tomorrow is tested the day it is added:
-every ``bench/*.py`` and ``bench/*.sh`` but helpers (names starting with ``_``, which a benchmark
-imports or runs and which are tested through it) and environment builders (``setup_*``). A
-benchmark without a ``--smoke`` mode fails here, saying so.
+every ``bench/<group>/*.py`` and ``*.sh`` but helpers (``bench/common.py``, names starting with
+``_``, which a benchmark imports or runs and which are tested through it), the packages'
+``__init__.py`` and environment builders (``setup_*``); a Python benchmark runs as a module
+(``python -m bench.<group>.<name>``) from the repository's root. A benchmark without a
+``--smoke`` mode fails here, saying so.
 
 A smoke run takes the smallest sizes and one repeat, and writes its outputs to a new temporary
-folder (``bench/_smoke.py``); here ``$TMPDIR`` is the test's own folder. Each run must exit 0,
+folder (``bench/common.py``); here ``$TMPDIR`` is the test's own folder. Each run must exit 0,
 print no traceback, leave ``bench/results/`` and the plots in ``docs/`` as they were, and write a
 JSON result holding at least one finite, non-integer number: something it measured. No test
 asserts what the numbers are.
 
-Shell benchmarks (``bench/gpu.sh``) run their smoke with ``--device cpu`` where torch sees no
-CUDA device. ``bench/ppo_vs_trl.py`` is run twice: this project's sides, and TRL's side, which
-needs ``bench/.trl-venv`` (``bash bench/setup_trl.sh``): without it that case is skipped, except
-under ``PPO_SOAK=1`` (``make soak``), where its absence fails. ``bench/export.py`` runs its
-llama.cpp side where ``bench/.llama-venv`` exists (``bash bench/setup_llama_cpp.sh``); the case
+Shell benchmarks (``bench/gpu/gpu.sh``) run their smoke with ``--device cpu`` where torch sees no
+CUDA device. ``bench/peers/ppo_vs_trl.py`` is run twice: this project's sides, and TRL's side, which
+needs ``bench/.trl-venv`` (``bash bench/peers/setup_trl.sh``): without it that case is skipped, except
+under ``PPO_SOAK=1`` (``make soak``), where its absence fails. ``bench/peers/export.py`` runs its
+llama.cpp side where ``bench/.llama-venv`` exists (``bash bench/peers/setup_llama_cpp.sh``); the case
 that requires it is likewise skipped without it, except under ``PPO_SOAK=1``.
 """
 
@@ -59,9 +61,14 @@ EXTRA_ARGS = {"ppo_vs_trl.py": ["--sides", "ours", "ours_shared"]}
 
 
 def benchmarks() -> list[Path]:
-    """Every benchmark script in ``bench/``, by name."""
-    found = [*BENCH.glob("*.py"), *BENCH.glob("*.sh")]
+    """Every benchmark script in ``bench/<group>/``, by name."""
+    found = [*BENCH.glob("*/*.py"), *BENCH.glob("*/*.sh")]
     return sorted(p for p in found if not p.name.startswith(("_", "setup_")))
+
+
+def module_of(script: Path) -> str:
+    """``bench/real/real_model.py`` -> ``bench.real.real_model``."""
+    return ".".join(script.relative_to(ROOT).with_suffix("").parts)
 
 
 def smoke_command(script: Path, *extra: str) -> list[str]:
@@ -69,7 +76,7 @@ def smoke_command(script: Path, *extra: str) -> list[str]:
         device = [] if torch.cuda.is_available() else ["--device", "cpu"]
         return ["bash", str(script), "--smoke", *device, *extra]
     python = str(PYTHON) if PYTHON.exists() else sys.executable
-    return [python, str(script), "--smoke", *extra]
+    return [python, "-m", module_of(script), "--smoke", *extra]
 
 
 def untouched_outputs() -> dict[str, tuple[int, int]]:
@@ -93,11 +100,11 @@ def numbers(value) -> list[float]:
 def run_smoke(script: Path, tmp_path: Path, *extra: str) -> tuple[str, list[dict]]:
     """Run ``script``'s smoke mode with ``$TMPDIR`` in ``tmp_path``; its output (stdout and
     stderr) and the JSON results it wrote, after the checks every benchmark passes."""
-    name = script.name
+    name = script.relative_to(BENCH)
     if "--smoke" not in script.read_text():
         pytest.fail(
             f"bench/{name} has no --smoke mode: every benchmark needs one (the smallest sizes, "
-            "one repeat, outputs to a temporary folder: see bench/_smoke.py), or a name starting "
+            "one repeat, outputs to a temporary folder: see bench/common.py), or a name starting "
             "with '_' if it is a helper that a benchmark runs"
         )
     before = untouched_outputs()
@@ -146,13 +153,13 @@ def test_smoke_run(script: Path, tmp_path: Path):
 @pytest.mark.slow
 @pytest.mark.soak
 def test_ppo_vs_trl_smoke_of_the_trl_side(tmp_path: Path):
-    """TRL 1.12's side of ``bench/ppo_vs_trl.py`` runs and is timed per iteration."""
+    """TRL 1.12's side of ``bench/peers/ppo_vs_trl.py`` runs and is timed per iteration."""
     if not (TRL_VENV / "bin" / "python").exists():
-        reason = f"{TRL_VENV} is missing (bash bench/setup_trl.sh builds it)"
+        reason = f"{TRL_VENV} is missing (bash bench/peers/setup_trl.sh builds it)"
         if SOAK:
-            pytest.fail(f"PPO_SOAK=1 runs TRL's side of bench/ppo_vs_trl.py, but {reason}")
-        pytest.skip(f"TRL's side of bench/ppo_vs_trl.py not run: {reason}")
-    _, results = run_smoke(BENCH / "ppo_vs_trl.py", tmp_path, "--sides", "trl")
+            pytest.fail(f"PPO_SOAK=1 runs TRL's side of bench/peers/ppo_vs_trl.py, but {reason}")
+        pytest.skip(f"TRL's side of bench/peers/ppo_vs_trl.py not run: {reason}")
+    _, results = run_smoke(BENCH / "peers" / "ppo_vs_trl.py", tmp_path, "--sides", "trl")
     (result,) = results
     for row in result["median"].values():
         assert row["trl"]["iteration_s"] > 0
@@ -162,15 +169,15 @@ def test_ppo_vs_trl_smoke_of_the_trl_side(tmp_path: Path):
 @pytest.mark.slow
 @pytest.mark.soak
 def test_export_smoke_in_llama_cpp(tmp_path: Path):
-    """llama.cpp (llama-cpp-python) loads the f16 file ``bench/export.py`` exports from the tiny
+    """llama.cpp (llama-cpp-python) loads the f16 file ``bench/peers/export.py`` exports from the tiny
     chat model, renders each chat with the file's own template to the pipeline's prompt ids, and
     continues it greedily to the pipeline's tokens."""
     if not (LLAMA_VENV / "bin" / "python").exists():
-        reason = f"{LLAMA_VENV} is missing (bash bench/setup_llama_cpp.sh builds it)"
+        reason = f"{LLAMA_VENV} is missing (bash bench/peers/setup_llama_cpp.sh builds it)"
         if SOAK:
-            pytest.fail(f"PPO_SOAK=1 runs llama.cpp's side of bench/export.py, but {reason}")
-        pytest.skip(f"llama.cpp's side of bench/export.py not run: {reason}")
-    _, results = run_smoke(BENCH / "export.py", tmp_path)
+            pytest.fail(f"PPO_SOAK=1 runs llama.cpp's side of bench/peers/export.py, but {reason}")
+        pytest.skip(f"llama.cpp's side of bench/peers/export.py not run: {reason}")
+    _, results = run_smoke(BENCH / "peers" / "export.py", tmp_path)
     (result,) = results
     assert result["llama_cpp"] == "run"
     f16 = result["types"]["f16"]

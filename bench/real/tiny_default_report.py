@@ -6,8 +6,8 @@ build seconds, mean VADER compound of prompt + response, fraction positive (> 0.
 distinct-1/2 (over words of the responses) and a few samples; writes the numbers to
 ``bench/results/tiny_default_report.json``.
 
-    .venv/bin/python bench/tiny_default_report.py [--seed 0]
-    .venv/bin/python bench/tiny_default_report.py --smoke  # the smallest build, 4 prompts x 1
+    .venv/bin/python -m bench.real.tiny_default_report [--seed 0]
+    .venv/bin/python -m bench.real.tiny_default_report --smoke  # the smallest build, 4 prompts x 1
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 N_TRAIN_PROMPTS = 512  # default_prompts(512 + 64, seed)[:512] is left to PPO training
 N_HELD_OUT = 64
@@ -40,16 +40,16 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "tiny_default_report.json"
     )
-    import _smoke
+    from bench import common
 
     parser.add_argument(
-        "--smoke", action="store_true", help=f"{_smoke.HELP} (the build: _smoke.tiny_model)"
+        "--smoke", action="store_true", help=f"{common.HELP} (the build: common.tiny_model)"
     )
     args = parser.parse_args()
     held_out, samples_per_prompt, max_new_tokens = N_HELD_OUT, SAMPLES_PER_PROMPT, MAX_NEW_TOKENS
     if args.smoke:
         held_out, samples_per_prompt, max_new_tokens = 4, 1, 4
-        args.out = _smoke.output_folder("tiny_default_report") / "tiny_default_report.json"
+        args.out = common.output_folder("tiny_default_report") / "tiny_default_report.json"
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -60,7 +60,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         start = time.perf_counter()
         if args.smoke:
-            path = _smoke.tiny_model(Path(tmp) / "tiny", seed=args.seed)
+            path = common.tiny_model(Path(tmp) / "tiny", seed=args.seed)
         else:
             path = build_tiny_default(f"{tmp}/tiny", seed=args.seed)
         build_s = time.perf_counter() - start
@@ -102,6 +102,14 @@ def main() -> None:
         "distinct_1": distinct_n(responses, 1),
         "distinct_2": distinct_n(responses, 2),
     }
+    show(report, prompts, responses, scores)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def show(report: dict, prompts: list[str], responses: list[str], scores) -> None:
+    """The report as lines, and five of the samples with their scores."""
+    build_s, gen_s = report["build_s"], report["generate_s"]
     print(f"build seconds        {build_s:.1f}")
     print(f"generate seconds     {gen_s:.2f} ({len(prompts)} samples)")
     print(f"mean VADER compound  {report['mean_vader_compound']:+.3f}")
@@ -113,8 +121,6 @@ def main() -> None:
     print("samples:")
     for i in range(0, len(prompts), max(1, len(prompts) // 5))[:5]:
         print(f"  [{scores[i].item():+.2f}] {prompts[i]!r} + {responses[i]!r}")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
 
 
 if __name__ == "__main__":

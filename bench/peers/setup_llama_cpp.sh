@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# Builds the virtual environment of the llama.cpp side of bench/export.py in bench/.llama-venv:
+# Builds the virtual environment of the llama.cpp side of bench/peers/export.py in bench/.llama-venv:
 # llama-cpp-python builds llama.cpp itself from source with this machine's C++ compiler (CPU
 # only, about 11 minutes on two cores). It is kept out of the project's .venv and its lock: the
 # pipeline never imports it; it is the consumer that checks what `ppo export` writes.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3.11}
 VENV=bench/.llama-venv
 LLAMA_CPP_PYTHON_VERSION=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}

@@ -16,8 +16,8 @@ where the update's time goes, and what bf16 does to the exact micro-batch accumu
 
 Writes ``bench/results/precision.json``.
 
-    .venv/bin/python bench/precision.py [--layers 2]
-    .venv/bin/python bench/precision.py --smoke   # the shapes of SMOKE, to a temporary folder
+    .venv/bin/python -m bench.speed.precision [--layers 2]
+    .venv/bin/python -m bench.speed.precision --smoke   # the shapes of SMOKE, to a temporary folder
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' loading bars
 
 QWEN2_SLICE = dict(
@@ -46,7 +46,7 @@ SMOKE = dict(
     matmul=dict(tokens=16, inner=64, outer=128, cube=128),
 )
 """``--smoke``: one layer of width 64, small products; the exactness runs on a one-layer model
-built on the spot (``_smoke.tiny_model``)."""
+built on the spot (``common.tiny_model``)."""
 
 
 def gflops(a: torch.Tensor, b: torch.Tensor, repeats: int = 3) -> float:
@@ -201,9 +201,9 @@ def micro_batch_differences(smoke: bool) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)
         if smoke:
-            import _smoke
+            from bench import common
 
-            model = _smoke.tiny_model(folder / "base")
+            model = common.tiny_model(folder / "base")
         else:
             model = build_tiny_default(
                 folder / "base", seed=0, n_sentences=2000, steps=40, num_threads=1
@@ -239,14 +239,14 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "precision.json"))
-    import _smoke
+    from bench import common
 
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     shape, matmul = QWEN2_SLICE, MATMUL_SHAPE
     if args.smoke:
         args.layers, shape, matmul = 1, SMOKE["slice"], SMOKE["matmul"]
-        args.out = str(_smoke.output_folder("precision") / "precision.json")
+        args.out = str(common.output_folder("precision") / "precision.json")
     torch.set_num_threads(1)
     warnings.simplefilter("ignore")
     result = {

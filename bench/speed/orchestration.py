@@ -22,8 +22,8 @@ imports, task bookkeeping, DVC's work before each stage, the experiment record),
 adds inside a stage's time, after its command (:func:`dvc_seconds_a_stage`); their sum
 estimates the overhead without the stages' noise.
 
-    .venv/bin/python bench/orchestration.py [--repeats 2] [--flows flow flow_on_a_server]
-    .venv/bin/python bench/orchestration.py --smoke
+    .venv/bin/python -m bench.speed.orchestration [--repeats 2] [--flows flow flow_on_a_server]
+    .venv/bin/python -m bench.speed.orchestration --smoke
 
 ``--smoke`` runs ``direct`` and ``flow`` once each on the pipeline made as small as it goes
 (:data:`SMOKE_PARAMS`, written into the clone's ``params.yaml``) and DVC's share of one stage
@@ -43,7 +43,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STAGES = ("prepare", "base", "validate", "train", "evaluate", "promote")
 
 
@@ -98,7 +98,6 @@ def dvc_seconds_a_stage(project: Path, env: dict[str, str], repeats: int = 5) ->
     ``before_the_stage`` (to DVC's ``Running stage`` line, which the flow's log shows outside
     the stage's time) and ``after_the_command`` (hashing and caching the outputs, the lock;
     inside it)."""
-    sys.path.insert(0, str(ROOT))
     from flows.orchestration.dvc_session import DvcSession
     from flows.orchestration.relay import StageRelay
 
@@ -230,15 +229,32 @@ def main() -> None:
         default=list(SIDES[1:]),
         help="the flow sides to run against direct",
     )
-    import _smoke
+    from bench import common
 
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     params, dvc_repeats = None, 5
     if args.smoke:
         args.repeats, args.flows, params, dvc_repeats = 1, ["flow"], SMOKE_PARAMS, 1
-        args.out = _smoke.output_folder("orchestration") / "orchestration.json"
-    sides = ("direct", *args.flows)
+        args.out = common.output_folder("orchestration") / "orchestration.json"
+    measured = measure(("direct", *args.flows), args.repeats, params, dvc_repeats)
+    flows = args.flows
+    stages, breakdown = measured["stage_s"], measured["flow_phases"]
+    unread = [
+        side
+        for side in flows
+        if not all(breakdown[side]) or any(len(found) < len(STAGES) for found in stages[side])
+    ]
+    if args.smoke and unread:  # a full run keeps what it found; a smoke run must not pass on it
+        sys.exit(f"the phases or stage times of {unread} were not found in the flow's log")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps({**measured, **overhead_of(measured, flows)}, indent=1))
+
+
+def measure(sides: tuple[str, ...], repeats: int, params, dvc_repeats: int) -> dict:
+    """Each side's whole runs in fresh clones, ``repeats`` times in turn: the seconds of each
+    run, of each stage, outside the stages and by phase of the flow, and DVC's own time a
+    stage."""
     flows = sides[1:]
     bin_dir = Path(sys.executable).parent
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}")
@@ -250,7 +266,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         server, api = running_server(Path(tmp), env) if "flow_on_a_server" in sides else (None, "")
         try:
-            for repeat in range(args.repeats):
+            for repeat in range(repeats):
                 for side in sides:
                     project = fresh_clone(Path(tmp) / f"{side}-{repeat}", params)
                     commands = (
@@ -279,19 +295,25 @@ def main() -> None:
             if server is not None:
                 server.kill()
     print(f"DVC a stage: {json.dumps({k: round(v, 2) for k, v in dvc_stage.items()})}")
-    unread = [
-        side
-        for side in flows
-        if not all(breakdown[side]) or any(len(found) < len(STAGES) for found in stages[side])
-    ]
-    if args.smoke and unread:  # a full run keeps what it found; a smoke run must not pass on it
-        sys.exit(f"the phases or stage times of {unread} were not found in the flow's log")
-    median = {side: statistics.median(runs[side]) for side in sides}
+    return {
+        "runs": runs,
+        "stage_s": stages,
+        "outside_the_stages_s": outside,
+        "dvc_a_stage_s": dvc_stage,
+        "flow_phases": breakdown,
+    }
+
+
+def overhead_of(measured: dict, flows: list[str]) -> dict:
+    """Each flow side's median against direct's, and the noise-free estimate of the overhead,
+    printed and returned."""
+    runs, outside = measured["runs"], measured["outside_the_stages_s"]
+    median = {side: statistics.median(values) for side, values in runs.items()}
     overhead = {side: median[side] - median["direct"] for side in flows}
     # Noise-free estimate: the flow's time outside its stage tasks (DVC's work before each
     # stage's `Running stage` line is in it), plus what DVC adds inside each of them, after the
     # stage's command; the stages' own compute, which varies from run to run, is not in it.
-    inside = max(dvc_stage["after_the_command"], 0.0)
+    inside = max(measured["dvc_a_stage_s"]["after_the_command"], 0.0)
     estimate = {side: statistics.median(outside[side]) + len(STAGES) * inside for side in flows}
     # The share of the same run's work (its total less the overhead), so that the stages'
     # noise between the sides does not enter it.
@@ -303,23 +325,12 @@ def main() -> None:
             f" s; estimated overhead {estimate[side]:.1f} s, {share[side]:.1%} on top of the "
             "run's own work"
         )
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(
-        json.dumps(
-            {
-                "runs": runs,
-                "median": median,
-                "difference_s": overhead,
-                "stage_s": stages,
-                "outside_the_stages_s": outside,
-                "dvc_a_stage_s": dvc_stage,
-                "estimated_overhead_s": estimate,
-                "estimated_overhead_share": share,
-                "flow_phases": breakdown,
-            },
-            indent=1,
-        )
-    )
+    return {
+        "median": median,
+        "difference_s": overhead,
+        "estimated_overhead_s": estimate,
+        "estimated_overhead_share": share,
+    }
 
 
 if __name__ == "__main__":

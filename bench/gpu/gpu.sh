@@ -5,14 +5,14 @@
 # Needs a CUDA build of torch in .venv (make setup TORCH_SPEC=torch on a CUDA machine). Writes
 # bench/results/gpu_throughput*.json and bench/results/memory_scaling_gpu.json.
 #
-#   bash bench/gpu.sh [options of the first gpu_throughput.py run]
-#   bash bench/gpu.sh --smoke [--device cpu]
+#   bash bench/gpu/gpu.sh [options of the first gpu_throughput.py run]
+#   bash bench/gpu/gpu.sh --smoke [--device cpu]
 #
 # --smoke runs every step below with the same options plus its script's --smoke (the smallest
 # sizes, outputs to a temporary folder), so that a renamed option fails here too; with
 # --device cpu it runs without a GPU (FSDP, which needs 2 GPUs, is left out then).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 SMOKE=()
 DEVICE=cuda
@@ -30,15 +30,15 @@ elif [ ${#SMOKE[@]} -eq 0 ]; then
     echo "--device $DEVICE: only with --smoke (this script measures GPUs)" >&2
     exit 2
 fi
-"$PY" bench/gpu_throughput.py --device "$DEVICE" --precision bf16 --configs tiny gpt2-100m \
+"$PY" -m bench.gpu.gpu_throughput --device "$DEVICE" --precision bf16 --configs tiny gpt2-100m \
     --batch 128 --micro 32 --prompt-length 64 --response-length 128 --steps 5 "${SMOKE[@]}" "$@"
 # the same in fp32, for the bf16 gain
-"$PY" bench/gpu_throughput.py --device "$DEVICE" --precision fp32 --configs gpt2-100m \
+"$PY" -m bench.gpu.gpu_throughput --device "$DEVICE" --precision fp32 --configs gpt2-100m \
     --batch 128 --micro 32 --steps 3 --out bench/results/gpu_throughput_fp32.json "${SMOKE[@]}"
 # Memory and time of one PPO iteration on the GPU in bf16: full fine-tuning, LoRA and LoRA with
 # gradient checkpointing at ~350M, and a Qwen2-0.5B-shaped model with LoRA + checkpointing
 # (random weights; GPU peak = torch.cuda.max_memory_allocated)
-"$PY" bench/memory_scaling.py --device "$DEVICE" --precision bf16 --sizes 350M \
+"$PY" -m bench.speed.memory_scaling --device "$DEVICE" --precision bf16 --sizes 350M \
     --out bench/results/memory_scaling_gpu.json "${SMOKE[@]}"
 # DDP against FSDP (bf16 mixed precision, NCCL), one rank per GPU: needs 2 or more GPUs
 if [ "$DEVICE" = cuda ]; then
@@ -47,7 +47,7 @@ else
     GPUS=0
 fi
 if [ "$GPUS" -ge 2 ]; then
-    "$PY" bench/sharding.py --device cuda --precision bf16 --ranks 1 "$GPUS" "${SMOKE[@]}"
+    "$PY" -m bench.speed.sharding --device cuda --precision bf16 --ranks 1 "$GPUS" "${SMOKE[@]}"
 else
-    echo "bench/sharding.py skipped: FSDP needs 2 or more GPUs, this machine has $GPUS"
+    echo "bench/speed/sharding.py skipped: FSDP needs 2 or more GPUs, this machine has $GPUS"
 fi

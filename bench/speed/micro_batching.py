@@ -7,8 +7,8 @@ response tokens, random response masks), and runs ``--steps`` exact accumulated 
 set (``ru_maxrss``) over its value after one warm-up update of a single row; time is the
 median seconds per update. Writes ``bench/results/micro_batching.json``.
 
-    .venv/bin/python bench/micro_batching.py [--micro 8] [--minis 8 16 32 64 128]
-    .venv/bin/python bench/micro_batching.py --smoke  # 1 layer x 32, mini 8, to a temporary folder
+    .venv/bin/python -m bench.speed.micro_batching [--micro 8] [--minis 8 16 32 64 128]
+    .venv/bin/python -m bench.speed.micro_batching --smoke  # 1 layer x 32, mini 8, to a temporary folder
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def synthetic_batch(rows: int) -> dict:
@@ -131,7 +131,8 @@ def run_child(mini: int, micro: int, args) -> dict[str, float]:
     out = subprocess.run(
         [
             sys.executable,
-            __file__,
+            "-m",
+            __spec__.name,
             "--child",
             str(mini),
             str(micro),
@@ -161,16 +162,16 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "micro_batching.json"
     )
-    import _smoke
+    from bench import common
 
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(*args.child, args.layers, args.hidden, args.steps)))
         return
     if args.smoke:  # two processes: mini 8 at micro 1 (the split too), and at micro 8
         args.micro, args.minis, args.layers, args.hidden, args.steps = 1, [8], 1, 32, 1
-        args.out = _smoke.output_folder("micro_batching") / "micro_batching.json"
+        args.out = common.output_folder("micro_batching") / "micro_batching.json"
     memory = [measure(mini, args.micro, args) for mini in args.minis]
     print(f"fixed micro_batch_size={args.micro}, GPT-2 {args.layers} x {args.hidden}")
     print(f"{'mini':>6} {'peak growth MB':>15} {'s / update':>11}")

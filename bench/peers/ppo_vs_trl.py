@@ -29,13 +29,13 @@ How each side is timed: ours runs ``ppo_core.training.loop.train`` (built-in def
 bench's overrides, not ``params.yaml``) in a fresh process of its own and reads the trainer's
 own per-iteration ``perf/rollout_s``, ``perf/update_s`` and ``perf/iteration_s`` from the
 returned ``TrainSummary.history`` (the metrics logger keeps wall-clock times of the last iteration
-only, in ``timings.json``); TRL's run is timed by ``bench/_trl_side.py`` from its callbacks.
+only, in ``timings.json``); TRL's run is timed by ``bench/peers/_trl_side.py`` from its callbacks.
 
-    bash bench/setup_trl.sh            # once: bench/.trl-venv with trl==1.12.0
-    .venv/bin/python bench/ppo_vs_trl.py [--batches 16 64 128] [--repeats 3] [--sides ours trl]
-    .venv/bin/python bench/ppo_vs_trl.py --models smollm2 --lora 16 --batches 16 --epochs 1 \
+    bash bench/peers/setup_trl.sh            # once: bench/.trl-venv with trl==1.12.0
+    .venv/bin/python -m bench.peers.ppo_vs_trl [--batches 16 64 128] [--repeats 3] [--sides ours trl]
+    .venv/bin/python -m bench.peers.ppo_vs_trl --models smollm2 --lora 16 --batches 16 --epochs 1 \
         --micro 8 --response-length 32 --iterations 4 --repeats 2
-    .venv/bin/python bench/ppo_vs_trl.py --smoke   # seconds; TRL's side only with its venv
+    .venv/bin/python -m bench.peers.ppo_vs_trl --smoke   # seconds; TRL's side only with its venv
 
 Writes ``bench/results/ppo_vs_trl.json`` and ``docs/ppo-vs-trl.png`` (``--smoke``: a temporary
 folder).
@@ -53,7 +53,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRL_PYTHON = ROOT / "bench" / ".trl-venv" / "bin" / "python"
 SIDES = ("ours", "ours_shared", "trl")
 SIDE_NAMES = {
@@ -124,9 +124,9 @@ def build_smollm2_assets(folder: Path, n_prompts: int) -> dict[str, str]:
     """SmolLM2-135M-Instruct imported from its GGUF file as the policy, and its trunk with a
     one-output score head (seed 1) as the reward model."""
     import torch
-    from real_model import smollm2_gguf
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
+    from bench.common import smollm2_gguf
     from ppo_core.base_sources.gguf_import import import_gguf
 
     paths = {
@@ -193,7 +193,7 @@ def run_ours(
     ]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), HF_HUB_DISABLE_PROGRESS_BARS="1")
     completed = subprocess.run(
-        [sys.executable, __file__, "--ours-child", json.dumps(overrides)],
+        [sys.executable, "-m", __spec__.name, "--ours-child", json.dumps(overrides)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -240,7 +240,7 @@ def run_trl(
     completed = subprocess.run(
         [
             str(TRL_PYTHON),
-            str(ROOT / "bench" / "_trl_side.py"),
+            str(ROOT / "bench" / "peers" / "_trl_side.py"),
             "--job",
             str(work / "job.json"),
             "--out",
@@ -329,14 +329,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ours-child", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.smoke:
-        import _smoke
+        from bench import common
 
         vars(args).update(SMOKE)
-        folder = _smoke.output_folder("ppo_vs_trl")
+        folder = common.output_folder("ppo_vs_trl")
         args.out, args.plot = folder / "ppo_vs_trl.json", folder / "ppo-vs-trl.png"
         if "trl" in args.sides and not TRL_PYTHON.exists():
             args.sides = [side for side in args.sides if side != "trl"]
-            print(f"TRL side skipped: {TRL_PYTHON} is missing (bash bench/setup_trl.sh)")
+            print(f"TRL side skipped: {TRL_PYTHON} is missing (bash bench/peers/setup_trl.sh)")
     if args.lora and "ours" in args.sides:
         args.sides = [side for side in args.sides if side != "ours"]
         print("side 'ours' left out: a separate critic is refused beside LoRA (ours_shared runs)")
@@ -353,57 +353,9 @@ def main() -> None:
         return
     sides = [side for side in SIDES if side in args.sides]
     if "trl" in sides and not TRL_PYTHON.exists():
-        raise SystemExit(f"{TRL_PYTHON} is missing: run `bash bench/setup_trl.sh` first")
-    raw: dict[str, dict[str, list]] = {}
-    reached = None
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        for name in args.models:
-            assets = build_assets(work, name, n_prompts=args.prompts)
-            for batch in args.batches:
-                key = f"{name}/{batch}"
-                raw[key] = {side: [] for side in sides}
-                for repeat in range(args.repeats):  # alternate sides so drift hits all of them
-                    for side in sides:
-                        folder = work / f"{side}-{key}-{repeat}"
-                        if side == "trl":
-                            times, reached = run_trl(assets, batch, args, folder)
-                        else:
-                            critic = "shared" if side == "ours_shared" else "separate"
-                            times = run_ours(assets, batch, args, folder, critic=critic)
-                        raw[key][side].append(times)
-                    print(
-                        f"{key} repeat {repeat}: "
-                        + ", ".join(
-                            f"{side} {raw[key][side][-1][-1]['iteration_s']:.3f} s"
-                            for side in sides
-                        ),
-                        flush=True,
-                    )
-    results: dict[str, dict] = {}
-    print(
-        f"\n{'model/batch':>12} {'side':>12} {'rollout tok/s':>14} {'update tok/s':>13} "
-        f"{'total tok/s':>12} {'s/iter':>7} {'speed-up':>9}"
-    )
-    for key, runs_by_side in raw.items():
-        tokens = int(key.split("/")[1]) * args.response_length
-        results[key] = {side: summarize(runs, tokens) for side, runs in runs_by_side.items()}
-        if "trl" in sides:
-            for ours in ("ours", "ours_shared"):
-                if ours in sides:
-                    results[key][f"speedup_{ours}"] = {
-                        phase: results[key]["trl"][f"{phase}_s"] / results[key][ours][f"{phase}_s"]
-                        for phase in ("rollout", "update", "iteration")
-                    }
-        for side in sides:
-            row = results[key][side]
-            gain = results[key].get(f"speedup_{side}")
-            speedup = f"{gain['iteration']:.2f}x" if gain else ""
-            print(
-                f"{key:>12} {side:>12} {row['rollout_tokens_per_s']:>14.0f} "
-                f"{row['update_tokens_per_s']:>13.0f} {row['iteration_tokens_per_s']:>12.0f} "
-                f"{row['iteration_s']:>7.3f} {speedup:>9}"
-            )
+        raise SystemExit(f"{TRL_PYTHON} is missing: run `bash bench/peers/setup_trl.sh` first")
+    raw, reached = measure_sides(args, sides)
+    results = summarise_results(raw, sides, args.response_length)
     import torch
     import transformers
 
@@ -431,6 +383,68 @@ def main() -> None:
         print(f"TRL ran with: {reached}")
     plot(results, args.plot)
     print(f"\nwrote {args.out} and {args.plot}")
+
+
+def measure_sides(args, sides: list[str]) -> tuple[dict[str, dict[str, list]], dict | None]:
+    """Each side's per-iteration times for every model and batch, the sides alternating within
+    each repeat; and what reached TRL's run (None without its side)."""
+    raw: dict[str, dict[str, list]] = {}
+    reached = None
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for name in args.models:
+            assets = build_assets(work, name, n_prompts=args.prompts)
+            for batch in args.batches:
+                key = f"{name}/{batch}"
+                raw[key] = {side: [] for side in sides}
+                for repeat in range(args.repeats):  # alternate sides so drift hits all of them
+                    for side in sides:
+                        folder = work / f"{side}-{key}-{repeat}"
+                        if side == "trl":
+                            times, reached = run_trl(assets, batch, args, folder)
+                        else:
+                            critic = "shared" if side == "ours_shared" else "separate"
+                            times = run_ours(assets, batch, args, folder, critic=critic)
+                        raw[key][side].append(times)
+                    print(
+                        f"{key} repeat {repeat}: "
+                        + ", ".join(
+                            f"{side} {raw[key][side][-1][-1]['iteration_s']:.3f} s"
+                            for side in sides
+                        ),
+                        flush=True,
+                    )
+    return raw, reached
+
+
+def summarise_results(raw: dict, sides: list[str], response_length: int) -> dict[str, dict]:
+    """Each model and batch: every side's medians and, with TRL's side, each of ours' speed-up
+    over it; printed as a table."""
+    results: dict[str, dict] = {}
+    print(
+        f"\n{'model/batch':>12} {'side':>12} {'rollout tok/s':>14} {'update tok/s':>13} "
+        f"{'total tok/s':>12} {'s/iter':>7} {'speed-up':>9}"
+    )
+    for key, runs_by_side in raw.items():
+        tokens = int(key.split("/")[1]) * response_length
+        results[key] = {side: summarize(runs, tokens) for side, runs in runs_by_side.items()}
+        if "trl" in sides:
+            for ours in ("ours", "ours_shared"):
+                if ours in sides:
+                    results[key][f"speedup_{ours}"] = {
+                        phase: results[key]["trl"][f"{phase}_s"] / results[key][ours][f"{phase}_s"]
+                        for phase in ("rollout", "update", "iteration")
+                    }
+        for side in sides:
+            row = results[key][side]
+            gain = results[key].get(f"speedup_{side}")
+            speedup = f"{gain['iteration']:.2f}x" if gain else ""
+            print(
+                f"{key:>12} {side:>12} {row['rollout_tokens_per_s']:>14.0f} "
+                f"{row['update_tokens_per_s']:>13.0f} {row['iteration_tokens_per_s']:>12.0f} "
+                f"{row['iteration_s']:>7.3f} {speedup:>9}"
+            )
+    return results
 
 
 if __name__ == "__main__":

@@ -12,7 +12,7 @@ reward from feedback").
 2. ``ppo prepare``, ``ppo validate`` and ``ppo reward`` (LoRA on SmolLM2 with a new scalar head,
    in ``--reward-precision``) make the pairs a checked version and train, judge and promote the
    reward model ``r0001``; its held-out accuracy is accuracy against gold.
-3. ``ppo train`` with ``model.reward=reward:current`` (the recipe of ``bench/real_model.py``),
+3. ``ppo train`` with ``model.reward=reward:current`` (the recipe of ``bench/real/real_model.py``),
    then ``ppo evaluate`` and ``ppo promote`` (the gate's check reward is AFINN, independent of
    both). Every rollout's replies are also scored by gold (the reward function the run builds is
    wrapped here, in this process only), so each iteration has a proxy score (the reward model's,
@@ -23,8 +23,8 @@ reward from feedback").
 
 Writes ``bench/results/feedback_loop.json`` and ``bench/results/feedback_loop.png``.
 
-    .venv/bin/python bench/feedback_loop.py            # about an hour on 2 CPU cores
-    .venv/bin/python bench/feedback_loop.py --smoke    # the tiny default, seconds
+    .venv/bin/python -m bench.real.feedback_loop            # about an hour on 2 CPU cores
+    .venv/bin/python -m bench.real.feedback_loop --smoke    # the tiny default, seconds
 """
 
 from __future__ import annotations
@@ -34,11 +34,10 @@ import json
 import math
 import os
 import shutil
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLD = "builtin:sentiment"
 
 REWARD_MODEL = [
@@ -97,7 +96,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "feedback_loop.json"
     )
-    import _smoke
+    from bench import common
 
     parser.add_argument(
         "--reuse-reward",
@@ -105,7 +104,7 @@ def parse_args() -> argparse.Namespace:
         help="keep the pairs and the reward version of an earlier run in --work and run only "
         "PPO, the evaluations and the gate again (e.g. with other --set PPO settings)",
     )
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     if args.replies < 2:
         parser.error(f"--replies must be at least 2 (a pair), got {args.replies}")
@@ -113,23 +112,22 @@ def parse_args() -> argparse.Namespace:
 
 
 def main() -> None:
-    import real_model
+    from bench import common
 
     args = parse_args()
-    overrides = [*real_model.TRAINING, *REWARD_MODEL, f"threads={args.threads}"]
+    overrides = [*common.TRAINING, *REWARD_MODEL, f"threads={args.threads}"]
     if args.smoke:
-        import _smoke
+        from bench import common
 
-        smoke = _smoke.output_folder("feedback_loop")
+        smoke = common.output_folder("feedback_loop")
         if not args.reuse_reward:  # a reuse keeps the smoke project it is given in --work
             args.work = smoke / "project"
         args.out = smoke / "feedback_loop.json"
         args.prompts, args.pair_prompts, args.min_gap = 200, 100, 0.0
-        source = str(real_model.smoke_chat_model(smoke / "tiny"))
+        source = str(common.smoke_chat_model(smoke / "tiny"))
         overrides += SMOKE
     else:
-        source = str(real_model.smollm2_gguf())
-    sys.path.insert(0, str(ROOT))  # the stages, imported by name from the work folder
+        source = str(common.smollm2_gguf())
     run(args, source, [*overrides, "model.reward=reward:current", *args.set])
 
 
@@ -226,8 +224,7 @@ def run(args: argparse.Namespace, source: str, overrides: list[str]) -> None:
 def learn_reward(args: argparse.Namespace, source: str, overrides: list[str]):
     """Steps 1 and 2 in a new work folder: the base, the prompts, the gold-labelled pairs and
     the reward model; returns the pair counts, the reward stage's decision and the times."""
-    import real_model
-
+    from bench import common
     from flows import stages
     from flows.loggers import ConsoleProgress
     from flows.reward_stage import reward
@@ -239,7 +236,7 @@ def learn_reward(args: argparse.Namespace, source: str, overrides: list[str]):
     (args.work / "data" / "raw").mkdir(parents=True)
     (args.work / "data" / "feedback").mkdir(parents=True)
     os.chdir(args.work)
-    rows = real_model.chat_prompts(args.prompts)
+    rows = common.chat_prompts(args.prompts)
     (args.work / "data" / "raw" / "chats.jsonl").write_text(
         "".join(json.dumps(row) + "\n" for row in rows)
     )
@@ -389,8 +386,9 @@ def plot(curve: list[dict], marks: dict, path: Path) -> None:
 
 
 def report(args, config, pair_counts, decision, promotion, curve, timeline) -> None:
-    import real_model
     import torch
+
+    from bench import common
 
     responses = config.eval.num_prompts * config.eval.samples_per_prompt
     marks = overoptimisation(curve, config.promote.max_kl)
@@ -413,7 +411,7 @@ def report(args, config, pair_counts, decision, promotion, curve, timeline) -> N
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "matmul_gflops_2048": {
-            name: real_model.matmul_peak_gflops(args.threads, dtype=dtype)
+            name: common.matmul_peak_gflops(args.threads, dtype=dtype)
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
         },
         "threads": args.threads,

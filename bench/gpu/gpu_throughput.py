@@ -17,8 +17,8 @@ and backward, plus attention ``2 n_layer L d`` per token forward (times 3 with b
 non-embedding parameter count plus the LM head. The peak is ``--peak-tflops`` (default 989, the
 H200's dense bf16 figure); on the CPU MFU is not reported.
 
-    bash bench/gpu.sh                                  # on a CUDA machine: bf16, both configs
-    .venv/bin/python bench/gpu_throughput.py --smoke   # seconds; on the CPU without CUDA
+    bash bench/gpu/gpu.sh                                  # on a CUDA machine: bf16, both configs
+    .venv/bin/python -m bench.gpu.gpu_throughput --smoke   # seconds; on the CPU without CUDA
 
 Writes ``bench/results/gpu_throughput.json``.
 """
@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = {
     # the tiny default's shape, with room for 64 prompt + 128 response positions
     "tiny": dict(vocab_size=1024, n_layer=2, n_embd=128, n_head=4, n_positions=256),
@@ -219,18 +219,18 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "gpu_throughput.json"
     )
-    import _smoke
+    from bench import common
 
     parser.add_argument(
         "--smoke",
         action="store_true",
-        help=f"{_smoke.HELP}; on the CPU when torch sees no CUDA device",
+        help=f"{common.HELP}; on the CPU when torch sees no CUDA device",
     )
     args = parser.parse_args()
     if args.smoke:
         args.configs, args.batch, args.micro, args.steps = ["tiny"], 4, 2, 1
         args.prompt_length = args.response_length = 4
-        args.out = _smoke.output_folder("gpu_throughput") / "gpu_throughput.json"
+        args.out = common.output_folder("gpu_throughput") / "gpu_throughput.json"
         if args.device.startswith("cuda") and not torch.cuda.is_available():
             print("no CUDA device visible to torch: the smoke run measures the CPU")
             args.device = "cpu"

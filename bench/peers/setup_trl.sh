@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Builds the virtual environment of the TRL side of bench/ppo_vs_trl.py in bench/.trl-venv.
+# Builds the virtual environment of the TRL side of bench/peers/ppo_vs_trl.py in bench/.trl-venv.
 # TRL 1.12.0 is the last release with PPOTrainer (trl.experimental.ppo); it runs beside the same
 # torch, transformers and peft (the LoRA runs) versions as the project's own .venv, so both sides run the same kernels.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PYTHON=${PYTHON:-python3.11}
 VENV=bench/.trl-venv
 TRANSFORMERS_VERSION=$(.venv/bin/python -c "import transformers; print(transformers.__version__)")

@@ -1,6 +1,6 @@
 """Per-rank memory and time of PPO iterations: DDP against FSDP, 1 and 2 ranks (gloo, CPU).
 
-A random-weight Llama-style model (the ``100M`` shape of ``bench/memory_scaling.py``: hidden
+A random-weight Llama-style model (the ``100M`` shape of ``bench/speed/memory_scaling.py``: hidden
 768, 14 layers, vocabulary 512, 99.9M parameters) runs two PPO iterations of full fine-tuning
 (AdamW) under ``torchrun --nproc_per_node R`` with ``parallel.strategy`` ``ddp`` or ``fsdp``:
 global rollout batch 8 (8 / R per rank), mini-batch 8 / R per rank, micro-batch 4, 1 epoch, 16
@@ -24,8 +24,8 @@ On GPUs (``--device cuda --precision bf16``, NCCL, one GPU per rank) each rank a
 
 Writes ``bench/results/sharding.json`` (``sharding_cuda.json`` on GPUs).
 
-    .venv/bin/python bench/sharding.py [--ranks 1 2] [--strategies ddp fsdp]
-    .venv/bin/python bench/sharding.py --smoke   # FSDP over 2 ranks of a 2-layer model of width 64
+    .venv/bin/python -m bench.speed.sharding [--ranks 1 2] [--strategies ddp fsdp]
+    .venv/bin/python -m bench.speed.sharding --smoke   # FSDP over 2 ranks of a 2-layer model of width 64
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SHAPE = {"hidden_size": 768, "intermediate_size": 2048, "num_hidden_layers": 14}
 SMOKE_SHAPE = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2}
 """``--smoke``: this shape, FSDP over 2 ranks only (the launch that uses the most of the bench:
@@ -134,7 +134,7 @@ def rank_main(args: argparse.Namespace) -> None:
                 "threads=1",
                 f"device={args.device}",
                 f"precision={args.precision}",
-                "model.reward=bench.sharding:varied_reward",
+                "model.reward=bench.speed.sharding:varied_reward",
                 f"parallel.strategy={args.strategy}",
             ]
         )
@@ -238,7 +238,7 @@ def launch(work: Path, strategy: str, ranks: int, args: argparse.Namespace, env:
     torchrun = Path(sys.executable).with_name("torchrun")
     done = subprocess.run(
         [str(torchrun), "--nproc_per_node", str(ranks), "--master-port", str(free_port()),
-         __file__, "--rank-of", str(work), "--strategy", strategy,
+         "-m", __spec__.name, "--rank-of", str(work), "--strategy", strategy,
          "--device", args.device, "--precision", args.precision],
         cwd=ROOT, env=env, capture_output=True, text=True, check=False,
     )  # fmt: skip
@@ -272,17 +272,16 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default: bench/results/sharding[_cuda].json")
     parser.add_argument("--rank-of", dest="work", help=argparse.SUPPRESS)
     parser.add_argument("--strategy", help=argparse.SUPPRESS)
-    import _smoke
+    from bench import common
 
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     if args.work:
         rank_main(args)
         return
     if args.smoke:
         args.ranks, args.strategies = [2], ["fsdp"]
-        args.out = _smoke.output_folder("sharding") / "sharding.json"
-    sys.path.insert(0, str(ROOT))
+        args.out = common.output_folder("sharding") / "sharding.json"
     env = {
         **os.environ,
         "PYTHONPATH": str(ROOT),

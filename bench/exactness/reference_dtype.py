@@ -11,9 +11,9 @@ after ``make run``) and the reference its starting point (``models/base``), so t
 training actually sees; prompts are the held-out split. Writes
 ``bench/results/reference_dtype.json``.
 
-    .venv/bin/python bench/reference_dtype.py [--policy models/candidate] [--reference models/base]
+    .venv/bin/python -m bench.exactness.reference_dtype [--policy models/candidate] [--reference models/base]
         [--prompts data/prepared/eval.parquet] [--batches 8] [--batch-size 64]
-    .venv/bin/python bench/reference_dtype.py --smoke  # no `make run` needed
+    .venv/bin/python -m bench.exactness.reference_dtype --smoke  # no `make run` needed
 
 ``--smoke`` builds a one-layer model twice on the spot (2 and 6 training steps, one tokenizer:
 the policy is the longer trained one), one batch of 4 prompts, 4 new tokens.
@@ -23,14 +23,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import tempfile
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def measure(args: argparse.Namespace) -> dict:
@@ -106,17 +104,17 @@ def main() -> None:
     parser.add_argument("--estimator", default="k1")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "reference_dtype.json"))
-    import _smoke
+    from bench import common
 
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="reference_dtype-") as tmp:
         if args.smoke:
             args.batches, args.batch_size, args.max_new_tokens = 1, 4, 4
-            args.out = str(_smoke.output_folder("reference_dtype") / "reference_dtype.json")
-            args.reference = str(_smoke.tiny_model(Path(tmp) / "reference", steps=2))
-            args.policy = str(_smoke.tiny_model(Path(tmp) / "policy", steps=6))
-            args.prompts = str(_smoke.prompt_files(Path(tmp) / "prompts")[1])
+            args.out = str(common.output_folder("reference_dtype") / "reference_dtype.json")
+            args.reference = str(common.tiny_model(Path(tmp) / "reference", steps=2))
+            args.policy = str(common.tiny_model(Path(tmp) / "policy", steps=6))
+            args.prompts = str(common.prompt_files(Path(tmp) / "prompts")[1])
         result = measure(args)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

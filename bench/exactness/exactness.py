@@ -5,8 +5,8 @@ full mini-batch gradient once, then the gradient accumulated over micro-batches 
 both with ppo_core's exact normalisation and with the common mean of per-micro-batch means.
 It prints the relative errors and writes them to ``bench/results/exactness.json``.
 
-    .venv/bin/python bench/exactness.py [--batch 8] [--length 12] [--dtype float64]
-    .venv/bin/python bench/exactness.py --smoke    # 3 rows x 4 tokens, to a temporary folder
+    .venv/bin/python -m bench.exactness.exactness [--batch 8] [--length 12] [--dtype float64]
+    .venv/bin/python -m bench.exactness.exactness --smoke    # 3 rows x 4 tokens, to a temporary folder
 """
 
 from __future__ import annotations
@@ -86,13 +86,13 @@ def main() -> None:
     parser.add_argument("--dtype", choices=["float64", "float32"], default="float64")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("bench/results/exactness.json"))
-    import _smoke
+    from bench import common
 
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.length = 3, 4
-        args.out = _smoke.output_folder("exactness") / "exactness.json"
+        args.out = common.output_folder("exactness") / "exactness.json"
     dtype = getattr(torch, args.dtype)
 
     config = GPT2Config(

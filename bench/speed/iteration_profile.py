@@ -1,5 +1,5 @@
 """Where a real model's PPO iteration spends its time, against what this CPU can do: each pass of
-the published SmolLM2 recipe (``bench/real_model.py``) timed, its FLOPs counted from the shapes
+the published SmolLM2 recipe (``bench/real/real_model.py``) timed, its FLOPs counted from the shapes
 it ran, its fraction of the measured fp32 matmul peak, the share of its tokens that are padding,
 and its top operators from ``torch.profiler``.
 
@@ -35,10 +35,10 @@ the fraction of the peak that compares code versions.
 in a temporary folder; recipe keys that code does not know are left out and named), then on
 this code, and prints both and their ratio: one invocation, one machine.
 
-    .venv/bin/python bench/iteration_profile.py                 # about 12 minutes on 2 CPU cores
-    .venv/bin/python bench/iteration_profile.py --against cfeec2e   # before and after, twice that
-    .venv/bin/python bench/iteration_profile.py --set train.gradient_checkpointing=true
-    .venv/bin/python bench/iteration_profile.py --smoke         # the tiny default, seconds
+    .venv/bin/python -m bench.speed.iteration_profile                 # about 12 minutes on 2 CPU cores
+    .venv/bin/python -m bench.speed.iteration_profile --against cfeec2e   # before and after, twice that
+    .venv/bin/python -m bench.speed.iteration_profile --set train.gradient_checkpointing=true
+    .venv/bin/python -m bench.speed.iteration_profile --smoke         # the tiny default, seconds
 """
 
 from __future__ import annotations
@@ -47,7 +47,6 @@ import argparse
 import importlib
 import json
 import os
-import shutil
 import statistics
 import time
 from collections import defaultdict
@@ -55,7 +54,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PASSES = ("generate", "score_policy", "score_reference", "reward", "update")
 
 
@@ -223,8 +222,8 @@ def pass_flops(
 
 
 def main() -> None:
-    import _smoke
-    from real_model import (
+    from bench import common
+    from bench.common import (
         SMOKE_TRAINING,
         TRAINING,
         matmul_peak_gflops,
@@ -239,7 +238,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", nargs="*", default=[], help="more key=value settings")
     parser.add_argument("--out", type=Path, help="default: bench/results/iteration_profile.json")
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     parser.add_argument(
         "--against",
         metavar="REV",
@@ -248,14 +247,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.against:
         results = (
-            _smoke.output_folder("iteration_profile") if args.smoke else ROOT / "bench" / "results"
+            common.output_folder("iteration_profile") if args.smoke else ROOT / "bench" / "results"
         )
         args.out = args.out or results / "iteration_profile_against.json"
         compare(args)
         return
     overrides = [*TRAINING, f"threads={args.threads}"]
     if args.smoke:
-        smoke = _smoke.output_folder("iteration_profile")
+        smoke = common.output_folder("iteration_profile")
         args.work = smoke / "project"
         args.out = args.out or smoke / "iteration_profile.json"
         args.warmup, args.iterations = 0, 1
@@ -295,12 +294,14 @@ def known_keys(overrides: list[str]) -> list[str]:
 
 def compare(args) -> None:
     """Profile revision ``args.against`` in a worktree, then this code, each in a process of
-    its own with that code first on ``PYTHONPATH``; print both and their ratio."""
+    its own with that code first on ``PYTHONPATH`` (this script, by its path, measures both;
+    ``bench`` comes from the revision when it is a package there, else from this checkout);
+    print both and their ratio."""
     import subprocess
     import sys
     import tempfile
 
-    common = [
+    options = [
         *(["--smoke"] if args.smoke else []),
         f"--warmup={args.warmup}",
         f"--iterations={args.iterations}",
@@ -318,9 +319,9 @@ def compare(args) -> None:
             for name, code in ((args.against, tree), ("this code", ROOT)):
                 out = Path(tmp) / f"{len(runs)}.json"
                 subprocess.run(
-                    [sys.executable, __file__, *common, f"--out={out}"],
+                    [sys.executable, __file__, *options, f"--out={out}"],
                     check=True,
-                    env={**os.environ, "PYTHONPATH": str(code)},
+                    env={**os.environ, "PYTHONPATH": os.pathsep.join((str(code), str(ROOT)))},
                 )
                 runs[name] = json.loads(out.read_text())
         finally:
@@ -340,23 +341,10 @@ def compare(args) -> None:
 
 
 def run(args, source: str, overrides: list[str]) -> dict:
-    from real_model import chat_prompts
-
+    from bench import common
     from flows import stages
-    from ppo_core.config import load_config
 
-    if args.work.exists():
-        shutil.rmtree(args.work)
-    (args.work / "data" / "raw").mkdir(parents=True)
-    os.chdir(args.work)
-    rows = chat_prompts(560)
-    (args.work / "data" / "raw" / "chats.jsonl").write_text(
-        "".join(json.dumps(row) + "\n" for row in rows)
-    )
-    config = load_config(overrides=[f"base.source={source}", *overrides])
-    stages.base(config)
-    stages.prepare(config)
-    stages.validate(config)
+    config = common.start_chat_project(args.work, common.chat_prompts(560), source, overrides)
     timer = PassTimer()
     install(timer)
     summary = stages.train(config, show_progress=True)

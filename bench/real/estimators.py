@@ -11,8 +11,8 @@ and its peak resident memory (the ``ppo train`` process, from ``wait4``).
 Run it in a checkout where ``make run`` has built ``models/base`` and ``data/prepared``; it
 writes only under ``--workdir`` and to ``bench/results/estimators.json``.
 
-    .venv/bin/python bench/estimators.py [--seeds 0 1 2] [--jobs 2] [--workdir /tmp/estimators]
-    .venv/bin/python bench/estimators.py --smoke   # no `make run` needed: see SMOKE
+    .venv/bin/python -m bench.real.estimators [--seeds 0 1 2] [--jobs 2] [--workdir /tmp/estimators]
+    .venv/bin/python -m bench.real.estimators --smoke   # no `make run` needed: see SMOKE
 
 ``--smoke`` checks that every estimator's settings still make a valid config, then runs one
 estimator (``grpo``: critic-free, grouped samples) end to end, seed 0, on a one-layer model
@@ -32,7 +32,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 COMMIT = subprocess.run(
     ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=False
 ).stdout.strip()
@@ -146,9 +146,9 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one thread each)")
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/estimators"))
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "estimators.json")
-    import _smoke
+    from bench import common
 
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="estimators-") as tmp:
         extra: tuple[str, ...] = ()
@@ -156,9 +156,9 @@ def main() -> None:
             check_settings()
             args.estimators, args.seeds, args.jobs = ["grpo"], [0], 1
             args.workdir = Path(tmp) / "runs"
-            args.out = _smoke.output_folder("estimators") / "estimators.json"
-            model = _smoke.tiny_model(Path(tmp) / "model")
-            train_file, eval_file = _smoke.prompt_files(Path(tmp) / "prompts")
+            args.out = common.output_folder("estimators") / "estimators.json"
+            model = common.tiny_model(Path(tmp) / "model")
+            train_file, eval_file = common.prompt_files(Path(tmp) / "prompts")
             extra = (
                 f"model.policy={model}",
                 f"eval.baseline={model}",

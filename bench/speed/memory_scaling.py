@@ -53,9 +53,9 @@ tokenizer's vocabulary) with ``lora+ckpt``, under the same settings.
 Writes ``bench/results/memory_scaling.json`` (or ``--out``) and prints markdown tables; progress
 goes to stderr. The full measurement, then a small check (20M only, no Qwen2, results in /tmp):
 
-    .venv/bin/python bench/memory_scaling.py
-    .venv/bin/python bench/memory_scaling.py --sizes 20M --no-qwen2 --out /tmp/ms.json
-    .venv/bin/python bench/memory_scaling.py --smoke   # seconds: see SMOKE_SHAPE
+    .venv/bin/python -m bench.speed.memory_scaling
+    .venv/bin/python -m bench.speed.memory_scaling --sizes 20M --no-qwen2 --out /tmp/ms.json
+    .venv/bin/python -m bench.speed.memory_scaling --smoke   # seconds: see SMOKE_SHAPE
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GIB = 2**30
 MACHINE_GIB = 24
 
@@ -216,7 +216,7 @@ def ppo_child(
         f"device={device}",
         f"precision={precision}",
         f"generation.max_new_tokens={NEW_TOKENS}",
-        "model.reward=bench.memory_scaling:varied_reward",
+        "model.reward=bench.speed.memory_scaling:varied_reward",
         *MODES[mode],
     ]
     summary = train(load_config(overrides=overrides))
@@ -234,7 +234,7 @@ def ppo_child(
 
 def run_child(task: dict, label: str) -> dict:
     """Run ``task`` in a fresh process (working folder the repository, which is also put on
-    ``PYTHONPATH`` so that ``model.reward=bench.memory_scaling:varied_reward`` imports); its result
+    ``PYTHONPATH`` so that ``model.reward=bench.speed.memory_scaling:varied_reward`` imports); its result
     (last stdout line) with its wall time, or ``{"error": ...}`` when it failed. The child's
     stderr is passed on, prefixed with ``label``."""
     env = {
@@ -244,7 +244,7 @@ def run_child(task: dict, label: str) -> dict:
     }
     start = time.perf_counter()
     out = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(task)],
+        [sys.executable, "-m", __spec__.name, "--child", json.dumps(task)],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -387,19 +387,19 @@ def parse_args() -> argparse.Namespace:
         "--device",
         choices=["cpu", "cuda"],
         default="cpu",
-        help="cuda also reports the peak of allocated GPU memory (bench/gpu.sh); the FLOP rate "
+        help="cuda also reports the peak of allocated GPU memory (bench/gpu/gpu.sh); the FLOP rate "
         "is still compared with the CPU matmul peak",
     )
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    import _smoke
+    from bench import common
 
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     args.sizes = {size: SIZES[size] for size in args.sizes}
     if args.smoke:
         args.sizes, args.modes, args.qwen2 = {"smoke": SMOKE_SHAPE}, ["lora+ckpt"], False
-        args.out = _smoke.output_folder("memory_scaling") / "memory_scaling.json"
+        args.out = common.output_folder("memory_scaling") / "memory_scaling.json"
     return args
 
 

@@ -4,8 +4,8 @@ Same model, prompts, batch, sampling (temperature 1, no top-k, no top-p) and see
 response tokens up to and including the first EOS. Medians over ``--repeats`` timed calls after
 one warm-up. Writes ``bench/results/generation.json``.
 
-    .venv/bin/python bench/generation.py --model models/base [--batch 64] [--new-tokens 16]
-    .venv/bin/python bench/generation.py --smoke   # a one-layer model built on the spot
+    .venv/bin/python -m bench.speed.generation --model models/base [--batch 64] [--new-tokens 16]
+    .venv/bin/python -m bench.speed.generation --smoke   # a one-layer model built on the spot
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
@@ -30,18 +30,18 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "generation.json")
-    import _smoke
+    from bench import common
 
     parser.add_argument(
-        "--smoke", action="store_true", help=f"{_smoke.HELP} (the model: _smoke.tiny_model)"
+        "--smoke", action="store_true", help=f"{common.HELP} (the model: common.tiny_model)"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="generation-") as tmp:
         if args.smoke:
             args.batch, args.new_tokens, args.repeats = 4, 4, 1
-            args.out = _smoke.output_folder("generation") / "generation.json"
-            args.model = str(_smoke.tiny_model(Path(tmp) / "model"))
+            args.out = common.output_folder("generation") / "generation.json"
+            args.model = str(common.tiny_model(Path(tmp) / "model"))
         measure(args)
 
 

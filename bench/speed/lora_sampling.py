@@ -10,9 +10,9 @@ random (``B`` not zero), all linear layers. Medians over ``--repeats`` calls aft
 the sides interleaved.
 Writes ``bench/results/lora_sampling.json``.
 
-    .venv/bin/python bench/lora_sampling.py                 # SmolLM2-135M-Instruct (GGUF import)
-    .venv/bin/python bench/lora_sampling.py --model FOLDER --ranks 8 64
-    .venv/bin/python bench/lora_sampling.py --smoke         # a one-layer model built on the spot
+    .venv/bin/python -m bench.speed.lora_sampling                 # SmolLM2-135M-Instruct (GGUF import)
+    .venv/bin/python -m bench.speed.lora_sampling --model FOLDER --ranks 8 64
+    .venv/bin/python -m bench.speed.lora_sampling --smoke         # a one-layer model built on the spot
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -42,18 +42,18 @@ def main() -> None:
     parser.add_argument(
         "--out", type=Path, default=ROOT / "bench" / "results" / "lora_sampling.json"
     )
-    import _smoke
+    from bench import common
 
     parser.add_argument(
-        "--smoke", action="store_true", help=f"{_smoke.HELP} (the model: _smoke.tiny_model)"
+        "--smoke", action="store_true", help=f"{common.HELP} (the model: common.tiny_model)"
     )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory(prefix="lora-sampling-") as tmp:
         if args.smoke:
             args.batch, args.new_tokens, args.ranks, args.repeats = 2, 4, [2], 1
-            args.out = _smoke.output_folder("lora_sampling") / "lora_sampling.json"
-            args.model = str(_smoke.tiny_model(Path(tmp) / "model"))
+            args.out = common.output_folder("lora_sampling") / "lora_sampling.json"
+            args.model = str(common.tiny_model(Path(tmp) / "model"))
         elif args.model is None:
             args.model = str(import_smollm2(Path(tmp) / "smollm2"))
         measure(args)

@@ -1,5 +1,5 @@
 """Scheduled retraining over several generations of a real model: the published SmolLM2 recipe
-(``bench/real_model.py``) run generation after generation, each importing the current
+(``bench/real/real_model.py``) run generation after generation, each importing the current
 production version as its base, as ``from_production`` does.
 
 In one project folder (``--work``): generation 0 imports SmolLM2-135M-Instruct from its GGUF
@@ -13,9 +13,9 @@ with standard errors, KL to the baseline and to the origin, EOS rate, distinct-2
 reference's and the origin's NLL, the decision and its reasons) and ``docs/generations.png``
 (score and drift by generation).
 
-    .venv/bin/python bench/generations.py                   # about an hour on 2 CPU cores
-    .venv/bin/python bench/generations.py --generations 2 --iterations 6
-    .venv/bin/python bench/generations.py --smoke           # the tiny default, seconds
+    .venv/bin/python -m bench.real.generations                   # about an hour on 2 CPU cores
+    .venv/bin/python -m bench.real.generations --generations 2 --iterations 6
+    .venv/bin/python -m bench.real.generations --smoke           # the tiny default, seconds
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import shutil
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
-    import _smoke
-    from real_model import (
+    from bench import common
+    from bench.common import (
         SMOKE_TRAINING,
         TRAINING,
         chat_prompts,
@@ -51,11 +51,11 @@ def main() -> None:
     parser.add_argument("--set", nargs="*", default=[], help="more key=value settings")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "generations.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "docs" / "generations.png")
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     overrides = [*TRAINING, f"threads={args.threads}", f"train.iterations={args.iterations}"]
     if args.smoke:
-        smoke = _smoke.output_folder("generations")
+        smoke = common.output_folder("generations")
         args.work, args.out, args.plot = smoke / "project", smoke / "g.json", smoke / "g.png"
         args.generations, args.first_prompts, args.new_prompts = 2, 160, 40
         source = str(smoke_chat_model(smoke / "tiny"))

@@ -10,8 +10,8 @@ Each run is ``ppo_core.training.loop.train`` (built-in defaults plus this bench'
 processes of its own, one per rank; rank 0 reports the trainer's own per-iteration
 ``perf/rollout_s``, ``perf/update_s`` and ``perf/iteration_s`` from ``TrainSummary.history``.
 
-    .venv/bin/python bench/data_parallel.py --model models/base [--procs 2] [--iterations 12]
-    .venv/bin/python bench/data_parallel.py --smoke   # a one-layer model, 2 iterations of 8 rows
+    .venv/bin/python -m bench.speed.data_parallel --model models/base [--procs 2] [--iterations 12]
+    .venv/bin/python -m bench.speed.data_parallel --smoke   # a one-layer model, 2 iterations of 8 rows
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PHASES = ("rollout_s", "update_s", "iteration_s")
 
 
@@ -54,7 +54,7 @@ def run(procs: int, args: argparse.Namespace, work: Path) -> dict[str, float]:
         f"ppo.micro_batch_size={per_rank // 4}",
         f"threads={args.threads}",
     ]
-    child = [__file__, "--child", json.dumps(overrides)]
+    child = ["-m", __spec__.name, "--child", json.dumps(overrides)]
     if procs == 1:
         command = [sys.executable, *child]
     else:
@@ -96,10 +96,10 @@ def main() -> None:
         "--out", type=Path, default=ROOT / "bench" / "results" / "data_parallel.json"
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)
-    import _smoke
+    from bench import common
 
     parser.add_argument(
-        "--smoke", action="store_true", help=f"{_smoke.HELP} (the model: _smoke.tiny_model)"
+        "--smoke", action="store_true", help=f"{common.HELP} (the model: common.tiny_model)"
     )
     args = parser.parse_args()
     if args.child:
@@ -108,9 +108,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.smoke:  # 2 ranks of 4 rows, mini-batches of 1; the second iteration is timed
             args.procs, args.global_batch, args.iterations, args.repeats = 2, 8, 2, 1
-            args.out = _smoke.output_folder("data_parallel") / "data_parallel.json"
-            args.model = str(_smoke.tiny_model(Path(tmp) / "model"))
-            args.prompts = str(_smoke.prompt_files(Path(tmp) / "prompts")[0])
+            args.out = common.output_folder("data_parallel") / "data_parallel.json"
+            args.model = str(common.tiny_model(Path(tmp) / "model"))
+            args.prompts = str(common.prompt_files(Path(tmp) / "prompts")[0])
         results: dict[str, list[dict[str, float]]] = {"1": [], str(args.procs): []}
         for repeat in range(args.repeats):
             for procs in (1, args.procs):

@@ -1,39 +1,37 @@
 """GGUF export checked by llama.cpp itself: SmolLM2-135M-Instruct imported from its GGUF file,
 trained with LoRA PPO, promoted, exported by ``ppo export`` in f32, f16 and q8_0, and run by
-llama.cpp (llama-cpp-python, in ``bench/.llama-venv``: ``bash bench/setup_llama_cpp.sh``)
+llama.cpp (llama-cpp-python, in ``bench/.llama-venv``: ``bash bench/peers/setup_llama_cpp.sh``)
 beside transformers on the promoted version.
 
 In one project folder (``--work``): ``base`` imports the GGUF file, ``prepare`` and ``validate``
 make a data version of film-review chats, ``train`` runs ``--iterations`` LoRA iterations of the
-published recipe (``bench/real_model.py``), ``evaluate`` and ``promote`` make it production
+published recipe (``bench/real/real_model.py``), ``evaluate`` and ``promote`` make it production
 version v0001 (the gate is set aside: this measures the export, not the training), and
 ``export`` writes each type. Then, for ``--chats`` held-out chats:
 
 - transformers: the promoted version (the adapter merged into its base), the chat rendered by
   its tokenizer's template, greedy until ``<|im_end|>`` or ``--max-new-tokens``;
 - llama.cpp: each exported file, the chat rendered by the template stored in the file and
-  tokenized by the file's vocabulary, greedy the same way (``bench/_llama_side.py``).
+  tokenized by the file's vocabulary, greedy the same way (``bench/peers/_llama_side.py``).
 
 It reports, per type: the file's size, the export's time, llama.cpp's load time and tokens per
 second, and the agreement: whether the prompt ids are the same, and the greedy tokens equal up to
 the first difference, chat by chat. Results go to ``bench/results/export.json``.
 
-    bash bench/setup_llama_cpp.sh                    # once: builds llama.cpp (11 min on 2 cores)
-    .venv/bin/python bench/export.py                 # about 5 minutes on 2 CPU cores
-    .venv/bin/python bench/export.py --smoke         # the tiny default, seconds
+    bash bench/peers/setup_llama_cpp.sh                    # once: builds llama.cpp (11 min on 2 cores)
+    .venv/bin/python -m bench.peers.export                 # about 5 minutes on 2 CPU cores
+    .venv/bin/python -m bench.peers.export --smoke         # the tiny default, seconds
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import subprocess
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LLAMA_PYTHON = ROOT / "bench" / ".llama-venv" / "bin" / "python"
 
 GATE_OFF = [
@@ -50,8 +48,8 @@ measures the export; tests/flows/test_export.py sets it aside the same way)."""
 
 
 def main() -> None:
-    import _smoke
-    from real_model import SMOKE_TRAINING, TRAINING, smoke_chat_model, smollm2_gguf
+    from bench import common
+    from bench.common import SMOKE_TRAINING, TRAINING, smoke_chat_model, smollm2_gguf
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", type=Path, default=Path("/tmp/ppo-export"))
@@ -62,7 +60,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", nargs="*", default=[], help="more key=value settings")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "export.json")
-    parser.add_argument("--smoke", action="store_true", help=_smoke.HELP)
+    parser.add_argument("--smoke", action="store_true", help=common.HELP)
     args = parser.parse_args()
     overrides = [
         *TRAINING,
@@ -72,7 +70,7 @@ def main() -> None:
         "eval.num_prompts=16",
     ]
     if args.smoke:
-        smoke = _smoke.output_folder("export")
+        smoke = common.output_folder("export")
         args.work, args.out = smoke / "project", smoke / "export.json"
         args.chats, args.max_new_tokens, args.types = 2, 6, ["f16"]
         source = str(smoke_chat_model(smoke / "tiny"))
@@ -87,23 +85,11 @@ def main() -> None:
 
 
 def run(args, source: str, overrides: list[str]) -> dict:
-    from real_model import chat_prompts
-
+    from bench import common
     from flows import stages
     from ppo_core.config import load_config
 
-    if args.work.exists():
-        shutil.rmtree(args.work)
-    (args.work / "data" / "raw").mkdir(parents=True)
-    os.chdir(args.work)
-    rows = chat_prompts(200)
-    (args.work / "data" / "raw" / "chats.jsonl").write_text(
-        "".join(json.dumps(row) + "\n" for row in rows)
-    )
-    config = load_config(overrides=[f"base.source={source}", *overrides])
-    stages.base(config)
-    stages.prepare(config)
-    stages.validate(config)
+    config = common.start_chat_project(args.work, common.chat_prompts(200), source, overrides)
     stages.train(config, show_progress=True)
     stages.evaluate(config)
     promotion = stages.promote(config)
@@ -136,7 +122,9 @@ def run(args, source: str, overrides: list[str]) -> dict:
         "max_new_tokens": args.max_new_tokens,
         "threads": args.threads,
         "transformers_tokens_per_s": reference["tokens_per_s"],
-        "llama_cpp": "run" if LLAMA_PYTHON.exists() else "not installed (bench/setup_llama_cpp.sh)",
+        "llama_cpp": "run"
+        if LLAMA_PYTHON.exists()
+        else "not installed (bench/peers/setup_llama_cpp.sh)",
         "types": types,
         "settings": overrides,
     }
@@ -180,11 +168,11 @@ def transformers_side(config, version: str, chats, max_new_tokens: int) -> dict:
 
 
 def llama_side(path: Path, chats, reference: dict, args) -> dict | None:
-    """llama.cpp's run of the file (``bench/_llama_side.py``), or None where it is not
+    """llama.cpp's run of the file (``bench/peers/_llama_side.py``), or None where it is not
     installed."""
     if not LLAMA_PYTHON.exists():
         print(
-            "llama.cpp side skipped: bench/.llama-venv is missing (bash bench/setup_llama_cpp.sh)"
+            "llama.cpp side skipped: bench/.llama-venv is missing (bash bench/peers/setup_llama_cpp.sh)"
         )
         return None
     request = path.with_suffix(".request.json")
@@ -199,7 +187,12 @@ def llama_side(path: Path, chats, reference: dict, args) -> dict | None:
         )
     )
     done = subprocess.run(
-        [str(LLAMA_PYTHON), str(ROOT / "bench" / "_llama_side.py"), str(path), str(request)],
+        [
+            str(LLAMA_PYTHON),
+            str(ROOT / "bench" / "peers" / "_llama_side.py"),
+            str(path),
+            str(request),
+        ],
         capture_output=True,
         text=True,
         timeout=3600,

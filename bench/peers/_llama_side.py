@@ -1,5 +1,5 @@
-"""llama.cpp's side of ``bench/export.py``, run with ``bench/.llama-venv/bin/python`` (built by
-``bench/setup_llama_cpp.sh``): it imports nothing of the project.
+"""llama.cpp's side of ``bench/peers/export.py``, run with ``bench/.llama-venv/bin/python`` (built by
+``bench/peers/setup_llama_cpp.sh``): it imports nothing of the project.
 
     _llama_side.py FILE.gguf REQUEST.json  ->  one JSON object on stdout
 

