@@ -346,10 +346,10 @@ def _add_stage_commands() -> None:
         for node in ast.parse(home.read_text(encoding="utf-8")).body
         if isinstance(node, ast.FunctionDef)
     }
-    commands = {info.name or info.callback.__name__ for info in app.registered_commands}
-    functions = {info.callback.__name__ for info in app.registered_commands if info.callback}
+    commands = {info.name for info in app.registered_commands if info.name}
+    commands |= {info.callback.__name__ for info in app.registered_commands if info.callback}
     for name in declared_in(home.read_text(encoding="utf-8"), "stage"):
-        if name not in commands and name not in functions:
+        if name not in commands:
             app.command(name, help=documented.get(name, ""))(_stage_command(name))
 
 

@@ -47,7 +47,7 @@ def declared_in(source: str, decorator: str) -> dict[str, dict[str, Any]]:
                 continue
             try:
                 name = ast.literal_eval(call.args[0])
-                traits = {k.arg: ast.literal_eval(k.value) for k in call.keywords}
+                traits = {_keyword(k): ast.literal_eval(k.value) for k in call.keywords}
             except (IndexError, ValueError) as error:
                 raise ValueError(
                     f"@{decorator} on {node.name} must name the entry and give its traits as "
@@ -55,6 +55,12 @@ def declared_in(source: str, decorator: str) -> dict[str, dict[str, Any]]:
                 ) from error
             found[name] = traits
     return found
+
+
+def _keyword(keyword: ast.keyword) -> str:
+    if keyword.arg is None:  # **traits: not a literal
+        raise ValueError("**")
+    return keyword.arg
 
 
 @dataclass

@@ -69,7 +69,8 @@ def test_registrations_are_read_from_the_text_with_their_traits():
 
 
 @pytest.mark.parametrize(
-    "decorator", ["@entry(NAME, critic=True)", "@entry('x', critic=FLAG)", "@entry()"]
+    "decorator",
+    ["@entry(NAME, critic=True)", "@entry('x', critic=FLAG)", "@entry()", "@entry('x', **traits)"],
 )
 def test_a_registration_the_text_cannot_tell_is_refused(decorator):
     with pytest.raises(ValueError, match="as literals"):

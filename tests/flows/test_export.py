@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.export import GATE_OFF
+from bench.peers.export import GATE_OFF
 from ppo_core.files import file_sha256
 from tests.flows.conftest import BIN, dvc, environment, ran, read_json, run_doc_block
 
