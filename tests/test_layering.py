@@ -385,3 +385,27 @@ def test_the_test_module_check_sees_every_form():
         "tests.models.test_chat",
         "tests.models.test_families",
     }
+
+
+# The house's size limits (docs/design.md, "Where to change what"): a file a reader can hold, a
+# function that reads as one piece.
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def test_no_file_or_function_is_over_the_house_limits():
+    found = []
+    for folder in ("ppo_core", "flows", "bench"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            source = path.read_text()
+            where = path.relative_to(ROOT)
+            if source.count("\n") > MAX_FILE_LINES:
+                found.append(f"{where}: {source.count(chr(10))} lines")
+            for node in ast.walk(ast.parse(source)):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    length = node.end_lineno - node.lineno + 1
+                    if length > MAX_FUNCTION_LINES:
+                        found.append(f"{where}:{node.lineno} {node.name}: {length} lines")
+    assert not found, (
+        f"over {MAX_FILE_LINES} lines a file or {MAX_FUNCTION_LINES} a function: {found}"
+    )
