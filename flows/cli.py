@@ -340,15 +340,15 @@ def _stage_command(name: str):
 def _add_stage_commands() -> None:
     """A command for each stage ``flows/stages.py`` registers without a command of its own, with
     its docstring as the help; read from the file's text, so ``ppo --help`` imports no stage."""
-    home = Path(__file__).with_name("stages.py")
+    source = Path(__file__).with_name("stages.py").read_text(encoding="utf-8")
     documented = {
         node.name: ast.get_docstring(node) or ""
-        for node in ast.parse(home.read_text(encoding="utf-8")).body
+        for node in ast.parse(source).body
         if isinstance(node, ast.FunctionDef)
     }
     commands = {info.name for info in app.registered_commands if info.name}
     commands |= {info.callback.__name__ for info in app.registered_commands if info.callback}
-    for name in declared_in(home.read_text(encoding="utf-8"), "stage"):
+    for name in declared_in(source, "stage"):
         if name not in commands:
             app.command(name, help=documented.get(name, ""))(_stage_command(name))
 
