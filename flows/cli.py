@@ -168,6 +168,8 @@ def train(
     - ppo.mini_batch_size: rows per optimizer step; divides ppo.rollout_batch_size
     - ppo.micro_batch_size: rows per forward/backward pass; divides ppo.mini_batch_size; sets
       memory use, not the result
+    - ppo.micro_batch_tokens: padded tokens per forward/backward pass instead (as many rows as
+      fit: more when responses are short); memory and speed, not the result
     - optim.lr: learning rate
     - kl.coef: weight of the KL penalty against the reference model
     - ppo.advantage_estimator: {estimators}

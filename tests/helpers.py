@@ -239,23 +239,24 @@ class Recorder:
         self.rows.append((iteration, dict(metrics)))
 
 
-def parameters_after_one_sgd_iteration(tmp_path, model, prompts, *extra: str, read=None):
-    """The parameters after one iteration with plain SGD (no clipping), by micro-batch size
-    (1, and 8 = the mini-batch size), as ``read`` (default :func:`parameters`) reads them from
-    the candidate folder. The rollout's scoring passes keep one size (4 rows), so both runs
-    update from the same rollout: chunks cut to their own lengths score a row with another
-    padding, a float-rounding difference (measured 2.4e-6 in a logprob) that a step of 0.5
-    turns into another clipping decision somewhere."""
+def parameters_after_one_sgd_iteration(tmp_path, model, prompts, *extra: str, read=None, cuts=(8,)):
+    """The parameters after one iteration with plain SGD (no clipping), by micro-batch: 1 row,
+    and each of ``cuts`` (a row count, 8 = the mini-batch by default, or an override such as
+    ``ppo.micro_batch_tokens=40``), as ``read`` (default :func:`parameters`) reads them from the
+    candidate folder. The rollout's scoring passes keep one size (4 rows), so every run updates
+    from the same rollout: chunks cut to their own lengths score a row with another padding, a
+    float-rounding difference (measured 2.4e-6 in a logprob) that a step of 0.5 turns into
+    another clipping decision somewhere."""
     from ppo_core.training.loop import train
 
     results = {}
-    for micro in (1, 8):
-        folder = tmp_path / f"micro{micro}"
+    for micro in (1, *cuts):
+        folder = tmp_path / f"micro{micro}".replace("=", "-")
         config = small_config(
             folder,
             model,
             prompts,
-            f"ppo.micro_batch_size={micro}",
+            micro if isinstance(micro, str) else f"ppo.micro_batch_size={micro}",
             "ppo.scoring_batch_size=4",
             "optim.name=sgd",
             "optim.lr=0.5",

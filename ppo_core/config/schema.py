@@ -116,6 +116,13 @@ class PPOConfig:
     micro_batch_size: int = bounded(16, most=MAX_BATCH_ROWS)
     """Rows per forward/backward pass; must divide ``mini_batch_size``. Changes memory, not the
     gradient (exact accumulation)."""
+    micro_batch_tokens: int | None = bounded(None, ge=1, most=MAX_TOKENS * MAX_BATCH_ROWS)
+    """Padded tokens per forward/backward pass of the update: each of a mini-batch's
+    micro-batches takes as many rows (in order of length) as fit in ``rows x (longest prompt +
+    longest response)`` tokens, at least one, instead of ``micro_batch_size`` rows; so passes
+    over short responses take more rows and long ones fewer, with memory bounded by the budget.
+    ``None`` cuts by ``micro_batch_size``. Changes memory and speed, not the gradient (exact
+    accumulation); the rollout's scoring passes keep ``scoring_batch_size``."""
     generation_batch_size: int | None = bounded(None, most=MAX_BATCH_ROWS)
     """Rows sampled per ``generate`` call, each chunk with its own seed; ``None`` samples the whole
     per-rank batch at once. Rollouts depend only on the seed and the chunk, so runs on different

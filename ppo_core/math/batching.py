@@ -22,6 +22,7 @@ __all__ = [
     "kept_columns",
     "micro_batch_slices",
     "minibatch_indices",
+    "token_budget_slices",
 ]
 
 
@@ -81,6 +82,34 @@ def micro_batch_slices(size: int, micro_batch_size: int) -> list[slice]:
         slice(start, min(start + micro_batch_size, size))
         for start in range(0, size, micro_batch_size)
     ]
+
+
+def token_budget_slices(
+    prompt_lengths: Tensor, response_lengths: Tensor, budget: int
+) -> list[slice]:
+    """Consecutive slices covering the rows, each as many rows as fit in ``budget`` padded
+    tokens, at least one (a row longer than the budget goes alone). ``[B], [B] -> slices``.
+
+    A slice trimmed to its own columns (:func:`kept_columns`) is ``rows x (longest prompt +
+    longest response)`` tokens wide, padding included; that product is what the budget bounds,
+    so a pass over short rows takes many and one over long rows few. Rows should come in
+    :func:`by_length` order, so that neighbours pad each other little. Which rows share a pass
+    leaves the gradient unchanged (docs/design.md section 4)."""
+    if budget < 1:
+        raise ValueError(f"micro_batch_tokens must be >= 1, got {budget}")
+    slices: list[slice] = []
+    start, longest_prompt, longest_response = 0, 0, 0
+    for row, (prompt, response) in enumerate(
+        zip(prompt_lengths.tolist(), response_lengths.tolist(), strict=True)
+    ):
+        wider_prompt, wider_response = max(longest_prompt, prompt), max(longest_response, response)
+        if row > start and (row + 1 - start) * (wider_prompt + wider_response) > budget:
+            slices.append(slice(start, row))
+            start, wider_prompt, wider_response = row, prompt, response
+        longest_prompt, longest_response = wider_prompt, wider_response
+    if len(prompt_lengths):
+        slices.append(slice(start, len(prompt_lengths)))
+    return slices
 
 
 def by_length(prompt_mask: Tensor, response_mask: Tensor) -> Tensor:

@@ -45,6 +45,16 @@ class DataParallel:
         if self.active:
             dist.barrier()
 
+    def most(self, count: int) -> int:
+        """The largest of every rank's ``count`` (this one's alone without a process group)."""
+        if not self.active:
+            return count
+        value = torch.tensor([count], dtype=torch.int64)
+        if dist.get_backend() == "nccl":
+            value = value.cuda()
+        dist.all_reduce(value, op=dist.ReduceOp.MAX)
+        return int(value.item())
+
     def rows(self, per_rank: int) -> tuple[int, int]:
         """The rows ``[start, stop)`` of the global rollout batch that this rank holds."""
         return self.rank * per_rank, (self.rank + 1) * per_rank

@@ -17,7 +17,14 @@ import torch
 from torch import Tensor
 
 from ppo_core.config import PPOConfig
-from ppo_core.math.batching import by_length, kept_columns, micro_batch_slices, minibatch_indices
+from ppo_core.math.batching import (
+    by_length,
+    kept_columns,
+    micro_batch_slices,
+    minibatch_indices,
+    token_budget_slices,
+)
+from ppo_core.parallel.process_group import DataParallel
 
 __all__ = [
     "RolloutBatch",
@@ -93,25 +100,35 @@ def cut_micro_batches(
     mini_batch: RolloutBatch,
     indices: torch.Tensor,
     rows_per_rank: int,
-    world_size: int,
+    parallel: DataParallel,
     ppo: PPOConfig,
 ) -> list[RolloutBatch]:
     """This rank's rows of a global mini-batch (``indices``) in micro-batches of
-    ``ppo.micro_batch_size``, cut in order of length (:func:`~ppo_core.math.batching.by_length`:
-    the mini-batch's gradient is a sum over its rows, whatever micro-batch holds each) and each
-    trimmed to its longest prompt and response, plus all-masked ones up to the count of the rank
-    holding the most rows.
+    ``ppo.micro_batch_size`` rows, or of ``ppo.micro_batch_tokens`` padded tokens
+    (:func:`~ppo_core.math.batching.token_budget_slices`), cut in order of length
+    (:func:`~ppo_core.math.batching.by_length`: the mini-batch's gradient is a sum over its rows,
+    whatever micro-batch holds each) and each trimmed to its longest prompt and response, plus
+    all-masked ones up to the count of the rank cutting the most.
 
     Every rank runs as many micro-batches as that rank: a sharded model (FSDP) gathers
     parameters for each forward pass and reduces gradients after each backward pass,
-    collectives every rank must join. The extra ones add exactly zero."""
+    collectives every rank must join. The extra ones add exactly zero. By rows, every rank
+    knows that count from ``indices``; by tokens it depends on the lengths each rank holds, so
+    the ranks agree on it (an all-reduce of one integer)."""
     order = by_length(mini_batch.prompt_mask, mini_batch.response_mask)
-    cut = [
-        mini_batch.rows(order[rows]).trimmed()
-        for rows in micro_batch_slices(len(mini_batch), ppo.micro_batch_size)
-    ]
-    most = int(torch.bincount(indices // rows_per_rank, minlength=world_size).max())
-    while len(cut) < -(-most // ppo.micro_batch_size):
+    if ppo.micro_batch_tokens is None:
+        slices = micro_batch_slices(len(mini_batch), ppo.micro_batch_size)
+        held = torch.bincount(indices // rows_per_rank, minlength=parallel.world_size)
+        most = -(-int(held.max()) // ppo.micro_batch_size)
+    else:
+        slices = token_budget_slices(
+            mini_batch.prompt_mask[order].sum(dim=1),
+            mini_batch.response_mask[order].sum(dim=1),
+            ppo.micro_batch_tokens,
+        )
+        most = parallel.most(len(slices))
+    cut = [mini_batch.rows(order[rows]).trimmed() for rows in slices]
+    while len(cut) < most:
         cut.append(all_masked(cut[0]))
     return cut
 

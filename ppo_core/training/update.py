@@ -100,7 +100,7 @@ def ppo_update(
     early_stopped = False
     for indices in epochs_of_mini_batches(len(batch) * world_size, ppo, world_size, generator):
         mini_batch = rows_of_this_rank(batch, indices, runtime.parallel.rank)
-        micro_batches = cut_micro_batches(mini_batch, indices, len(batch), world_size, ppo)
+        micro_batches = cut_micro_batches(mini_batch, indices, len(batch), runtime.parallel, ppo)
         stats = _optimizer_step(
             model,
             optimizer,

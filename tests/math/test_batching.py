@@ -1,7 +1,11 @@
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ppo_core import check_batch_sizes, micro_batch_slices, minibatch_indices
+from ppo_core.math.batching import token_budget_slices
+from tests.helpers import examples
 
 
 def test_minibatches_cover_every_row_once_and_are_seeded():
@@ -31,6 +35,51 @@ def test_micro_batch_slices():
     assert micro_batch_slices(4, 4) == [slice(0, 4)]
     with pytest.raises(ValueError):
         micro_batch_slices(4, 0)
+
+
+def test_token_budget_slices_by_hand():
+    """Rows (prompt, response): (2, 1) (3, 1) (1, 2) (2, 4) (9, 9). Budget 10: rows 0-1 pad
+    to 2 x (3 + 1) = 8; adding row 2 gives 3 x (3 + 2) = 15; rows 2-3 pad to 2 x (2 + 4) = 12,
+    so row 2 goes with nothing; row 3 alone is 6; row 4 alone is 18, over the budget but
+    alone."""
+    prompts = torch.tensor([2, 3, 1, 2, 9])
+    responses = torch.tensor([1, 1, 2, 4, 9])
+    assert token_budget_slices(prompts, responses, 10) == [
+        slice(0, 2),
+        slice(2, 3),
+        slice(3, 4),
+        slice(4, 5),
+    ]
+    assert token_budget_slices(prompts, responses, 15) == [slice(0, 3), slice(3, 4), slice(4, 5)]
+    assert token_budget_slices(prompts, responses, 90) == [slice(0, 5)]
+    assert token_budget_slices(prompts[:0], responses[:0], 10) == []
+    with pytest.raises(ValueError, match="micro_batch_tokens must be >= 1, got 0"):
+        token_budget_slices(prompts, responses, 0)
+
+
+@settings(max_examples=examples(100), deadline=None)
+@given(
+    lengths=st.lists(st.tuples(st.integers(0, 20), st.integers(0, 20)), max_size=30),
+    budget=st.integers(1, 200),
+)
+def test_token_budget_slices_cover_the_rows_in_order_within_the_budget(lengths, budget):
+    """Consecutive, every row once, each slice within the budget or a single row, and no two
+    neighbours that would have fit together (the cut is greedy)."""
+    prompts = torch.tensor([p for p, _ in lengths], dtype=torch.long)
+    responses = torch.tensor([r for _, r in lengths], dtype=torch.long)
+    slices = token_budget_slices(prompts, responses, budget)
+
+    def padded(piece: slice) -> int:
+        return (piece.stop - piece.start) * int(prompts[piece].max() + responses[piece].max())
+
+    assert [row for piece in slices for row in range(piece.start, piece.stop)] == list(
+        range(len(lengths))
+    )
+    for piece in slices:
+        assert piece.stop > piece.start
+        assert padded(piece) <= budget or piece.stop - piece.start == 1
+    for piece in slices[:-1]:
+        assert padded(slice(piece.start, piece.stop + 1)) > budget
 
 
 @pytest.mark.parametrize(

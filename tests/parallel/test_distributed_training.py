@@ -129,22 +129,27 @@ def test_critic_free_estimators_on_two_ranks_match_one_process(
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("micro", [1, 4])
+@pytest.mark.parametrize(
+    "micro", ["ppo.micro_batch_size=1", "ppo.micro_batch_size=4", "ppo.micro_batch_tokens=30"]
+)
 def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
     tmp_path, tiny_model_dir, prompt_files, one_process, micro
 ):
     """FSDP2 shards every block and the root over 2 gloo ranks; its reduce-scatter must average
     like DDP (checked, not assumed: some torch/gloo builds sum), with unequal token counts per
-    rank (responses of their own lengths) and micro-batches of 1 and 4 rows; with micro-batches
-    of 1 the reference is offloaded to CPU memory (``parallel.reference_offload``)."""
+    rank (responses of their own lengths) and micro-batches of 1 and 4 rows, or of a token
+    budget, which cuts each rank's rows into as many micro-batches as their lengths need (the
+    ranks agree on the most: FSDP's collectives need every rank in each pass); with
+    micro-batches of 1 the reference is offloaded to CPU memory
+    (``parallel.reference_offload``)."""
     single = one_process(tiny_model_dir)
     sharded = tmp_path / "fsdp"
     train_on_two_ranks(
         [
             *overrides(sharded, tiny_model_dir, prompt_files, 8, 4),
             "parallel.strategy=fsdp",
-            f"ppo.micro_batch_size={micro}",
-            f"parallel.reference_offload={micro == 1}",
+            micro,
+            f"parallel.reference_offload={micro.endswith('size=1')}",
         ]
     )
     one, two = parameters(single / "candidate"), parameters(sharded / "candidate")

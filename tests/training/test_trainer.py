@@ -27,22 +27,45 @@ from tests.helpers import (
 )
 
 
-def test_micro_batch_size_does_not_change_the_update(tmp_path, tiny_model_dir, prompt_files):
-    """One iteration with SGD: micro_batch_size=1 and =mini_batch_size reach the same parameters.
+def test_micro_batch_size_does_not_change_the_update(
+    tmp_path, tiny_model_dir, prompt_files, monkeypatch
+):
+    """One iteration with SGD: micro-batches of 1 row, of 8 (= mini_batch_size) and of a token
+    budget (``ppo.micro_batch_tokens``: as many rows as fit, 2 or 3 here) reach the same
+    parameters.
 
     Seed 1: the rollout of seed 0 holds a token whose ratio ends within float rounding of the
     clip range after eight steps of 0.5, so one summation order clips it and the other does not
     (measured 6.4e-4 there, 2.4e-5 with clipping off); seeds 1, 2, 3 measure 7.2e-7, 4.7e-7,
     2.7e-6."""
-    results = parameters_after_one_sgd_iteration(tmp_path, tiny_model_dir, prompt_files, "seed=1")
+    from ppo_core.training import update
+
+    cut = update.cut_micro_batches
+    rows_per_pass: list[int] = []
+
+    def recording(*args, **kwargs):
+        micro_batches = cut(*args, **kwargs)
+        rows_per_pass.extend(len(micro) for micro in micro_batches)
+        return micro_batches
+
+    monkeypatch.setattr(update, "cut_micro_batches", recording)
+    budget = "ppo.micro_batch_tokens=40"
+    results = parameters_after_one_sgd_iteration(
+        tmp_path, tiny_model_dir, prompt_files, "seed=1", cuts=(8, budget)
+    )
     base = load_file(str(tiny_model_dir / "model.safetensors"))
     # the update moved the weights (so the comparison is not vacuous) ...
     moved = {k: v for k, v in results[8].items() if k in base}
     assert max_relative_difference(moved, base) > 1e-4
-    # ... and the same way for both micro-batch sizes. Float32 round-off (another summation
-    # order): measured 7.2e-7 (8.6e-6 and 5.3e-6 with the responses of earlier builds); the
-    # bound is about 12x the largest. The mean-of-means bug measured 1.5.
+    # ... and the same way for every cut. Float32 round-off (another summation order): measured
+    # 7.2e-7 for 8 rows (8.6e-6 and 5.3e-6 with the responses of earlier builds) and 3.6e-6 for
+    # the budget; the bound is about 12x the largest. The mean-of-means bug measured 1.5.
     assert max_relative_difference(results[1], results[8]) <= 1e-4
+    assert max_relative_difference(results[1], results[budget]) <= 1e-4
+    # 2 epochs x 2 mini-batches: 32 passes of 1 row, 4 of 8, and by the budget 1 < rows < 8
+    by_budget = rows_per_pass[36:]
+    assert rows_per_pass[:36] == [1] * 32 + [8] * 4 and sum(by_budget) == 32
+    assert min(by_budget) > 1 and max(by_budget) < 8, by_budget
 
 
 def test_same_seed_same_metrics(tmp_path, tiny_model_dir, prompt_files):
