@@ -176,7 +176,7 @@ def train(
     - model.policy: folder of the model to start from
     - model.reward: builtin:sentiment, module:function or a reward-model folder
     - device: auto, cpu or cuda
-    - precision: fp32 or bf16
+    - precision: auto (bf16 where it pays: a GPU, or a CPU with bf16 instructions), fp32 or bf16
 
     Data parallel: `torchrun --nproc_per_node N -m flows.cli train ...` (gloo on CPU, NCCL on
     GPU); ppo.rollout_batch_size and ppo.mini_batch_size are then per rank.

@@ -142,7 +142,7 @@ def _train_and_judge(
     """Train the new model, then score the held-out pairs with it and with the incumbent (in
     the training's precision)."""
     from ppo_core.models.causal_lm import load_tokenizer
-    from ppo_core.parallel.runtime import Runtime, resolve_device
+    from ppo_core.parallel.runtime import Runtime, choose_precision, model_width, resolve_device
     from ppo_core.preference.pairs import tokenise
     from ppo_core.preference.report import pair_report
     from ppo_core.preference.training import score_texts, train_reward_model
@@ -153,7 +153,9 @@ def _train_and_judge(
         config, train_pairs, data_hash, device, progress=progress, on_step=on_step
     )
     batch = 2 * config.reward_model.micro_batch_size
-    autocast = Runtime(device=device, precision=config.precision).autocast
+    width = model_width(config.reward_model.base or config.model.policy)
+    precision = choose_precision(config.precision, device, width).precision
+    autocast = Runtime(device=device, precision=precision).autocast
 
     def judge(folder: Path, role: str) -> dict[str, float]:
         tokenizer = load_tokenizer(folder, config.model.trust_remote_code)

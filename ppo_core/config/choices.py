@@ -12,6 +12,7 @@ from ppo_core.math.declarations import ADVANTAGE_ESTIMATORS, KL_ESTIMATORS, LOSS
 # are the math layer's catalogs (ppo_core/math/declarations.py).
 Device = Literal["auto", "cpu", "cuda"]
 Precision = Literal["fp32", "bf16"]
+RunPrecision = Literal["auto", "fp32", "bf16"]
 Critic = Literal["shared", "separate", "none"]
 OptimizerName = Literal["adamw", "sgd"]
 SchedulerName = Literal["constant", "linear"]
@@ -38,7 +39,7 @@ else:
 # catalog's names).
 CHOICES: dict[str, tuple[str, ...]] = {
     "device": get_args(Device),
-    "precision": get_args(Precision),
+    "precision": get_args(RunPrecision),
     "model.critic": get_args(Critic),
     "model.reference_dtype": get_args(Precision),
     "base.dtype": get_args(Precision),

@@ -23,6 +23,7 @@ from ppo_core.config.choices import (
     OldLogprobs,
     OptimizerName,
     Precision,
+    RunPrecision,
     SchedulerName,
     StrategyName,
 )
@@ -300,9 +301,13 @@ class Config:
     mini-batch shuffles."""
     device: Choice[Device] = "auto"
     """``auto`` (CUDA when present), ``cpu`` or ``cuda``."""
-    precision: Choice[Precision] = "fp32"
-    """``fp32`` or ``bf16``: bf16 autocast around the forward passes of ``train`` and
-    ``reward`` (on a CPU, faster only with bf16 instructions: AVX-512 BF16 or AMX)."""
+    precision: Choice[RunPrecision] = "auto"
+    """``auto``, ``fp32`` or ``bf16``: bf16 autocast around the forward passes of ``train``,
+    ``evaluate`` and ``reward`` (fp32 weights and optimizer state). ``auto`` takes bf16 where it
+    pays and fp32 elsewhere: a GPU with bf16, or a CPU whose measured bf16 matmul rate is at
+    least 1.5x its fp32 one (bf16 instructions: AVX-512 BF16 or AMX; AVX2 CPUs emulate bf16 and
+    get fp32), and only for models at least 256 wide (the tiny default stays fp32 everywhere).
+    The choice and both rates are logged (``perf/bf16``, ``perf/matmul_*_gflops``)."""
     threads: int = bounded(1, ge=0, most=4096)
     """CPU threads for torch; 0 keeps torch's default. Tiny models run as fast on 1 thread, and a
     process that shares its cores with another slows down many times over with more."""

@@ -293,7 +293,7 @@ def evaluate(
     Raises :class:`TokenizerMismatchError` before sampling anything when the candidate's
     tokenizer is not the KL reference's."""
     check_context_length(config)
-    runtime = setup_runtime(config, distributed=False)
+    runtime = setup_runtime(config, distributed=False, model_folder=candidate)
     prompts = load_prompts(
         config.data.eval_file,
         config.data.prompt_field,

@@ -271,11 +271,10 @@ def train_reward_model(
 
     ``progress`` gets a line per epoch and note; ``on_step(done, total)`` is called after each
     optimizer step with the run's steps done and its total (a progress bar's feed). Forward
-    passes run under bf16 autocast with ``precision=bf16`` (with the warning of
-    :func:`~ppo_core.parallel.runtime.setup_runtime` on a CPU without bf16 instructions)."""
+    passes run under bf16 autocast where ``precision`` resolves to bf16 (``choose_precision``)."""
     rm = config.reward_model
     base = rm.base or config.model.policy
-    runtime = setup_runtime(config, distributed=False)  # threads, device, the bf16 check
+    runtime = setup_runtime(config, distributed=False, model_folder=base)
     device = device or runtime.device  # CUDA when there is one
     say = progress or (lambda _line: None)
     tokenizer = load_tokenizer(base, config.model.trust_remote_code)

@@ -136,6 +136,7 @@ def run_iteration(
         metrics["optim/lr"] = float(state.scheduler.get_last_lr()[0])
         state.scheduler.step()
     metrics.update(_timings(watch, float(batch.response_mask.sum()) * parallel.world_size, models))
+    metrics.update(runtime.chosen.metrics())
     state.iteration += 1
     state.history.append({"iteration": float(state.iteration), **metrics})
     return IterationResult(metrics, prompts, responses)
@@ -182,7 +183,7 @@ def _run(
         config.parallel.strategy,
         runtime.parallel,
         runtime.device,
-        config.precision,
+        runtime.precision,
         config.parallel.reference_offload,
     )
     inputs = check_inputs(config, runtime)

@@ -83,7 +83,7 @@ def test_file_then_overrides(tmp_path):
             r"not one of token-mean, seq-mean-token-mean, seq-mean-token-sum",
         ),
         (["optim.scheduler=cosine"], r"optim.scheduler='cosine' is not one of constant, linear"),
-        (["precision=fp16"], r"precision='fp16' is not one of fp32, bf16"),
+        (["precision=fp16"], r"precision='fp16' is not one of auto, fp32, bf16"),
         (["model.critic=twin"], r"model.critic='twin' is not one of shared, separate, none"),
         (["device=[1]"], r"bad value for config key 'device'"),
         (["schedule.timezone=Mars/Olympus"], r"schedule.timezone='Mars/Olympus' is not an IANA"),

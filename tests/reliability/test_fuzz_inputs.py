@@ -916,7 +916,7 @@ def test_a_reference_of_the_wrong_type_is_a_config_error_naming_the_key(override
             "ppo.mini_batch_size=128 is larger than "
             "ppo.rollout_batch_size=64; sizes must nest rollout >= mini >= micro",
         ),
-        (["precision=fp8"], "precision='fp8' is not one of fp32, bf16"),
+        (["precision=fp8"], "precision='fp8' is not one of auto, fp32, bf16"),
         (["model.critic=twin"], "model.critic='twin' is not one of shared, separate, none"),
         (
             ["ppo.epochs=two"],
