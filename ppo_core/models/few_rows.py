@@ -1,0 +1,153 @@
+"""Few-row matrix products in the layout this machine's BLAS runs fastest (layer 2).
+
+Each step of the sampling loop multiplies a handful of rows (the rows still running, 1 to 64)
+by every weight matrix. ``F.linear(x, W)`` computes ``x @ W.T``; some BLAS builds run the same
+product written ``(W @ x.T).T`` several times faster at these shapes (measured on an AMD EPYC's
+MKL with 2 threads: the SmolLM2 output layer, ``[8, 576] x [576, 49152]``, 48 against 29 ms;
+docs/benchmarks.md), others not. Neither layout is right everywhere, so each shape is measured:
+the first time a ``(in, out, rows, dtype)`` is met, both layouts are timed (rows rounded up to a
+power of two) and the transposed one is kept only when it is at least :data:`MARGIN` times
+faster. The table is kept per process and in a file per CPU, torch build and thread count
+(:func:`table_path`), so that runs on one machine take the same layouts and sample the same
+tokens for a seed.
+
+Exactness: the two layouts sum the same products in another order, a float rounding difference
+(measured: at most 6.6e-7 of the largest output in fp32 at 4 to 64 rows, 1.1e-5 in a
+sampled token's log-probability; tests/models/test_few_rows.py). Only linear layers at
+least :data:`MIN_WIDTH` wide are touched, so the tiny default and the test models compute as
+before on every machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+import types
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = ["FEW_ROWS", "MARGIN", "MIN_WIDTH", "few_row_products", "table_path"]
+
+FEW_ROWS = 64
+"""Products of at most this many rows are measured; more rows keep ``F.linear``."""
+
+MIN_WIDTH = 256
+"""Linear layers narrower than this (input features) keep ``F.linear``."""
+
+MARGIN = 1.25
+"""The transposed layout must be this many times faster to be taken (timing noise must not
+flip a shape's layout between runs)."""
+
+_TABLE: dict[str, bool] = {}
+_LOADED: set[Path] = set()
+
+
+def table_path() -> Path:
+    """Where this machine's layouts are kept: one file per CPU capability, torch version and
+    thread count, under ``$XDG_CACHE_HOME/ppo-core`` (``~/.cache/ppo-core``)."""
+    root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ppo-core"
+    capability = torch.backends.cpu.get_cpu_capability()
+    version = torch.__version__.replace("+", "_")
+    return root / f"few_row_layouts-{capability}-{version}-{torch.get_num_threads()}t.json"
+
+
+@contextlib.contextmanager
+def few_row_products(model: nn.Module) -> Iterator[None]:
+    """Within the block, every CPU ``nn.Linear`` of ``model`` at least :data:`MIN_WIDTH` wide
+    multiplies few-row inputs in the layout measured fastest for its shape; all others, and
+    every input of more than :data:`FEW_ROWS` rows, as before."""
+    patched = [
+        module
+        for module in model.modules()
+        if isinstance(module, nn.Linear)
+        and module.in_features >= MIN_WIDTH
+        and module.weight.device.type == "cpu"
+        and not hasattr(module.weight, "device_mesh")  # a sharded (FSDP) weight keeps its path
+        and "forward" not in vars(module)
+    ]
+    if not patched:
+        yield
+        return
+    _load(table_path())
+    for module in patched:
+        module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        for module in patched:
+            del module.forward
+        _save(table_path())
+
+
+def _forward(self: nn.Linear, x: Tensor) -> Tensor:
+    rows = x.numel() // self.in_features
+    if rows > FEW_ROWS or rows < 2:
+        return F.linear(x, self.weight, self.bias)
+    dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
+    if not _transposed_is_faster(self.in_features, self.out_features, rows, dtype):
+        return F.linear(x, self.weight, self.bias)
+    weight = self.weight
+    flat = x.reshape(rows, self.in_features)
+    out = torch.mm(weight, flat.t()).t()
+    if self.bias is not None:
+        out = out + self.bias.to(out.dtype)
+    return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _transposed_is_faster(inputs: int, outputs: int, rows: int, dtype: torch.dtype) -> bool:
+    bucket = 1 << (rows - 1).bit_length()  # rows rounded up to a power of two
+    threads = torch.get_num_threads()
+    key = f"{inputs}x{outputs}x{bucket}:{str(dtype).removeprefix('torch.')}:{threads}t"
+    if key not in _TABLE:
+        _TABLE[key] = _measure(inputs, outputs, bucket, dtype)
+    return _TABLE[key]
+
+
+@torch.no_grad()
+def _measure(inputs: int, outputs: int, rows: int, dtype: torch.dtype, repeats: int = 5) -> bool:
+    """Whether ``(W @ x.T).T`` beats ``F.linear`` by :data:`MARGIN` at this shape (the best of
+    ``repeats`` calls each, alternated, after one call each to set kernels up)."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(outputs, inputs, generator=generator).to(dtype)
+    x = torch.randn(rows, inputs, generator=generator).to(dtype)
+    with torch.autocast("cpu", enabled=False):
+        layouts = (lambda: F.linear(x, weight), lambda: torch.mm(weight, x.t()).t())
+        best = [float("inf"), float("inf")]
+        for layout in layouts:
+            layout()
+        for _ in range(repeats):
+            for index, layout in enumerate(layouts):
+                started = time.perf_counter()
+                layout()
+                best[index] = min(best[index], time.perf_counter() - started)
+    return best[0] >= MARGIN * best[1]
+
+
+def _load(path: Path) -> None:
+    if path in _LOADED:
+        return
+    _LOADED.add(path)
+    try:
+        stored = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return
+    if isinstance(stored, dict):
+        _TABLE.update({k: v for k, v in stored.items() if isinstance(v, bool) and k not in _TABLE})
+
+
+def _save(path: Path) -> None:
+    """Write the table beside its old version and rename it over (a reader never sees half a
+    file); a folder that cannot be written is no error: the table stays in this process."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        partial = path.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(dict(sorted(_TABLE.items())), indent=1))
+        partial.replace(path)
+    except OSError:
+        pass
