@@ -1,7 +1,7 @@
 """What the benchmarks share: the repository's root, the ``--smoke`` modes' helpers, and the
 pieces of the published SmolLM2 recipe that several benchmarks run (its settings, its chat
 prompts, the GGUF file, the fp32 matmul peak, a project folder started with the pipeline's own
-stages). A helper, not a benchmark: ``tests/test_bench_smoke.py`` runs every benchmark but the
+stages), and the machine block (:func:`machine`) that every benchmark's JSON result carries. A helper, not a benchmark: ``tests/test_bench_smoke.py`` runs every benchmark but the
 helpers (``common.py``, names starting with ``_``) and the environment builders (``setup_*``).
 
 The benchmarks are grouped by the question they answer (``exactness/``, ``speed/``, ``peers/``,
@@ -210,6 +210,34 @@ def matmul_peak_gflops(
         a @ b
         best = min(best, time.perf_counter() - started)
     return 2 * size**3 / best / 1e9
+
+
+def machine() -> dict:
+    """What machine and precision a result was measured on: every benchmark's JSON result carries
+    it (``"machine"``), so that a number is never separated from the CPU it was measured on. The
+    same code runs at very different rates by CPU: AVX2 machines emulate bf16 (its matrix
+    products far slower than fp32's), AVX-512 BF16 and AMX ones do not.
+
+    Holds torch's CPU capability (``AVX2``, ``AVX512``, ...), torch's version and thread count,
+    the fp32 and bf16 rates of a 256-cube matrix product on those threads (GFLOP/s, measured once
+    per process: ``ppo_core.parallel.runtime.matmul_gflops``), what ``precision=auto`` picks
+    here for a model 576 wide (SmolLM2-135M), on CUDA where torch sees it, and the CUDA device's
+    name (None without one)."""
+    import torch
+
+    from ppo_core.parallel.runtime import choose_precision, matmul_gflops
+
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "matmul_fp32_gflops": matmul_gflops(torch.float32),
+        "matmul_bf16_gflops": matmul_gflops(torch.bfloat16),
+        "precision_auto": choose_precision("auto", device, 576).precision,
+        "cuda_device": torch.cuda.get_device_name() if cuda else None,
+    }
 
 
 def start_chat_project(work: Path, rows: list[dict], source: str, overrides: list[str]):

@@ -11,7 +11,8 @@ every ``bench/<group>/*.py`` and ``*.sh`` but helpers (``bench/common.py``, name
 A smoke run takes the smallest sizes and one repeat, and writes its outputs to a new temporary
 folder (``bench/common.py``); here ``$TMPDIR`` is the test's own folder. Each run must exit 0,
 print no traceback, leave ``bench/results/`` and the plots in ``docs/`` as they were, and write a
-JSON result holding at least one finite, non-integer number: something it measured. No test
+JSON result holding at least one finite, non-integer number: something it measured, and the
+machine it was measured on (a ``machine`` block: ``bench/common.py``'s ``machine()``). No test
 asserts what the numbers are.
 
 Shell benchmarks (``bench/gpu/gpu.sh``) run their smoke with ``--device cpu`` where torch sees no
@@ -55,6 +56,11 @@ SLOW = {
 }
 """The smoke runs that took 20 s or more on two shared CPU cores: mostly the start of several processes that each import torch and transformers, and for
 orchestration.py the whole pipeline twice (direct and through the flow)."""
+
+MACHINE_KEYS = ("cpu_capability", "matmul_fp32_gflops", "matmul_bf16_gflops")
+"""What every JSON result's top-level ``machine`` block (``bench/common.py``'s ``machine()``) holds
+at least: the CPU and its fp32 and bf16 matmul rates, without which a number cannot be read (an
+AVX2 CPU emulates bf16; one with AVX-512 BF16 or AMX does not)."""
 
 EXTRA_ARGS = {"ppo_vs_trl.py": ["--sides", "ours", "ours_shared"]}
 """Options added to a benchmark's ``--smoke``; TRL's side of ``ppo_vs_trl.py`` is its own case."""
@@ -129,6 +135,14 @@ def run_smoke(script: Path, tmp_path: Path, *extra: str) -> tuple[str, list[dict
     files = sorted(tmp_path.glob("bench-smoke-*/*.json"))
     assert files, f"bench/{name} --smoke wrote no JSON result to a temporary folder:\n{output}"
     results = [json.loads(f.read_text()) for f in files]
+    for file, result in zip(files, results, strict=True):
+        block = result.get("machine") if isinstance(result, dict) else None
+        missing = [key for key in MACHINE_KEYS if not isinstance(block, dict) or key not in block]
+        assert not missing, (
+            f"bench/{name} --smoke wrote {file.name} without {', '.join(missing)} in a top-level "
+            "'machine' block: every result says what it was measured on "
+            '("machine": common.machine(), bench/common.py)'
+        )
     measured = [n for result in results for n in numbers(result) if math.isfinite(n)]
     assert measured, f"no measured number in {[str(f) for f in files]}"
     return output, results

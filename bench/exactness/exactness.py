@@ -79,6 +79,21 @@ def gradient(model) -> torch.Tensor:
     return torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
 
 
+TOY_GPT2 = dict(
+    vocab_size=97,
+    n_layer=2,
+    n_embd=32,
+    n_head=4,
+    n_positions=64,
+    bos_token_id=0,
+    eos_token_id=0,
+    resid_pdrop=0.0,
+    embd_pdrop=0.0,
+    attn_pdrop=0.0,
+)
+"""The model whose gradients are compared: 2 layers x 32, no dropout (so passes repeat)."""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--batch", type=int, default=8)
@@ -95,18 +110,7 @@ def main() -> None:
         args.out = common.output_folder("exactness") / "exactness.json"
     dtype = getattr(torch, args.dtype)
 
-    config = GPT2Config(
-        vocab_size=97,
-        n_layer=2,
-        n_embd=32,
-        n_head=4,
-        n_positions=64,
-        bos_token_id=0,
-        eos_token_id=0,
-        resid_pdrop=0.0,
-        embd_pdrop=0.0,
-        attn_pdrop=0.0,
-    )
+    config = GPT2Config(**TOY_GPT2)
     torch.manual_seed(args.seed)
     model = ActorCritic(GPT2LMHeadModel(config), torch.nn.Linear(config.n_embd, 1)).to(dtype).eval()
     data = make_batch(args.batch, args.length, config.vocab_size, dtype, args.seed)
@@ -148,7 +152,15 @@ def main() -> None:
     Console().print(table)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
-        json.dumps({"dtype": args.dtype, "batch": args.batch, "results": results}, indent=1)
+        json.dumps(
+            {
+                "dtype": args.dtype,
+                "batch": args.batch,
+                "results": results,
+                "machine": common.machine(),
+            },
+            indent=1,
+        )
     )
     worst = max(r["exact"] for r in results)
     print(f"worst exact relative error: {worst:.2e}; results in {args.out}")

@@ -116,6 +116,7 @@ def main() -> None:
             args.policy = str(common.tiny_model(Path(tmp) / "policy", steps=6))
             args.prompts = str(common.prompt_files(Path(tmp) / "prompts")[1])
         result = measure(args)
+    result["machine"] = common.machine()
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     for key, value in result.items():

@@ -278,6 +278,7 @@ def main() -> None:
                 "torch": torch.__version__,
                 "settings": {k: str(v) for k, v in vars(args).items()},
                 "results": results,
+                "machine": common.machine(),
             },
             indent=1,
         )

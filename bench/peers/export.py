@@ -78,6 +78,7 @@ def main() -> None:
     else:
         source = str(smollm2_gguf())
     result = run(args, source, [*overrides, *args.set])
+    result["machine"] = common.machine()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print_table(result)

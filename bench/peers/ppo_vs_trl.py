@@ -359,12 +359,15 @@ def main() -> None:
     import torch
     import transformers
 
+    from bench import common
+
     machine = {
         "python": platform.python_version(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpus": os.cpu_count(),
         "processor": platform.processor() or platform.machine(),
+        **common.machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(

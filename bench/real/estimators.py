@@ -173,7 +173,12 @@ def main() -> None:
         runs = [(e, s) for e in args.estimators for s in args.seeds]
         with ThreadPoolExecutor(args.jobs) as pool:
             rows = list(pool.map(lambda run: one_run(*run, args.workdir, extra), runs))
-    result = {"settings": SETTINGS, "runs": rows, "means": summarise(rows)}
+    result = {
+        "settings": SETTINGS,
+        "runs": rows,
+        "means": summarise(rows),
+        "machine": common.machine(),
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print("| estimator | score | positive | KL | distinct-2 | EOS | train s | peak MiB |")

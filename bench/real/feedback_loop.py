@@ -410,11 +410,15 @@ def report(args, config, pair_counts, decision, promotion, curve, timeline) -> N
         "timeline_s": timeline,
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        # 2048-cube products (256 under --smoke: one emulated bf16 2048-cube takes a minute)
         "matmul_gflops_2048": {
-            name: common.matmul_peak_gflops(args.threads, dtype=dtype)
+            name: common.matmul_peak_gflops(
+                args.threads, size=256 if args.smoke else 2048, dtype=dtype
+            )
             for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16))
         },
         "threads": args.threads,
+        "machine": common.machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

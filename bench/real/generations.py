@@ -143,6 +143,8 @@ def generation_row(config, generation: int, parent, promotion: dict, started: fl
 def write_results(args, rows: list[dict], overrides: list[str]) -> None:
     import torch
 
+    from bench import common
+
     result = {
         "model": "tiny" if args.smoke else "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantized)",
         "settings": overrides,
@@ -151,6 +153,7 @@ def write_results(args, rows: list[dict], overrides: list[str]) -> None:
         "generations": rows,
         "torch": torch.__version__,
         "threads": args.threads,
+        "machine": common.machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

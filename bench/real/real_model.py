@@ -35,6 +35,7 @@ from bench.common import (
     SMOKE_TRAINING,
     TRAINING,
     chat_prompts,
+    machine,
     matmul_peak_gflops,
     smoke_chat_model,
     smollm2_gguf,
@@ -170,6 +171,7 @@ def report(args, config, history, timeline, peak_rss_gib, overrides, promotion) 
         )[:6],
         "torch": torch.__version__,
         "threads": args.threads,
+        "machine": machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -101,6 +101,7 @@ def main() -> None:
         "eos_rate": ended.float().mean().item(),
         "distinct_1": distinct_n(responses, 1),
         "distinct_2": distinct_n(responses, 2),
+        "machine": common.machine(),
     }
     show(report, prompts, responses, scores)
     args.out.parent.mkdir(parents=True, exist_ok=True)

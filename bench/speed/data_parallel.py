@@ -134,6 +134,7 @@ def main() -> None:
                 "runs": results,
                 "median": summary,
                 "speedup": speedup,
+                "machine": common.machine(),
             },
             indent=1,
         )

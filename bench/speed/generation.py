@@ -49,6 +49,7 @@ def measure(args: argparse.Namespace) -> None:
     """Time both sides on ``args.model`` and write ``args.out``."""
     from transformers import GenerationConfig
 
+    from bench import common
     from ppo_core.base_sources.review_grammar import default_prompts
     from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import generate_responses, response_mask_from_ids
@@ -102,6 +103,7 @@ def measure(args: argparse.Namespace) -> None:
                 "tokens_per_s": results,
                 "ratio": ratio,
                 "settings": {k: str(v) for k, v in vars(args).items()},
+                "machine": common.machine(),
             },
             indent=1,
         )

@@ -267,6 +267,11 @@ def main() -> None:
     overrides += [*args.set, f"train.iterations={total}", f"train.checkpoint_every={total}"]
     result = run(args, source, known_keys(overrides))
     result["matmul_peak_gflops_per_s"] = matmul_peak_gflops(args.threads)
+    # under --against, this runs with the revision's bench and ppo_core first on the path: one
+    # older than bench.common.machine has no block to give (the comparison's file carries this
+    # code's)
+    if hasattr(common, "machine"):
+        result["machine"] = common.machine()
     summarise(result)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
@@ -301,6 +306,8 @@ def compare(args) -> None:
     import sys
     import tempfile
 
+    from bench import common
+
     options = [
         *(["--smoke"] if args.smoke else []),
         f"--warmup={args.warmup}",
@@ -327,7 +334,7 @@ def compare(args) -> None:
         finally:
             subprocess.run([*git, "remove", "--force", str(tree)], check=False)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(runs, indent=1))
+    args.out.write_text(json.dumps({**runs, "machine": common.machine()}, indent=1))
     peak = runs["this code"]["matmul_peak_gflops_per_s"]
     print(f"\nside by side, one machine (fp32 matmul peak {peak:.0f} GFLOP/s), seconds:")
     print(f"{'pass':15}" + "".join(f"{name[:12]:>13}" for name in runs) + "   after/before")

@@ -97,6 +97,7 @@ def time_interleaved(calls: list, repeats: int) -> list[list[float]]:
 
 
 def measure(args: argparse.Namespace) -> None:
+    from bench import common
     from ppo_core.models.causal_lm import load_tokenizer
     from ppo_core.models.generation import encode_prompts, sample, sampling_config
     from ppo_core.models.lora import LoraSettings, LoraWeights
@@ -160,6 +161,7 @@ def measure(args: argparse.Namespace) -> None:
         "repeats": args.repeats,
         "torch": torch.__version__,
         "rows": rows,
+        "machine": common.machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")

@@ -444,6 +444,8 @@ def measure(args: argparse.Namespace, peak_gflops: float) -> tuple[list, dict | 
 
 
 def main() -> None:
+    from bench import common
+
     args = parse_args()
     if args.child:
         task = json.loads(args.child)
@@ -482,6 +484,7 @@ def main() -> None:
         "fits_24gib_extrapolation": fits,
         "qwen2": qwen2,
         "total_s": time.perf_counter() - started,
+        "machine": common.machine(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(results, indent=1))

@@ -189,7 +189,14 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps(
-            {"memory": memory, "split": split, "whole": whole, "overhead": overhead}, indent=1
+            {
+                "memory": memory,
+                "split": split,
+                "whole": whole,
+                "overhead": overhead,
+                "machine": common.machine(),
+            },
+            indent=1,
         )
     )
 

@@ -248,7 +248,8 @@ def main() -> None:
     if args.smoke and unread:  # a full run keeps what it found; a smoke run must not pass on it
         sys.exit(f"the phases or stage times of {unread} were not found in the flow's log")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({**measured, **overhead_of(measured, flows)}, indent=1))
+    result = {**measured, **overhead_of(measured, flows), "machine": common.machine()}
+    args.out.write_text(json.dumps(result, indent=1))
 
 
 def measure(sides: tuple[str, ...], repeats: int, params, dvc_repeats: int) -> dict:

@@ -259,6 +259,7 @@ def main() -> None:
             "bf16": update_seconds(args.layers, "bf16", profile=True, shape=shape),
         },
         "micro_batch_invariance": micro_batch_differences(args.smoke),
+        "machine": common.machine(),
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")

@@ -303,7 +303,8 @@ def main() -> None:
     suffix = "_cuda" if args.device == "cuda" else ""
     args.out = args.out or ROOT / "bench" / "results" / f"sharding{suffix}.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"params": params, "runs": runs}, indent=1) + "\n")
+    result = {"params": params, "runs": runs, "machine": common.machine()}
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(f"{params:,} parameters\n")
     print(
         "| strategy | ranks | iteration peak GiB by rank | before loading | whole process | "
