@@ -78,23 +78,18 @@ def wide_llama():
 
 def sample(model, ids, new_tokens: int, layouts: bool, seed: int):
     """One call of the loop from ``seed``; with ``layouts`` off every product is ``F.linear``."""
-    from ppo_core.models import few_rows
     from ppo_core.models.sampling import sample_tokens
 
-    width = few_rows.MIN_WIDTH
-    few_rows.MIN_WIDTH = width if layouts else 1 << 30
-    try:
-        torch.manual_seed(seed)
-        return sample_tokens(
-            model,
-            ids,
-            torch.ones_like(ids),
-            max_new_tokens=new_tokens,
-            stop_ids=[-1],  # no row stops: every side computes the same steps
-            pad_token_id=0,
-        )
-    finally:
-        few_rows.MIN_WIDTH = width
+    torch.manual_seed(seed)
+    return sample_tokens(
+        model,
+        ids,
+        torch.ones_like(ids),
+        max_new_tokens=new_tokens,
+        stop_ids=[-1],  # no row stops: every side computes the same steps
+        pad_token_id=0,
+        few_row_layouts=layouts,
+    )
 
 
 def measure(args: argparse.Namespace, model) -> None:

@@ -243,6 +243,12 @@ class GenerationConfig:
     """0 disables top-k."""
     top_p: float = bounded(1.0, gt=0, le=1)
     """1.0 disables nucleus sampling."""
+    few_row_layouts: bool = False
+    """Multiply the sampling loop's few-row products (2 to 64 rows, layers at least 256 wide) in
+    the layout measured fastest for each shape on this machine, ``(W @ x.T).T`` or
+    ``F.linear``'s (``ppo_core/models/few_rows.py``). Off by default: on a 2-core AMD EPYC (AVX2)
+    the loop on SmolLM2 ran 0.96x to 1.31x as fast across runs (docs/benchmarks.md); float
+    rounding can change a draw that falls on a boundary."""
 
 
 @dataclass

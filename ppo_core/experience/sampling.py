@@ -78,6 +78,7 @@ def sample_responses(
                     top_k=generation.top_k,
                     top_p=generation.top_p,
                     device=runtime.device,
+                    few_row_layouts=generation.few_row_layouts,
                 )
             )
     return concat_generated(pieces, tokenizer.pad_token_id)

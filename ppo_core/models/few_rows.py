@@ -1,4 +1,5 @@
-"""Few-row matrix products in the layout this machine's BLAS runs fastest (layer 2).
+"""Few-row matrix products in the layout this machine's BLAS runs fastest (layer 2), for the
+sampling loop when ``generation.few_row_layouts`` is on.
 
 Each step of the sampling loop multiplies a handful of rows (the rows still running, 1 to 64)
 by every weight matrix. ``F.linear(x, W)`` computes ``x @ W.T``; some BLAS builds run the same

@@ -281,11 +281,12 @@ def generate_responses(
     top_k: int = 0,
     top_p: float = 1.0,
     device: torch.device | str = "cpu",
+    few_row_layouts: bool = False,
 ) -> GeneratedBatch:
     """Sample one response per prompt with the causal LM ``model`` (eval mode, KV cache), by
     :func:`ppo_core.models.sampling.sample_tokens`: the distribution ``generate`` would sample
     with :func:`sampling_config`, the model's own generation settings left out, and each
-    token's log-probability kept."""
+    token's log-probability kept (``few_row_layouts``: ``generation.few_row_layouts``)."""
     from ppo_core.models.sampling import sample_tokens
 
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
@@ -300,6 +301,7 @@ def generate_responses(
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
+        few_row_layouts=few_row_layouts,
     )
     response_mask, has_eos = response_mask_from_ids(response_ids, stops)
     return GeneratedBatch(prompt_ids, prompt_mask, response_ids, response_mask, has_eos, logprobs)

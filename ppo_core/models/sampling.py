@@ -24,6 +24,7 @@ temperature``, then transformers' own top-k and top-p warpers, then the softmax.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -227,6 +228,7 @@ def sample_tokens(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    few_row_layouts: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
 
@@ -241,10 +243,11 @@ def sample_tokens(
         ``pad_token_id`` after a row's end, and each token's log-probability under
         ``softmax(logits / temperature)`` (0.0 after the end), float32.
 
-    Its few-row products run in the layout measured fastest on this machine
-    (:func:`~ppo_core.models.few_rows.few_row_products`).
+    With ``few_row_layouts`` its few-row products run in the layout measured fastest on this
+    machine (:func:`~ppo_core.models.few_rows.few_row_products`).
     """
-    with few_row_products(model):
+    layouts = few_row_products(model) if few_row_layouts else contextlib.nullcontext()
+    with layouts:
         return _sample(
             model,
             prompt_ids,
