@@ -12,7 +12,7 @@ dispatch all read the catalog. The config must check its choices without importi
 Prefect flow and ``ppo ingest`` never import it: docs/benchmarks.md, "Orchestration overhead"),
 so :meth:`Catalog.declared` reads the names and traits from the home's text instead of importing
 it; the decorator's arguments are therefore literals. A test checks, for every catalog, that
-what the text declares is what importing the home registers (``tests/test_catalog.py``).
+what the text declares is what importing the home registers (``tests/catalog/test_catalog.py``).
 
 This module imports nothing from the project: every room may use it.
 """
