@@ -75,7 +75,9 @@ def few_row_products(model: nn.Module) -> Iterator[None]:
     if not patched:
         yield
         return
-    _load(table_path())
+    path = table_path()
+    _load(path)
+    known = len(_TABLE)
     for module in patched:
         module.forward = types.MethodType(_forward, module)  # type: ignore[method-assign]
     try:
@@ -83,7 +85,8 @@ def few_row_products(model: nn.Module) -> Iterator[None]:
     finally:
         for module in patched:
             del module.forward
-        _save(table_path())
+        if len(_TABLE) > known:  # written only when a shape was measured, not every call
+            _save(path)
 
 
 def _forward(self: nn.Linear, x: Tensor) -> Tensor:
