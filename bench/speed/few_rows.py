@@ -78,18 +78,21 @@ def wide_llama():
 
 def sample(model, ids, new_tokens: int, layouts: bool, seed: int):
     """One call of the loop from ``seed``; with ``layouts`` off every product is ``F.linear``."""
+    import contextlib
+
+    from ppo_core.models.few_rows import few_row_products
     from ppo_core.models.sampling import sample_tokens
 
     torch.manual_seed(seed)
-    return sample_tokens(
-        model,
-        ids,
-        torch.ones_like(ids),
-        max_new_tokens=new_tokens,
-        stop_ids=[-1],  # no row stops: every side computes the same steps
-        pad_token_id=0,
-        few_row_layouts=layouts,
-    )
+    with few_row_products(model) if layouts else contextlib.nullcontext():
+        return sample_tokens(
+            model,
+            ids,
+            torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            stop_ids=[-1],  # no row stops: every side computes the same steps
+            pad_token_id=0,
+        )
 
 
 def measure(args: argparse.Namespace, model) -> None:

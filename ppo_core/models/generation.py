@@ -13,6 +13,7 @@ transformers is imported where a generation config is built (its import takes se
 
 from __future__ import annotations
 
+import contextlib
 import signal
 import threading
 from collections.abc import Iterator, Sequence
@@ -287,22 +288,24 @@ def generate_responses(
     :func:`ppo_core.models.sampling.sample_tokens`: the distribution ``generate`` would sample
     with :func:`sampling_config`, the model's own generation settings left out, and each
     token's log-probability kept (``few_row_layouts``: ``generation.few_row_layouts``)."""
+    from ppo_core.models.few_rows import few_row_products
     from ppo_core.models.sampling import sample_tokens
 
     prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
     stops = stop_token_ids(model, tokenizer)
-    response_ids, logprobs = sample_tokens(
-        model,
-        prompt_ids,
-        prompt_mask,
-        max_new_tokens=max_new_tokens,
-        stop_ids=stops,
-        pad_token_id=tokenizer.pad_token_id,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        few_row_layouts=few_row_layouts,
-    )
+    layouts = few_row_products(model) if few_row_layouts else contextlib.nullcontext()
+    with layouts:
+        response_ids, logprobs = sample_tokens(
+            model,
+            prompt_ids,
+            prompt_mask,
+            max_new_tokens=max_new_tokens,
+            stop_ids=stops,
+            pad_token_id=tokenizer.pad_token_id,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+        )
     response_mask, has_eos = response_mask_from_ids(response_ids, stops)
     return GeneratedBatch(prompt_ids, prompt_mask, response_ids, response_mask, has_eos, logprobs)
 

@@ -24,7 +24,6 @@ temperature``, then transformers' own top-k and top-p warpers, then the softmax.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -38,7 +37,6 @@ from ppo_core.models.causal_lm import (
     position_ids_from_mask,
     unwrap_model,
 )
-from ppo_core.models.few_rows import few_row_products
 
 __all__ = [
     "KVCacheTooLargeError",
@@ -228,7 +226,6 @@ def sample_tokens(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-    few_row_layouts: bool = False,
 ) -> tuple[Tensor, Tensor]:
     """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
 
@@ -242,37 +239,7 @@ def sample_tokens(
         ``(response_ids [B, T], logprobs [B, T])``, ``T`` the longest response: the tokens, with
         ``pad_token_id`` after a row's end, and each token's log-probability under
         ``softmax(logits / temperature)`` (0.0 after the end), float32.
-
-    With ``few_row_layouts`` its few-row products run in the layout measured fastest on this
-    machine (:func:`~ppo_core.models.few_rows.few_row_products`).
     """
-    layouts = few_row_products(model) if few_row_layouts else contextlib.nullcontext()
-    with layouts:
-        return _sample(
-            model,
-            prompt_ids,
-            prompt_mask,
-            max_new_tokens=max_new_tokens,
-            stop_ids=stop_ids,
-            pad_token_id=pad_token_id,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-        )
-
-
-def _sample(
-    model: nn.Module,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    *,
-    max_new_tokens: int,
-    stop_ids: Sequence[int],
-    pad_token_id: int,
-    temperature: float,
-    top_k: int,
-    top_p: float,
-) -> tuple[Tensor, Tensor]:
     batch, prompt_length = prompt_ids.shape
     device = prompt_ids.device
     stops = torch.as_tensor(list(stop_ids), device=device)

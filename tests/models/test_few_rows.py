@@ -113,17 +113,17 @@ def test_sampling_draws_the_same_tokens_in_either_layout(layouts):
     for transposed in (True, False):
         measured = layouts(transposed)
         torch.manual_seed(5)
-        runs.append(
-            sample_tokens(
-                model,
-                prompt_ids,
-                prompt_mask,
-                max_new_tokens=12,
-                stop_ids=[2],
-                pad_token_id=0,
-                few_row_layouts=True,
+        with few_rows.few_row_products(model):
+            runs.append(
+                sample_tokens(
+                    model,
+                    prompt_ids,
+                    prompt_mask,
+                    max_new_tokens=12,
+                    stop_ids=[2],
+                    pad_token_id=0,
+                )
             )
-        )
         assert measured  # the loop's products went through the table
     (ids, logprobs), (plain_ids, plain_logprobs) = runs
     assert torch.equal(ids, plain_ids)
