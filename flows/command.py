@@ -125,6 +125,7 @@ USER_ERRORS = (
     ("ppo_core.registry.rewards", "RewardRegistryError"),
     ("ppo_core.base_sources.kinds", "BaseSourceError"),
     ("ppo_core.registry.promotion", "StaleEvaluationError"),
+    ("ppo_core.experience.engines", "EngineError"),
 )
 
 

@@ -19,6 +19,7 @@ SchedulerName = Literal["constant", "linear"]
 StrategyName = Literal["ddp", "fsdp"]
 ExportType = Literal["f32", "f16", "q8_0"]
 OldLogprobs = Literal["rescore", "sampling"]
+GenerationEngine = Literal["loop", "vllm"]
 
 # A field annotated ``Choice[SomeLiteral]`` is that Literal to a type checker and ``str`` to
 # OmegaConf: OmegaConf 2.3 has no Literal fields (and matches an Enum by member name, which
@@ -46,6 +47,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "ppo.loss_agg_mode": LOSS_AGG_MODES,
     "ppo.advantage_estimator": ADVANTAGE_ESTIMATORS,
     "ppo.old_logprobs": get_args(OldLogprobs),
+    "generation.engine": get_args(GenerationEngine),
     "kl.estimator": KL_ESTIMATORS,
     "optim.name": get_args(OptimizerName),
     "optim.scheduler": get_args(SchedulerName),

@@ -20,6 +20,7 @@ from ppo_core.config.choices import (
     Choice,
     Critic,
     Device,
+    GenerationEngine,
     OldLogprobs,
     OptimizerName,
     Precision,
@@ -249,6 +250,20 @@ class GenerationConfig:
     ``F.linear``'s (``ppo_core/models/few_rows.py``). Off by default: on a 2-core AMD EPYC (AVX2)
     the loop on SmolLM2 ran 0.96x to 1.31x as fast across runs (docs/benchmarks.md); float
     rounding can change a draw that falls on a boundary."""
+    engine: Choice[GenerationEngine] = "loop"
+    """What samples the rollouts and the evaluation's replies: ``loop``, the pipeline's own
+    sampling loop (the exact reference, ``ppo_core/models/sampling.py``); or ``vllm``, a vLLM
+    engine in a process and environment of its own (``make setup-vllm`` builds ``.venv-vllm``),
+    started once per stage and given the policy's weights after every update
+    (``ppo_core/experience/engines.py``; docs/design.md, "The vLLM engine")."""
+    vllm_python: str = ".venv-vllm/bin/python"
+    """The Python of the environment vLLM is installed in (``generation.engine=vllm``); a
+    relative path is taken from the working directory."""
+    vllm_kv_cache_gib: int = bounded(1, ge=1, most=1024)
+    """On a CPU, the memory vLLM keeps for its KV cache, in GiB (``VLLM_CPU_KVCACHE_SPACE``)."""
+    vllm_gpu_memory_utilization: float = bounded(0.3, gt=0, le=1)
+    """On a GPU, the fraction of its memory vLLM may take (weights and KV cache); the trainer's
+    models share the rest."""
 
 
 @dataclass

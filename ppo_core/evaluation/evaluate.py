@@ -32,6 +32,7 @@ import yaml
 from ppo_core.config import Config, ConfigError, code_free_folders
 from ppo_core.evaluation.markdown import escape_markdown
 from ppo_core.evaluation.report import ModelReport, RewardChoice, metric_table, write_reports
+from ppo_core.experience.engines import VLLMEngine, open_engine
 from ppo_core.experience.judges import build_reward, load_reference
 from ppo_core.experience.sampling import (
     POSITIVE_SCORE,
@@ -180,11 +181,13 @@ def evaluate_model(
     check_fn: RewardFn | None = None,
     origin: torch.nn.Module | None = None,
     previous_fn: RewardFn | None = None,
+    engine: VLLMEngine | None = None,
 ) -> ModelReport:
     """Sample ``eval.samples_per_prompt`` responses per prompt from the model in ``path`` with
     its own ``tokenizer``, with the rollout's own sampling and scoring code, and measure them.
     ``reference`` is None when the model's tokenizer is not the reference's: no KL and no
-    reference NLL then. ``check_fn``, when given, scores the same responses as ``check_score``,
+    reference NLL then. ``engine`` (``generation.engine=vllm``) samples instead of the loop.
+    ``check_fn``, when given, scores the same responses as ``check_score``,
     and ``previous_fn`` (the reward version before the one the candidate trained on) as
     ``previous_reward_score``.
     ``origin``, the first model of a chain of generations when it is not the reference, gives
@@ -196,7 +199,7 @@ def evaluate_model(
     temperature = config.generation.temperature
     torch.manual_seed(config.eval.seed)
     generated = sample_responses(
-        model, tokenizer, expanded, config.generation, runtime, chunk_size=batch_size
+        model, tokenizer, expanded, config.generation, runtime, batch_size, engine=engine
     )
     mask = generated.response_mask
     guard_metrics: dict[str, float] = {}
@@ -316,22 +319,24 @@ def evaluate(
     check_fn = check_reward_fn(config, runtime)
     reference = load_reference(config.model, runtime.device)
     origin_path, origin = _origin_model(config, reference_vocab, runtime)
-    reports = {
-        name: evaluate_model(
-            name,
-            path,
-            reference if measure_kl[name] else None,
-            tokenizers[name],
-            prompts,
-            reward_fn,
-            config,
-            runtime,
-            check_fn,
-            origin,
-            previous_fn,
-        )
-        for name, path in models.items()
-    }
+    with open_engine(config, runtime, candidate) as engine:  # one start for both models
+        reports = {
+            name: evaluate_model(
+                name,
+                path,
+                reference if measure_kl[name] else None,
+                tokenizers[name],
+                prompts,
+                reward_fn,
+                config,
+                runtime,
+                check_fn,
+                origin,
+                previous_fn,
+                engine,
+            )
+            for name, path in models.items()
+        }
     write_reports(
         reports,
         Path(output_dir or config.eval.output_dir),

@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from ppo_core.config import Config, ConfigError, GenerationConfig
+from ppo_core.experience.engines import VLLMEngine
 from ppo_core.math.batching import by_length, kept_columns, micro_batch_slices
 from ppo_core.models.folders import check_model_folder
 from ppo_core.models.generation import (
@@ -50,13 +51,17 @@ def sample_responses(
     runtime: Runtime,
     chunk_size: int,
     chunk_seeds: Sequence[int] | None = None,
+    engine: VLLMEngine | None = None,
 ) -> GeneratedBatch:
     """One sampled response per prompt, ``chunk_size`` prompts per ``generate`` call.
 
     With ``chunk_seeds`` chunk ``i`` is sampled after ``torch.manual_seed(chunk_seeds[i])`` (one
     seed per chunk), so a chunk's responses do not depend on which process samples it; without
-    them the global generator runs on from chunk to chunk.
+    them the global generator runs on from chunk to chunk. With an ``engine``
+    (``generation.engine=vllm``) the engine samples them, given ``policy``'s weights first.
     """
+    if engine is not None:
+        return engine.sample(policy, tokenizer, prompts, chunk_size, chunk_seeds, runtime.device)
     starts = range(0, len(prompts), chunk_size)
     if chunk_seeds is not None and len(chunk_seeds) != len(starts):
         raise ValueError(

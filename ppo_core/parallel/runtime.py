@@ -27,6 +27,7 @@ __all__ = [
     "Runtime",
     "bf16_slowdown_message",
     "choose_precision",
+    "config_folder",
     "matmul_gflops",
     "model_width",
     "resolve_device",
@@ -144,16 +145,23 @@ def bf16_slowdown_message(fp32_gflops: float, bf16_gflops: float) -> str | None:
     )
 
 
+def config_folder(folder: str | Path) -> Path:
+    """The folder whose ``config.json`` describes the model in ``folder``: itself, or for a LoRA
+    adapter folder (no ``config.json``, an ``adapter_config.json``) the base it names. Raises
+    ``OSError``, ``ValueError``, ``KeyError`` or ``TypeError`` on an unreadable adapter config."""
+    folder = Path(folder)
+    if not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
+        adapter = json.loads((folder / "adapter_config.json").read_text())
+        return Path(adapter["base_model_name_or_path"])
+    return folder
+
+
 def model_width(folder: str | Path) -> int | None:
     """The hidden size a model folder's ``config.json`` declares (``hidden_size``, ``n_embd`` or
     ``d_model``; a LoRA adapter folder's base's), or None when there is no readable one (a
     missing folder fails later, by name)."""
-    folder = Path(folder)
     try:
-        if not (folder / "config.json").is_file() and (folder / "adapter_config.json").is_file():
-            adapter = json.loads((folder / "adapter_config.json").read_text())
-            folder = Path(adapter["base_model_name_or_path"])
-        declared = json.loads((folder / "config.json").read_text())
+        declared = json.loads((config_folder(folder) / "config.json").read_text())
     except (OSError, ValueError, KeyError, TypeError):
         return None
     for key in ("hidden_size", "n_embd", "d_model"):

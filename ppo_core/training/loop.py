@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from ppo_core.config import Config, save_config, to_yaml
+from ppo_core.experience.engines import VLLMEngine, open_engine
 from ppo_core.experience.judges import with_resolved_reward
 from ppo_core.files import atomic_folder, exclusive_run
 from ppo_core.files.artifacts import TRAINED_CONFIG, TRAINING_SUMMARY
@@ -87,9 +88,15 @@ class IterationResult:
 
 
 def run_iteration(
-    config: Config, runtime: Runtime, inputs: RunInputs, models: Models, state: TrainState
+    config: Config,
+    runtime: Runtime,
+    inputs: RunInputs,
+    models: Models,
+    state: TrainState,
+    engine: VLLMEngine | None = None,
 ) -> IterationResult:
-    """One PPO iteration; advances ``state`` by one and appends its metrics to the history."""
+    """One PPO iteration; advances ``state`` by one and appends its metrics to the history
+    (``engine``: the stage's vLLM engine for ``generation.engine=vllm``)."""
     iteration, parallel = state.iteration, runtime.parallel
     watch = Stopwatch()
     with watch.step("rollout"):
@@ -112,6 +119,7 @@ def run_iteration(
                 chunk_seeds=sampling_seeds(config, iteration, parallel),
                 # sharded parameters must stay FSDP's: the adapter is merged only when unsharded
                 merge_adapter=not models.strategy.sharded,
+                engine=engine,
             )
     with watch.step("update"):
         # 3. PPO epochs over shuffled mini-batches, each step the exact mini-batch gradient.
@@ -206,19 +214,20 @@ def _run(
         "world_size": runtime.parallel.world_size,
     }
     metrics: dict[str, float] = state.history[-1] if state.history else {}
-    while state.iteration < config.train.iterations:
-        result = run_iteration(config, runtime, inputs, models, state)
-        metrics = result.metrics
-        for logger in loggers:
-            logger.log(state.iteration, metrics)
-        if on_samples is not None and is_main:
-            shown = [prompt_text(prompt) for prompt in result.prompts[:4]]
-            on_samples(state.iteration, shown, result.responses[:4])
-        if (
-            state.iteration % config.train.checkpoint_every == 0
-            or state.iteration == config.train.iterations
-        ):
-            state.save(config, models, inputs.tokenizer, lineage, runtime.parallel)
+    with open_engine(config, runtime, config.model.policy) as engine:  # one start per stage
+        while state.iteration < config.train.iterations:
+            result = run_iteration(config, runtime, inputs, models, state, engine)
+            metrics = result.metrics
+            for logger in loggers:
+                logger.log(state.iteration, metrics)
+            if on_samples is not None and is_main:
+                shown = [prompt_text(prompt) for prompt in result.prompts[:4]]
+                on_samples(state.iteration, shown, result.responses[:4])
+            if (
+                state.iteration % config.train.checkpoint_every == 0
+                or state.iteration == config.train.iterations
+            ):
+                state.save(config, models, inputs.tokenizer, lineage, runtime.parallel)
     # The candidate is gathered whole on rank 0; the optimizer's moments are not needed any more
     # and are freed first, so that the gathered copy takes their room instead of adding to them.
     state.optimizer.state.clear()

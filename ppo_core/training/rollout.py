@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from ppo_core.config import GenerationConfig, KLConfig, PPOConfig
+from ppo_core.experience.engines import VLLMEngine
 from ppo_core.experience.sampling import (
     POSITIVE_SCORE,
     sample_responses,
@@ -36,7 +37,7 @@ from ppo_core.rewards.loading import RewardFn
 from ppo_core.training.batch import RolloutBatch
 from ppo_core.training.stopwatch import Stopwatch
 
-__all__ = ["collect_rollout"]
+__all__ = ["collect_rollout", "sampler_gap"]
 
 
 @torch.no_grad()
@@ -54,6 +55,7 @@ def collect_rollout(
     runtime: Runtime,
     chunk_seeds: Sequence[int] | None = None,
     merge_adapter: bool = True,
+    engine: VLLMEngine | None = None,
 ) -> tuple[RolloutBatch, dict[str, float], list[str]]:
     """Generate, score and turn one batch of prompts into advantages and returns.
 
@@ -63,7 +65,8 @@ def collect_rollout(
     taken over every rank's rows; the groups of ``ppo.samples_per_prompt`` consecutive rows lie
     whole on this rank, so group statistics need no communication. With LoRA and
     ``merge_adapter`` the responses are sampled with the adapter merged into copies of the
-    weights (``ActorCritic.sampling_model``); scoring always runs on the unmerged model.
+    weights (``ActorCritic.sampling_model``); scoring always runs on the unmerged model. An
+    ``engine`` (``generation.engine=vllm``) samples instead of the loop, from those weights.
 
     Returns:
         the batch, its ``rollout/*`` metrics, and the decoded responses.
@@ -79,6 +82,7 @@ def collect_rollout(
             runtime,
             chunk_size=ppo.generation_batch_size or len(prompts),
             chunk_seeds=chunk_seeds,
+            engine=engine,
         )
     with watch.step("score"):
         policy_scored, reference_scored = _score_with_both(
@@ -114,6 +118,8 @@ def collect_rollout(
     )
     metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
     metrics["rollout/kl_coef"] = float(kl_coef)
+    if ppo.old_logprobs == "rescore" and generated.logprobs is not None:
+        metrics.update(sampler_gap(generated.logprobs, policy_scored.logprobs, mask, all_ranks))
     metrics.update(watch.metrics())
     return batch, metrics, responses
 
@@ -201,4 +207,29 @@ def _rollout_metrics(
         if len(raw_scores) > 1 or all_ranks
         else 0.0
     )
+    return metrics
+
+
+def sampler_gap(
+    sampler_logprobs: Tensor, trainer_logprobs: Tensor, mask: Tensor, all_ranks: bool = False
+) -> dict[str, float]:
+    """How far the sampler's log-probabilities of the sampled tokens (the loop's or the vLLM
+    engine's) are from the trainer's rescoring of them, over the response tokens of ``mask``
+    ``[B, T]``: the mean and largest absolute difference and the per-token KL estimate
+    ``k3 = exp(r) - 1 - r``, ``r = trainer - sampler`` (Schulman 2020, "Approximating KL
+    divergence"; unbiased for KL(sampler || trainer), the tokens being the sampler's draws)."""
+    gap = (trainer_logprobs - sampler_logprobs).float()
+    tokens = mask.float()
+    k3 = (torch.expm1(gap) - gap) * tokens
+    means = {
+        "rollout/sampler_gap_mean": RunningMean.from_masked(gap.abs(), mask),
+        "rollout/sampler_kl": RunningMean.from_masked(k3, mask),
+    }
+    metrics = {name: (m.all_reduce() if all_ranks else m).item() for name, m in means.items()}
+    largest = (gap.abs() * tokens).max() if tokens.numel() else gap.new_zeros(())
+    if all_ranks:
+        import torch.distributed as dist
+
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    metrics["rollout/sampler_gap_max"] = float(largest.detach())
     return metrics
