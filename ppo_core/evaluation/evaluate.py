@@ -319,7 +319,9 @@ def evaluate(
     check_fn = check_reward_fn(config, runtime)
     reference = load_reference(config.model, runtime.device)
     origin_path, origin = _origin_model(config, reference_vocab, runtime)
-    with open_engine(config, runtime, candidate) as engine:  # one start for both models
+    # one start for both models; the architecture is the base's (a candidate folder also holds
+    # its value head, which vLLM would try to load as the model's)
+    with open_engine(config, runtime, config.model.policy) as engine:
         reports = {
             name: evaluate_model(
                 name,

@@ -65,11 +65,8 @@ def collect_rollout(
     taken over every rank's rows; the groups of ``ppo.samples_per_prompt`` consecutive rows lie
     whole on this rank, so group statistics need no communication. With LoRA and
     ``merge_adapter`` the responses are sampled with the adapter merged into copies of the
-    weights (``ActorCritic.sampling_model``); scoring always runs on the unmerged model. An
-    ``engine`` (``generation.engine=vllm``) samples instead of the loop, from those weights.
-
-    Returns:
-        the batch, its ``rollout/*`` metrics, and the decoded responses.
+    weights (``ActorCritic.sampling_model``), by the loop or the vLLM ``engine``; scoring always
+    runs on the unmerged model. Returns the batch, its ``rollout/*`` metrics, and the responses.
     """
     all_ranks = runtime.parallel.active
     watch = Stopwatch()
