@@ -222,6 +222,12 @@ def validate_config(config: Config) -> None:
         )
     _check_lora(config.model)
     _check_estimator(config)
+    if ppo.tis_cap is not None and ppo.old_logprobs != "rescore":
+        raise ConfigError(
+            f"ppo.tis_cap={ppo.tis_cap:g} weighs the trainer's rescored probability of each "
+            f"token against the sampler's, and ppo.old_logprobs={ppo.old_logprobs!r} takes the "
+            "sampler's as both: set ppo.old_logprobs=rescore, or leave ppo.tis_cap unset"
+        )
     if config.parallel.reference_offload and config.parallel.strategy != "fsdp":
         raise ConfigError(
             "parallel.reference_offload=true needs parallel.strategy=fsdp (got "

@@ -141,6 +141,13 @@ class PPOConfig:
     The two differ by float rounding, the step-by-step cached forward against the whole-sequence
     one (measured: 2.1e-5 at most on SmolLM2-135M, 4.8e-6 on the tiny default), and with LoRA
     the merged weights sampling runs on; docs/training.md, "Speed"."""
+    tis_cap: float | None = bounded(None, ge=1)
+    """Truncated importance sampling of the sampler's draws: each token's policy loss weighted
+    by ``min(pi_old / pi_sampler, tis_cap)``, the trainer's rescored probability of the token
+    over the sampler's (Yao et al. 2025; ``ppo_core/math/losses.py``), for when another
+    implementation samples (``generation.engine=vllm``, bf16 weights). Needs
+    ``ppo.old_logprobs=rescore``; ``None`` is off (every token weighs 1). The gap it corrects is
+    logged as ``rollout/sampler_gap_*`` whatever this is."""
     epochs: int = bounded(4, gt=0, most=10_000)
     """Passes over each rollout batch."""
     drop_last: bool = False

@@ -38,6 +38,7 @@ __all__ = [
     "logprobs_from_logits",
     "loss_aggregation",
     "policy_loss",
+    "truncated_importance_weights",
     "value_loss",
 ]
 
@@ -101,6 +102,30 @@ def entropy_from_logits(logits: Tensor, temperature: float = 1.0) -> Tensor:
         logits = logits / temperature
     probs = torch.softmax(logits, dim=-1)
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def truncated_importance_weights(
+    trainer_logprobs: Tensor, sampler_logprobs: Tensor, response_mask: Tensor, cap: float
+) -> Tensor:
+    """Truncated importance sampling (TIS) weights ``[B, T]``: ``min(pi_old(y_t) /
+    pi_sampler(y_t), cap)`` per response token, 0 where masked, without a graph.
+
+    When the tokens are drawn by another implementation than the one the update differentiates
+    (vLLM's kernels against the trainer's), the policy-gradient term's expectation is over the
+    sampler's distribution; weighting each token's loss by the ratio of the trainer's to the
+    sampler's probability corrects it, and truncating the ratio at ``cap`` bounds its variance
+    (Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL Training",
+    eq. 3; Ionides 2008, "Truncated importance sampling").
+
+    Args:
+        trainer_logprobs: ``[B, T]`` the rollout policy's log-probabilities as the trainer
+            rescored them (``ppo.old_logprobs=rescore``).
+        sampler_logprobs: ``[B, T]`` the same tokens' log-probabilities as the sampler drew them.
+        response_mask: ``[B, T]`` the response tokens.
+        cap: the truncation ``C >= 1``.
+    """
+    ratio = torch.exp((trainer_logprobs - sampler_logprobs).detach().float()).clamp(max=cap)
+    return torch.where(response_mask.bool(), ratio, torch.zeros_like(ratio))
 
 
 def policy_loss(

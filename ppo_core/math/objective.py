@@ -67,6 +67,7 @@ class PPOObjective(ObjectiveCoefficients):
         returns: Tensor | None,
         response_mask: Tensor,
         ref_logprobs: Tensor | None = None,
+        importance_weights: Tensor | None = None,
     ) -> tuple[LossParts, dict[str, RunningMean]]:
         """This micro-batch's share of the mini-batch objective, and its statistics.
 
@@ -82,6 +83,9 @@ class PPOObjective(ObjectiveCoefficients):
                 anything, NaN included.
             ref_logprobs: ``[B, T]`` the reference's log-probabilities, needed when
                 ``kl_coef > 0``.
+            importance_weights: ``[B, T]`` truncated importance-sampling weights of the
+                sampler's draws (:func:`~ppo_core.math.losses.truncated_importance_weights`),
+                multiplying each token's policy loss; ``None`` weighs every token 1.
 
         Returns:
             ``(LossParts(sum, count), stats)``; every statistic is a token-weighted
@@ -106,6 +110,8 @@ class PPOObjective(ObjectiveCoefficients):
             self.dual_clip,
         )
         token_losses = pg.token_losses
+        if importance_weights is not None:
+            token_losses = token_losses * importance_weights
         stats = {
             "policy_loss": RunningMean.from_masked(pg.token_losses.detach(), response_mask),
             "approx_kl": pg.approx_kl,

@@ -51,6 +51,7 @@ class RolloutBatch:
     rewards: Tensor  # [B, T] -beta * kl (unless in the loss) + score on the last token
     advantages: Tensor  # [B, T] computed once per rollout batch
     returns: Tensor | None  # [B, T] the critic's targets
+    importance_weights: Tensor | None = None  # [B, T] TIS weights of the sampler's draws
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]

@@ -26,6 +26,7 @@ from ppo_core.experience.sampling import (
 )
 from ppo_core.math.advantages import ESTIMATORS, AdvantageInputs, consecutive_groups
 from ppo_core.math.kl import kl_penalty, token_rewards
+from ppo_core.math.losses import truncated_importance_weights
 from ppo_core.math.masked import masked_moments, masked_sum
 from ppo_core.math.running_mean import RunningMean
 from ppo_core.models.generation import GeneratedBatch
@@ -112,13 +113,39 @@ def collect_rollout(
         rewards=rewards,
         advantages=advantages,
         returns=returns,
+        importance_weights=_importance_weights(ppo, generated, policy_scored.logprobs),
     )
     metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
     metrics["rollout/kl_coef"] = float(kl_coef)
-    if ppo.old_logprobs == "rescore" and generated.logprobs is not None:
-        metrics.update(sampler_gap(generated.logprobs, policy_scored.logprobs, mask, all_ranks))
+    metrics.update(_sampler_metrics(ppo, generated, batch, all_ranks))
     metrics.update(watch.metrics())
     return batch, metrics, responses
+
+
+def _importance_weights(
+    ppo: PPOConfig, generated: GeneratedBatch, trainer_logprobs: Tensor
+) -> Tensor | None:
+    """The TIS weights of the sampled tokens with ``ppo.tis_cap``, else None."""
+    if ppo.tis_cap is None or generated.logprobs is None:
+        return None
+    return truncated_importance_weights(
+        trainer_logprobs, generated.logprobs, generated.response_mask, ppo.tis_cap
+    )
+
+
+def _sampler_metrics(
+    ppo: PPOConfig, generated: GeneratedBatch, batch: RolloutBatch, all_ranks: bool
+) -> dict[str, float]:
+    """The sampler gap when the old log-probabilities were rescored (with ``sampling`` they are
+    the sampler's own), and the mean TIS weight when it is on."""
+    if ppo.old_logprobs != "rescore" or generated.logprobs is None:
+        return {}
+    mask = batch.response_mask
+    metrics = sampler_gap(generated.logprobs, batch.old_logprobs, mask, all_ranks)
+    if batch.importance_weights is not None:
+        weight = RunningMean.from_masked(batch.importance_weights, mask)
+        metrics["rollout/tis_weight"] = (weight.all_reduce() if all_ranks else weight).item()
+    return metrics
 
 
 def _score_with_both(

@@ -156,6 +156,7 @@ def _micro_batch_loss(
         micro.returns,
         micro.response_mask,
         ref_logprobs=micro.ref_logprobs,
+        importance_weights=micro.importance_weights,
     )
     return parts, {f"ppo/{name}": value for name, value in stats.items()}
 

@@ -462,7 +462,7 @@ def test_every_range_declared_beside_a_field_is_enforced_at_its_edges():
     ranged = {
         key: b for key, b in field_bounds().items() if b.low is not None or b.high is not None
     }
-    assert len(ranged) == 67  # 67 keys with a range, of 80 with a bound of any kind
+    assert len(ranged) == 68  # 68 keys with a range, of 81 with a bound of any kind
     for key, bounds in ranged.items():
         assert defaults[key] is None or bounds.holds(defaults[key]), key
         edges = [(bounds.low, bounds.low_open, -0.5), (bounds.high, bounds.high_open, 0.5)]
@@ -514,3 +514,13 @@ def test_the_objective_and_the_config_share_each_coefficient_and_default():
         name: getattr(config.ppo, name) for name in names
     }
     assert (objective.kl_coef, objective.kl_estimator) == (0.05, "k3")
+
+
+def test_tis_needs_rescored_old_logprobs():
+    """``ppo.tis_cap`` compares the trainer's rescoring with the sampler's log-probabilities;
+    with ``ppo.old_logprobs=sampling`` they are one and the same, refused by both names."""
+    load_config(overrides=["ppo.tis_cap=2"])
+    with pytest.raises(ConfigError, match=r"ppo.tis_cap=2 .*ppo.old_logprobs='sampling'"):
+        load_config(overrides=["ppo.tis_cap=2", "ppo.old_logprobs=sampling"])
+    with pytest.raises(ConfigError, match=r"ppo.tis_cap must be >= 1"):
+        load_config(overrides=["ppo.tis_cap=0.5"])

@@ -146,8 +146,8 @@ def test_an_engine_that_cannot_start_is_one_line(tmp_path, tiny_model_dir):
 def test_a_ppo_run_on_the_engine_logs_the_gap_and_the_engine_ends_with_it(
     engine_python, tmp_path, tiny_model_dir, prompt_files
 ):
-    """One PPO iteration with ``generation.engine=vllm`` through ``train``, then ``evaluate``
-    on the engine: the candidate is written, the sampler gap is logged and small (fp32:
+    """One PPO iteration with ``generation.engine=vllm`` and TIS through ``train``, then
+    ``evaluate`` on the engine: the candidate is written, the sampler gap is logged and small (fp32:
     measured 3.1e-6, bound 1e-4), the candidate and baseline are judged, and no engine process
     is left after either stage."""
     from ppo_core.evaluation.evaluate import evaluate
@@ -160,12 +160,14 @@ def test_a_ppo_run_on_the_engine_logs_the_gap_and_the_engine_ends_with_it(
         "generation.engine=vllm",
         f"generation.vllm_python={engine_python}",
         "train.iterations=1",
+        "ppo.tis_cap=2.0",
     )
     before = {p.pid for p in psutil.Process().children(recursive=True)}
     summary = train(config)
     metrics = summary.final_metrics
     print({k: v for k, v in metrics.items() if "sampler" in k})
     assert metrics["rollout/sampler_gap_max"] < 1e-4
+    assert metrics["rollout/tis_weight"] == pytest.approx(1.0, abs=1e-4)  # fp32: no correction
     assert (Path(config.train.output_dir) / "training_summary.json").is_file()
     reports = evaluate(config, config.train.output_dir, tiny_model_dir, tmp_path / "eval")
     assert set(reports) == {"candidate", "baseline"}

@@ -164,3 +164,32 @@ def test_the_kl_loss_term_hand_computed():
         objective(logp, None, None, logp.detach(), None, zeros, None, mask)
     with pytest.raises(ValueError, match="together"):
         PPOObjective()(logp, zeros, None, logp.detach(), None, zeros, None, mask)
+
+
+def test_truncated_importance_weights_hand_computed():
+    """TIS (Yao et al. 2025): ``min(pi_old / pi_sampler, cap)`` per response token, 0 where
+    masked, no graph; it multiplies each token's policy loss and nothing else."""
+    from ppo_core import PPOObjective
+    from ppo_core.math.losses import truncated_importance_weights
+
+    # trainer probabilities 0.5, 0.2, 0.9 against the sampler's 0.25, 0.4, 0.3; cap 2
+    trainer = torch.log(torch.tensor([[0.5, 0.2, 0.9, 0.7]]))
+    sampler = torch.log(torch.tensor([[0.25, 0.4, 0.3, 0.1]]))
+    mask = torch.tensor([[True, True, True, False]])
+    weights = truncated_importance_weights(trainer.requires_grad_(), sampler, mask, cap=2.0)
+    # 0.5 / 0.25 = 2 (at the cap), 0.2 / 0.4 = 0.5, 0.9 / 0.3 = 3 -> 2 (truncated), masked 0
+    assert_close(weights, [[2.0, 0.5, 2.0, 0.0]])
+    assert not weights.requires_grad
+    # in the objective: token losses of policy_loss_hand_computed's case, weighted
+    old = torch.zeros(1, 4)
+    logp = torch.tensor([[math.log(1.5), math.log(0.5), math.log(1.1), 0.0]], requires_grad=True)
+    adv = torch.tensor([[1.0, -2.0, 3.0, 0.0]])
+    objective = PPOObjective(loss_agg_mode="token-mean")
+    parts, stats = objective(
+        logp, None, None, old, None, adv, None, mask, importance_weights=weights
+    )
+    # 2 * -1.2 + 0.5 * 1.6 + 2 * -3.3 = -8.2 over 3 tokens
+    assert float(parts.total.detach()) == pytest.approx(-8.2)
+    assert stats["policy_loss"].item() == pytest.approx((-1.2 + 1.6 - 3.3) / 3)  # unweighted
+    unweighted, _ = objective(logp, None, None, old, None, adv, None, mask)
+    assert float(unweighted.total.detach()) == pytest.approx(-1.2 + 1.6 - 3.3)
