@@ -45,6 +45,7 @@ TIMEOUT_S = 900
 
 SLOW = {
     "data_parallel.py",
+    "engine.py",
     "estimators.py",
     "gpu.sh",
     "iteration_profile.py",

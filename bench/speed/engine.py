@@ -1,0 +1,174 @@
+"""The rollout engines side by side: the pipeline's sampling loop against the vLLM engine
+(``generation.engine=vllm``, ``ppo_core/experience/engines.py``) on the recipe's chats.
+
+For each row count, both engines sample one reply per film-review chat (temperature 1, the
+recipe's ``--new-tokens``, stopping at EOS) from the same weights; medians over ``--repeats``
+calls after one warm-up, the two interleaved. The engine's time includes giving it the weights
+(as every rollout does); the weight load is also timed alone, and so is the engine's start.
+The engine's log-probabilities of its draws are compared with the trainer's rescoring of them
+(the gap every iteration logs). Tokens per second count the tokens each side sampled (the draws
+differ, so do the lengths). Writes ``bench/results/engine.json``.
+
+    .venv/bin/python -m bench.speed.engine                 # SmolLM2-135M-Instruct (GGUF import)
+    .venv/bin/python -m bench.speed.engine --rows 16 32 --precision bf16
+    .venv/bin/python -m bench.speed.engine --smoke         # the tiny default, 2 rows
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def main() -> None:
+    from bench import common
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", help="a model folder (default: SmolLM2 imported from GGUF)")
+    parser.add_argument("--rows", type=int, nargs="+", default=[16, 32])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    parser.add_argument("--vllm-python", default=str(ROOT / ".venv-vllm" / "bin" / "python"))
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "engine.json")
+    parser.add_argument("--smoke", action="store_true", help=f"{common.HELP} (the tiny default)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory(prefix="engine-") as tmp:
+        if args.smoke:
+            args.rows, args.new_tokens, args.repeats = [2], 4, 1
+            args.out = common.output_folder("engine") / "engine.json"
+            folder = _tiny(Path(tmp) / "tiny")
+        else:
+            from bench.speed.lora_sampling import import_smollm2
+
+            folder = Path(args.model) if args.model else import_smollm2(Path(tmp) / "smollm2")
+        measure(args, folder)
+
+
+def measure(args: argparse.Namespace, folder: Path) -> None:
+    from bench import common
+    from ppo_core.config import load_config
+    from ppo_core.experience.engines import VLLMEngine
+    from ppo_core.models.causal_lm import load_tokenizer
+    from ppo_core.models.generation import generate_responses
+    from ppo_core.models.policy import load_causal_lm
+
+    bf16 = args.precision == "bf16"
+    model = load_causal_lm(folder, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
+    tokenizer = load_tokenizer(folder)
+    generation = load_config(
+        overrides=[
+            "generation.engine=vllm",
+            f"generation.vllm_python={args.vllm_python}",
+            f"generation.max_new_tokens={args.new_tokens}",
+        ]
+    ).generation
+    started = time.perf_counter()
+    engine = VLLMEngine(
+        folder,
+        generation,
+        max_model_len=min(512, _positions(model)),
+        seed=0,
+        device=torch.device("cpu"),
+        bf16=bf16,
+        threads=args.threads,
+    )
+    result: dict = {"start_s": time.perf_counter() - started, "rows": []}
+    with engine:
+        loads = []
+        for _ in range(args.repeats):
+            started = time.perf_counter()
+            engine.load_weights(model)
+            loads.append(time.perf_counter() - started)
+        result["weight_load_s"] = statistics.median(loads)
+        for rows in args.rows:
+            chats = common.chat_prompts(rows)
+            prompts = [
+                row["messages"][0]["content"] if args.smoke else row["messages"] for row in chats
+            ]
+
+            def loop(seed: int, prompts=prompts):
+                torch.manual_seed(seed)
+                return generate_responses(
+                    model, tokenizer, prompts, args.new_tokens, temperature=1.0
+                )
+
+            def vllm(seed: int, prompts=prompts):
+                return engine.sample(model, tokenizer, prompts, len(prompts), [seed])
+
+            sides = {"loop": loop, "vllm": vllm}
+            rates: dict[str, list[float]] = {name: [] for name in sides}
+            for repeat in range(args.repeats + 1):
+                for name, side in sides.items():
+                    started = time.perf_counter()
+                    batch = side(repeat)
+                    seconds = time.perf_counter() - started
+                    if repeat:  # the first round warms up
+                        rates[name].append(float(batch.response_mask.sum()) / seconds)
+            row = {"rows": rows, "new_tokens": args.new_tokens}
+            row.update({f"tokens_per_s_{n}": statistics.median(r) for n, r in rates.items()})
+            row["vllm_over_loop"] = row["tokens_per_s_vllm"] / row["tokens_per_s_loop"]
+            row.update(_gap(model, vllm(0)))
+            result["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    result.update(precision=args.precision, threads=args.threads, machine=common.machine())
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
+    print(f"results in {args.out}")
+
+
+def _tiny(folder: Path) -> Path:
+    """The tiny default's recipe at its smallest with heads 32 wide (vLLM's CPU attention has
+    no kernel for the 16-wide heads of ``bench/common.py``'s), no chat template: plain prompts."""
+    from ppo_core.base_sources.tiny_default import build_tiny_default
+
+    return build_tiny_default(
+        folder,
+        n_sentences=300,
+        steps=2,
+        batch_size=8,
+        warmup_steps=1,
+        n_layer=1,
+        n_embd=64,
+        n_head=2,
+        num_threads=1,
+    )
+
+
+def _positions(model) -> int:
+    from ppo_core.experience.sampling import POSITION_KEYS
+
+    return next(getattr(model.config, key) for key in POSITION_KEYS if hasattr(model.config, key))
+
+
+def _gap(model, batch) -> dict[str, float]:
+    """The engine's log-probabilities of its draws against the trainer's rescoring."""
+    from ppo_core.models.scoring import score_sequences
+    from ppo_core.training.rollout import sampler_gap
+
+    with torch.no_grad():
+        trainer = score_sequences(
+            model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.response_ids,
+            batch.response_mask,
+            temperature=1.0,
+        ).logprobs
+    gap = sampler_gap(batch.logprobs, trainer.float(), batch.response_mask)
+    return {name.removeprefix("rollout/"): value for name, value in gap.items()}
+
+
+if __name__ == "__main__":
+    main()
