@@ -32,7 +32,7 @@ import yaml
 from ppo_core.config import Config, ConfigError, code_free_folders
 from ppo_core.evaluation.markdown import escape_markdown
 from ppo_core.evaluation.report import ModelReport, RewardChoice, metric_table, write_reports
-from ppo_core.experience.engines import VLLMEngine, open_engine
+from ppo_core.experience.engines import VLLMEngine, check_engine, open_engine
 from ppo_core.experience.judges import build_reward, load_reference
 from ppo_core.experience.sampling import (
     POSITIVE_SCORE,
@@ -297,6 +297,7 @@ def evaluate(
     tokenizer is not the KL reference's."""
     check_context_length(config)
     runtime = setup_runtime(config, distributed=False, model_folder=candidate)
+    check_engine(config, runtime)
     prompts = load_prompts(
         config.data.eval_file,
         config.data.prompt_field,

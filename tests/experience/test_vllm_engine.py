@@ -129,10 +129,24 @@ def test_the_engine_samples_the_loops_tokens_with_the_policys_weights(
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
 
 
-def test_an_engine_that_cannot_start_is_one_line(tmp_path, tiny_model_dir):
-    """A missing engine Python names the key and `make setup-vllm`; one that exits at once
-    is 'died while starting' with its log's last line."""
-    generation = _generation(tmp_path / "nothing" / "python")
+def test_an_engine_that_cannot_start_is_one_line(tmp_path, tiny_model_dir, prompt_files):
+    """A missing engine Python names the key and `make setup-vllm`, before the stage reads its
+    inputs (``check_engine``, from ``check_inputs``); a temperature under vLLM's 0.01 floor is
+    refused by name; an engine that exits at once is 'died while starting' with its log's last
+    line."""
+    from ppo_core.config import ConfigError
+    from ppo_core.parallel.runtime import Runtime
+    from ppo_core.training.inputs import check_inputs
+
+    missing = tmp_path / "nothing" / "python"
+    config = small_config(tmp_path, tiny_model_dir, prompt_files, "generation.engine=vllm")
+    config.generation.vllm_python = str(missing)
+    with pytest.raises(EngineError, match=r"generation.vllm_python=.*make setup-vllm"):
+        check_inputs(config, Runtime())
+    config.generation.temperature = 0.005
+    with pytest.raises(ConfigError, match=r"generation.temperature=0.005 as if it were 0.01"):
+        check_inputs(config, Runtime())
+    generation = _generation(missing)
     arguments = dict(max_model_len=64, seed=0, device=torch.device("cpu"), bf16=False, threads=1)
     with pytest.raises(EngineError, match=r"generation.vllm_python=.*make setup-vllm"):
         VLLMEngine(tiny_model_dir, generation, **arguments)
