@@ -38,6 +38,7 @@ RESUME_FREE_KEYS = (
     "flow.",
     "validation.",
     "parallel.",
+    "generation.vllm_",  # where the engine's environment is and the memory it may take
 )
 
 
@@ -70,8 +71,10 @@ def resume_mismatch(
             f"{config.model.policy} now has {base_sha256[:12]}: a new base, e.g. the next "
             "generation's)"
         )
-    before = flatten(OmegaConf.create(state.get("config", "{}")))
     now = flatten(config)
+    # a key the checkpoint does not record came after it was written, and new keys default to
+    # what the code did before them: it counts at its default (upgrades resume)
+    before = {**_defaults(), **flatten(OmegaConf.create(state.get("config", "{}")))}
     before_ranks = int(state.get("world_size", 1))
     old_per_rank = {key: before.get(key) for key in PER_RANK_KEYS}
     for key in PER_RANK_KEYS:
@@ -92,6 +95,10 @@ def resume_mismatch(
     if int(state["iteration"]) > config.train.iterations:
         return f"it is at iteration {state['iteration']}, past train.iterations={config.train.iterations}"
     return None
+
+
+def _defaults() -> dict[str, Any]:
+    return flatten(Config())
 
 
 def _per_rank_hint(

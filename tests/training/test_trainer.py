@@ -592,6 +592,25 @@ def test_resuming_on_another_number_of_ranks_compares_the_global_batch_sizes():
     assert reason is not None and "continues it" not in reason
 
 
+def test_a_checkpoint_from_before_a_key_existed_resumes_at_its_default():
+    """A key the checkpoint's recorded config lacks (added to the code after it was written)
+    counts at its default: an upgrade resumes; setting it to something else does not, naming
+    it; the engine's own resource settings never stop a resume."""
+    import yaml
+
+    from ppo_core.config import to_yaml
+    from ppo_core.training.resume import resume_mismatch
+
+    recorded = yaml.safe_load(to_yaml(load_config()))
+    del recorded["generation"]["engine"], recorded["ppo"]["tis_cap"]  # an older checkpoint
+    state = {"data_hash": "h", "config": yaml.safe_dump(recorded), "iteration": 1}
+    assert resume_mismatch(load_config(), state, "h") is None
+    reason = resume_mismatch(load_config(overrides=["generation.engine=vllm"]), state, "h")
+    assert reason is not None and "generation.engine ('loop' -> 'vllm')" in reason
+    moved = load_config(overrides=["generation.vllm_python=/elsewhere/python"])
+    assert resume_mismatch(moved, state, "h") is None
+
+
 def test_new_tokens_past_the_models_positions_are_refused_before_anything_is_written(
     tmp_path, tiny_model_dir, prompt_files
 ):
