@@ -185,10 +185,10 @@ def install(timer: PassTimer) -> None:
         pass
     original_iteration = trainer.run_iteration
 
-    def counted(config, runtime, inputs, models, state):
+    def counted(config, runtime, inputs, models, state, *engine):  # the engine: today's code
         timer.iteration = state.iteration
         timer.profiling = state.iteration == config.train.iterations - 1
-        return original_iteration(config, runtime, inputs, models, state)
+        return original_iteration(config, runtime, inputs, models, state, *engine)
 
     trainer.run_iteration = counted
 

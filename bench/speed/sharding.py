@@ -72,12 +72,12 @@ class PeakOfSecondIteration:
         self.run_iteration, self.full_model_state = trainer.run_iteration, trainer.full_model_state
         trainer.run_iteration, trainer.full_model_state = self.iterate, self.gather
 
-    def iterate(self, config, runtime, inputs, models, state):
+    def iterate(self, config, runtime, inputs, models, state, *engine):
         if state.iteration == 1:
             Path("/proc/self/clear_refs").write_text("5")
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-        return self.run_iteration(config, runtime, inputs, models, state)
+        return self.run_iteration(config, runtime, inputs, models, state, *engine)
 
     def gather(self, models):
         self.iteration_gib = resident_gib("VmHWM")
