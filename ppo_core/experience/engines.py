@@ -130,8 +130,8 @@ def open_engine(
 
 
 def row_seeds(chunk_seed: int, rows: int) -> list[int]:
-    """One seed per row of a chunk sampled after ``torch.manual_seed(chunk_seed)``: the draws of
-    row ``i`` depend on ``chunk_seed`` and ``i`` only, so a chunk repeats on one machine."""
+    """One seed per row of a chunk, drawn from the chunk's seed: the draws of row ``i`` depend
+    on ``chunk_seed`` and ``i`` only, so a chunk repeats on one machine."""
     generator = torch.Generator().manual_seed(chunk_seed)
     return [int(s) for s in torch.randint(0, 2**31 - 1, (rows,), generator=generator)]
 
@@ -193,7 +193,6 @@ class VLLMEngine:
             )
         atexit.register(self.close)
         self._connection: Connection | None = None
-        self._stops: list[int] | None = None
         self.start_seconds = self._connect()
 
     # -- process ---------------------------------------------------------------------------
