@@ -153,20 +153,14 @@ def _positions(model) -> int:
 
 
 def _gap(model, batch) -> dict[str, float]:
-    """The engine's log-probabilities of its draws against the trainer's rescoring."""
-    from ppo_core.models.scoring import score_sequences
+    """The engine's log-probabilities of its draws against the trainer's rescoring (the
+    rollout's own scoring pass, ``score_in_chunks``)."""
+    from ppo_core.experience.sampling import score_in_chunks
+    from ppo_core.parallel.runtime import Runtime
     from ppo_core.training.rollout import sampler_gap
 
-    with torch.no_grad():
-        trainer = score_sequences(
-            model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.response_ids,
-            batch.response_mask,
-            temperature=1.0,
-        ).logprobs
-    gap = sampler_gap(batch.logprobs, trainer.float(), batch.response_mask)
+    trainer = score_in_chunks(model, batch, 1.0, Runtime(), len(batch.response_ids), False)
+    gap = sampler_gap(batch.logprobs, trainer.logprobs, batch.response_mask)
     return {name.removeprefix("rollout/"): value for name, value in gap.items()}
 
 
