@@ -102,6 +102,18 @@ def _check_python(generation: GenerationConfig) -> None:
         )
 
 
+def _memory_hint(error: str) -> str:
+    """What to change, in this project's keys, when vLLM reports too little KV-cache memory (its
+    own message names vLLM's arguments)."""
+    if "KV cache" not in error:
+        return ""
+    return (
+        " (this project's keys: generation.vllm_kv_cache_gib on a CPU, "
+        "generation.vllm_gpu_memory_utilization on a GPU, or a shorter "
+        "validation.max_tokens + generation.max_new_tokens)"
+    )
+
+
 @contextlib.contextmanager
 def open_engine(
     config: Config, runtime: Runtime, model_folder: str | Path
@@ -226,14 +238,15 @@ class VLLMEngine:
         except (EOFError, OSError):
             self._fail(self._died(f"died during {what}"))
         if "error" in answer:
-            self._fail(f"the vLLM engine failed: {answer['error']}")
+            report = answer["error"]
+            self._fail(f"the vLLM engine failed: {report}{_memory_hint(report)}", last_line=False)
         return answer["ok"]
 
-    def _fail(self, message: str) -> NoReturn:
-        """End the engine and raise ``message`` as one line, with the log's last line and the
-        log kept where the message says."""
+    def _fail(self, message: str, last_line: bool = True) -> NoReturn:
+        """End the engine and raise ``message`` as one line, with the log's last line (unless
+        the message is the engine's own report) and the log kept where the message says."""
         log = self._folder / "engine.log"
-        message = f"{message}{self._log_hint()}; its log: {log}"
+        message = f"{message}{self._log_hint() if last_line else ''}; its log: {log}"
         self.close(keep_log=True)
         raise EngineError(message)
 
@@ -249,7 +262,7 @@ class VLLMEngine:
     def _died(self, what: str) -> str:
         code = self._process.poll()
         how = f"exit code {code}" if code is not None else "still running"
-        return f"the vLLM engine {what} ({how}){self._log_hint()}"
+        return f"the vLLM engine {what} ({how})"
 
     def _log_hint(self) -> str:
         try:

@@ -153,8 +153,43 @@ def test_an_engine_that_cannot_start_is_one_line(tmp_path, tiny_model_dir, promp
     broken = tmp_path / "python"
     broken.write_text("#!/bin/sh\necho 'no vllm here' >&2\nexit 3\n")
     broken.chmod(0o755)
-    with pytest.raises(EngineError, match=r"died while starting \(exit code 3\).*no vllm here"):
+    with pytest.raises(
+        EngineError, match=r"died while starting \(exit code 3\).*no vllm here"
+    ) as raised:
         VLLMEngine(tiny_model_dir, _generation(broken), **arguments)
+    assert str(raised.value).count("no vllm here") == 1, raised.value  # the last line once
+
+
+def test_too_little_kv_cache_is_one_line_naming_the_keys(engine_python, tmp_path, tiny_model_dir):
+    """vLLM refuses at start a context longer than its KV cache holds; the error is one line
+    with vLLM's reason and this project's keys to change. The model is a rotary Llama (its
+    positions allow 2**21 tokens), whose KV cache at that length is 2 GiB against the 1 GiB of
+    ``generation.vllm_kv_cache_gib``'s default (measured: the start fails after about 20 s)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    folder = tmp_path / "long-context"
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,  # 32-wide heads: vLLM's CPU attention has kernels for those
+        num_key_value_heads=2,
+        max_position_embeddings=2**22,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    arguments = dict(seed=0, device=torch.device("cpu"), bf16=False, threads=1)
+    with pytest.raises(EngineError) as raised:
+        VLLMEngine(folder, _generation(engine_python), max_model_len=2**21, **arguments)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "KV cache is needed" in message, message
+    assert "its last line" not in message  # the engine's report is the reason, not the log's end
+    assert "generation.vllm_kv_cache_gib" in message and "generation.max_new_tokens" in message
 
 
 def test_a_ppo_run_on_the_engine_logs_the_gap_and_the_engine_ends_with_it(
