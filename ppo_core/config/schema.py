@@ -261,7 +261,8 @@ class GenerationConfig:
     """What samples the rollouts and the evaluation's replies: ``loop``, the pipeline's own
     sampling loop (the exact reference, ``ppo_core/models/sampling.py``); or ``vllm``, a vLLM
     engine in a process and environment of its own (``make setup-vllm`` builds ``.venv-vllm``),
-    started once per stage and given the policy's weights after every update
+    started once per stage (one per rank with ``parallel.strategy=ddp``; refused with ``fsdp``,
+    whose shards no engine can load) and given the policy's weights after every update
     (``ppo_core/experience/engines.py``; docs/design.md, "The vLLM engine")."""
     vllm_python: str = ".venv-vllm/bin/python"
     """The Python of the environment vLLM is installed in (``generation.engine=vllm``); a

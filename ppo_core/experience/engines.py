@@ -51,6 +51,7 @@ __all__ = [
     "EngineError",
     "VLLMEngine",
     "check_engine",
+    "engine_device_environment",
     "open_engine",
     "row_seeds",
 ]
@@ -74,7 +75,7 @@ class EngineError(RuntimeError):
 def check_engine(config: Config, runtime: Runtime) -> None:
     """Refuse, before a stage reads or writes anything, a ``generation.engine=vllm`` that cannot
     run: no engine environment at ``generation.vllm_python``, a temperature vLLM would not
-    sample at, several data-parallel ranks."""
+    sample at, sharded (FSDP) ranks. Each DDP rank starts an engine of its own."""
     if config.generation.engine != "vllm":
         return
     if config.generation.temperature < VLLM_MIN_TEMPERATURE:
@@ -85,10 +86,11 @@ def check_engine(config: Config, runtime: Runtime) -> None:
             f"uses would describe another distribution: use a temperature of at least "
             f"{VLLM_MIN_TEMPERATURE:g}, or generation.engine=loop"
         )
-    if runtime.parallel.world_size > 1:
+    if runtime.parallel.world_size > 1 and config.parallel.strategy == "fsdp":
         raise ConfigError(
-            f"generation.engine=vllm runs one engine for one process; this run has "
-            f"{runtime.parallel.world_size} data-parallel ranks: use generation.engine=loop"
+            "generation.engine=vllm gives each rank's engine the whole policy, which "
+            "parallel.strategy=fsdp holds in shards (a LoRA adapter unmerged): use "
+            "parallel.strategy=ddp (one engine per rank) or generation.engine=loop"
         )
     _check_python(config.generation)
 
@@ -139,6 +141,24 @@ def open_engine(
         threads=torch.get_num_threads(),
     ) as engine:
         yield engine
+
+
+def engine_device_environment(device: torch.device, env: dict[str, str]) -> dict[str, str]:
+    """The environment that puts a rank's engine on the rank's own GPU: ``CUDA_VISIBLE_DEVICES``
+    narrowed to ``device`` (counted among the GPUs ``env`` already makes visible, as torch
+    counts them), so that vLLM's ``cuda:0`` is the trainer's ``device``; nothing on a CPU."""
+    if device.type != "cuda":
+        return {}
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+    if not visible:
+        return {"CUDA_VISIBLE_DEVICES": str(index)}
+    if index >= len(visible):
+        raise EngineError(
+            f"generation.engine=vllm: device {device} is not among CUDA_VISIBLE_DEVICES="
+            f"{env['CUDA_VISIBLE_DEVICES']!r}"
+        )
+    return {"CUDA_VISIBLE_DEVICES": visible[index]}
 
 
 def row_seeds(chunk_seed: int, rows: int) -> list[int]:
@@ -193,6 +213,7 @@ class VLLMEngine:
             OMP_NUM_THREADS=str(threads),
             VLLM_LOGGING_LEVEL=env.get("VLLM_LOGGING_LEVEL", "WARNING"),
             TOKENIZERS_PARALLELISM="false",
+            **engine_device_environment(device, env),
         )
         env.pop("PYTHONPATH", None)  # the engine's environment, not the project's
         with open(self._folder / "engine.log", "wb") as log:  # the child keeps its own copy
