@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # GPU checks: generation and PPO-update tokens/s and MFU in bf16 on the tiny default
 # config and a ~100M-parameter GPT-2 config, one PPO iteration's memory and time with LoRA, and
-# DDP against FSDP per-rank memory on machines with 2 or more GPUs.
+# DDP against FSDP per-rank memory on machines with 2 or more GPUs, and the vLLM engine against
+# the sampling loop where vllm is installed.
 # Needs a CUDA build of torch in .venv (make setup TORCH_SPEC=torch on a CUDA machine). Writes
-# bench/results/gpu_throughput*.json and bench/results/memory_scaling_gpu.json.
+# bench/results/gpu_throughput*.json, bench/results/memory_scaling_gpu.json and
+# bench/results/engine_gpu_*.json.
 #
 #   bash bench/gpu/gpu.sh [options of the first gpu_throughput.py run]
 #   bash bench/gpu/gpu.sh --smoke [--device cpu]
@@ -40,6 +42,21 @@ fi
 # (random weights; GPU peak = torch.cuda.max_memory_allocated)
 "$PY" -m bench.speed.memory_scaling --device "$DEVICE" --precision bf16 --sizes 350M \
     --out bench/results/memory_scaling_gpu.json "${SMOKE[@]}"
+# The vLLM engine against the sampling loop (tokens/s) at the recipe's 32 rows and at 128, 64 new
+# tokens, random weights of SmolLM2-135M's and GPT-2 small's shapes (the GGUF file is not on a
+# lent GPU); needs a Python that imports vllm: VLLM_PY, by default $PY on CUDA (an environment
+# with `pip install vllm`) and .venv-vllm's on a CPU
+if [ "$DEVICE" = cuda ]; then ENGINE_PRECISION=bf16; else ENGINE_PRECISION=fp32; fi
+VLLM_PY=$(command -v "${VLLM_PY:-$([ "$DEVICE" = cuda ] && echo "$PY" || echo .venv-vllm/bin/python)}" || true)
+if [ -n "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm" 2>/dev/null; then
+    for SHAPE in smollm2 gpt2-124m; do
+        "$PY" -m bench.speed.engine --device "$DEVICE" --precision "$ENGINE_PRECISION" \
+            --shape "$SHAPE" --rows 32 128 --vllm-python "$VLLM_PY" \
+            --out "bench/results/engine_gpu_$SHAPE.json" "${SMOKE[@]}"
+    done
+else
+    echo "bench/speed/engine.py skipped: no Python that imports vllm (set VLLM_PY)"
+fi
 # DDP against FSDP (bf16 mixed precision, NCCL), one rank per GPU: needs 2 or more GPUs
 if [ "$DEVICE" = cuda ]; then
     GPUS=$("$PY" -c "import torch; print(torch.cuda.device_count())")

@@ -9,8 +9,15 @@ The engine's log-probabilities of its draws are compared with the trainer's resc
 (the gap every iteration logs). Tokens per second count the tokens each side sampled (the draws
 differ, so do the lengths). Writes ``bench/results/engine.json``.
 
+``--shape smollm2`` or ``gpt2-124m`` samples from random weights of that shape instead (a machine
+without the GGUF file, such as a lent GPU: ``bench/gpu/gpu.sh`` runs it there), with the tiny
+default's tokenizer and plain prompts; random weights rarely end a row, so both sides sample
+nearly every token.
+
     .venv/bin/python -m bench.speed.engine                 # SmolLM2-135M-Instruct (GGUF import)
     .venv/bin/python -m bench.speed.engine --rows 16 32 --precision bf16
+    .venv/bin/python -m bench.speed.engine --device cuda --precision bf16 --shape smollm2 \
+        --rows 32 128 --vllm-python python3               # on a GPU, vLLM in python3's env
     .venv/bin/python -m bench.speed.engine --smoke         # the tiny default, 2 rows
 """
 
@@ -33,6 +40,10 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", help="a model folder (default: SmolLM2 imported from GGUF)")
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), help="random weights of this shape instead of a model"
+    )
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (the engine on the same GPU)")
     parser.add_argument("--rows", type=int, nargs="+", default=[16, 32])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
@@ -47,6 +58,9 @@ def main() -> None:
         if args.smoke:
             args.rows, args.new_tokens, args.repeats = [2], 4, 1
             args.out = common.output_folder("engine") / "engine.json"
+        if args.shape:  # at --smoke, one block of the shape
+            folder = random_model(Path(tmp) / args.shape, args.shape, one_block=args.smoke)
+        elif args.smoke:
             folder = _tiny(Path(tmp) / "tiny")
         else:
             from bench.speed.lora_sampling import import_smollm2
@@ -64,7 +78,9 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
     from ppo_core.models.policy import load_causal_lm
 
     bf16 = args.precision == "bf16"
-    model = load_causal_lm(folder, dtype=torch.bfloat16 if bf16 else torch.float32).eval()
+    device = torch.device(args.device)
+    model = load_causal_lm(folder, dtype=torch.bfloat16 if bf16 else torch.float32)
+    model = model.to(device).eval()
     tokenizer = load_tokenizer(folder)
     generation = load_config(
         overrides=[
@@ -79,7 +95,7 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
         generation,
         max_model_len=min(512, _positions(model)),
         seed=0,
-        device=torch.device("cpu"),
+        device=device,
         bf16=bf16,
         threads=args.threads,
     )
@@ -93,25 +109,26 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
         result["weight_load_s"] = statistics.median(loads)
         for rows in args.rows:
             chats = common.chat_prompts(rows)
-            prompts = [
-                row["messages"][0]["content"] if args.smoke else row["messages"] for row in chats
-            ]
+            plain = args.smoke or args.shape  # no chat template
+            prompts = [row["messages"][0]["content"] if plain else row["messages"] for row in chats]
 
             def loop(seed: int, prompts=prompts):
                 torch.manual_seed(seed)
                 return generate_responses(
-                    model, tokenizer, prompts, args.new_tokens, temperature=1.0
+                    model, tokenizer, prompts, args.new_tokens, temperature=1.0, device=device
                 )
 
             def vllm(seed: int, prompts=prompts):
-                return engine.sample(model, tokenizer, prompts, len(prompts), [seed])
+                return engine.sample(model, tokenizer, prompts, len(prompts), [seed], device)
 
             sides = {"loop": loop, "vllm": vllm}
             rates: dict[str, list[float]] = {name: [] for name in sides}
             for repeat in range(args.repeats + 1):
                 for name, side in sides.items():
+                    _synchronize(device)
                     started = time.perf_counter()
                     batch = side(repeat)
+                    _synchronize(device)
                     seconds = time.perf_counter() - started
                     if repeat:  # the first round warms up
                         rates[name].append(float(batch.response_mask.sum()) / seconds)
@@ -121,11 +138,70 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
             row.update(_gap(model, vllm(0)))
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
-    result.update(precision=args.precision, threads=args.threads, machine=common.machine())
+    result.update(
+        model=args.shape or args.model or "smollm2-gguf",
+        device=str(device),
+        gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
+        precision=args.precision,
+        threads=args.threads,
+        machine=common.machine(),
+    )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     print(f"results in {args.out}")
+
+
+SHAPES = {
+    "smollm2": (
+        "llama",
+        dict(
+            hidden_size=576,
+            intermediate_size=1536,
+            num_hidden_layers=30,
+            num_attention_heads=9,
+            num_key_value_heads=3,
+            vocab_size=49152,
+            max_position_embeddings=2048,
+            rope_theta=100000.0,
+            tie_word_embeddings=True,
+        ),
+    ),
+    "gpt2-124m": (
+        "gpt2",
+        dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024),
+    ),
+}
+"""Random-weight shapes: SmolLM2-135M's (Llama, 30 blocks of 576, tied) and GPT-2 small's."""
+
+
+def random_model(folder: Path, shape: str, one_block: bool = False) -> Path:
+    """A model folder of ``shape`` (:data:`SHAPES`) with random weights (seed 0) and the tiny
+    default's tokenizer, its special ids set; ``one_block``: a single block, for a smoke run."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from ppo_core.base_sources.review_grammar import generate_review_corpus
+    from ppo_core.base_sources.tiny_default import train_tokenizer
+
+    family, sizes = SHAPES[shape]
+    tokenizer = train_tokenizer(generate_review_corpus(500, seed=0))
+    blocks = {"n_layer" if family == "gpt2" else "num_hidden_layers": 1} if one_block else {}
+    config = AutoConfig.for_model(
+        family,
+        **{**sizes, **blocks},
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _tiny(folder: Path) -> Path:
@@ -159,7 +235,8 @@ def _gap(model, batch) -> dict[str, float]:
     from ppo_core.parallel.runtime import Runtime
     from ppo_core.training.rollout import sampler_gap
 
-    trainer = score_in_chunks(model, batch, 1.0, Runtime(), len(batch.response_ids), False)
+    runtime = Runtime(device=batch.response_ids.device)
+    trainer = score_in_chunks(model, batch, 1.0, runtime, len(batch.response_ids), False)
     gap = sampler_gap(batch.logprobs, trainer.logprobs, batch.response_mask)
     return {name.removeprefix("rollout/"): value for name, value in gap.items()}
 
