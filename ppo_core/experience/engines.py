@@ -225,6 +225,7 @@ class VLLMEngine:
                 stderr=subprocess.STDOUT,
             )
         atexit.register(self.close)
+        self._log_kept = False
         self._connection: Connection | None = None
         self.start_seconds = self._connect()
 
@@ -299,7 +300,8 @@ class VLLMEngine:
 
     def close(self, keep_log: bool = False) -> None:
         """End the engine process (politely, then by force) and remove its files (the log
-        too unless ``keep_log``)."""
+        too unless ``keep_log``, or an earlier close kept it: an error message names it)."""
+        keep_log = self._log_kept = keep_log or self._log_kept
         if self._connection is not None:
             with contextlib.suppress(OSError):
                 self._connection.send({"op": "stop"})

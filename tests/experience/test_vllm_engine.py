@@ -123,11 +123,21 @@ def test_the_engine_samples_the_loops_tokens_with_the_policys_weights(
         assert gap["rollout/sampler_gap_max"] < 1e-4
         assert abs(gap["rollout/sampler_kl"]) < 1e-8
 
+        # more prompt tokens than one step computes (400 rows of 40): vLLM would cut a prompt
+        # over two steps and rewind its row's seeded generator, which fails on a CPU ("CPU
+        # Generator does not use offset") unless every prompt is computed whole
+        long_prompt = " ".join(["The film was good and"] * 8)
+        assert len(tokenizer(long_prompt)["input_ids"]) >= 40
+        many = engine.sample(model, tokenizer, [long_prompt] * 400, 32, list(range(13)))
+        assert many.response_ids.shape[0] == 400
+
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineError, match=r"died") as failure:
             engine.sample(model, tokenizer, PROMPTS, 4, [7, 8])
         assert "\n" not in str(failure.value)
     assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
+    log = Path(str(failure.value).rpartition("its log: ")[2])
+    assert log.is_file(), f"the log the error names is gone: {log}"  # kept past the with block
 
 
 def test_an_engine_that_cannot_start_is_one_line(tmp_path, tiny_model_dir, prompt_files):
