@@ -121,25 +121,14 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
             def vllm(seed: int, prompts=prompts):
                 return engine.sample(model, tokenizer, prompts, len(prompts), [seed], device)
 
-            sides = {"loop": loop, "vllm": vllm}
-            rates: dict[str, list[float]] = {name: [] for name in sides}
-            for repeat in range(args.repeats + 1):
-                for name, side in sides.items():
-                    _synchronize(device)
-                    started = time.perf_counter()
-                    batch = side(repeat)
-                    _synchronize(device)
-                    seconds = time.perf_counter() - started
-                    if repeat:  # the first round warms up
-                        rates[name].append(float(batch.response_mask.sum()) / seconds)
             row = {"rows": rows, "new_tokens": args.new_tokens}
-            row.update({f"tokens_per_s_{n}": statistics.median(r) for n, r in rates.items()})
+            row.update(_tokens_per_s({"loop": loop, "vllm": vllm}, args.repeats, device))
             row["vllm_over_loop"] = row["tokens_per_s_vllm"] / row["tokens_per_s_loop"]
             row.update(_gap(model, vllm(0)))
             result["rows"].append(row)
             print(json.dumps(row), flush=True)
     result.update(
-        model=args.shape or args.model or "smollm2-gguf",
+        model=args.shape or args.model or ("tiny" if args.smoke else "smollm2-gguf"),
         device=str(device),
         gpu=torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         precision=args.precision,
@@ -197,6 +186,22 @@ def random_model(folder: Path, shape: str, one_block: bool = False) -> Path:
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def _tokens_per_s(sides: dict, repeats: int, device: torch.device) -> dict[str, float]:
+    """Each side's sampled tokens per second, the median of ``repeats`` calls after a warm-up
+    round, the sides interleaved (``side(seed)`` returns a ``GeneratedBatch``)."""
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    for repeat in range(repeats + 1):
+        for name, side in sides.items():
+            _synchronize(device)
+            started = time.perf_counter()
+            batch = side(repeat)
+            _synchronize(device)
+            seconds = time.perf_counter() - started
+            if repeat:  # the first round warms up
+                rates[name].append(float(batch.response_mask.sum()) / seconds)
+    return {f"tokens_per_s_{name}": statistics.median(r) for name, r in rates.items()}
 
 
 def _synchronize(device: torch.device) -> None:
