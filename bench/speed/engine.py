@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from bench.gpu.gpu_throughput import CONFIGS as GPT2_CONFIGS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -156,10 +158,7 @@ SHAPES = {
             tie_word_embeddings=True,
         ),
     ),
-    "gpt2-124m": (
-        "gpt2",
-        dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257, n_positions=1024),
-    ),
+    "gpt2-124m": ("gpt2", GPT2_CONFIGS["gpt2-100m"]),
 }
 """Random-weight shapes: SmolLM2-135M's (Llama, 30 blocks of 576, tied) and GPT-2 small's."""
 

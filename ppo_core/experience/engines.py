@@ -224,8 +224,8 @@ class VLLMEngine:
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
+        self._closed = False
         atexit.register(self.close)
-        self._log_kept = False
         self._connection: Connection | None = None
         self.start_seconds = self._connect()
 
@@ -300,8 +300,11 @@ class VLLMEngine:
 
     def close(self, keep_log: bool = False) -> None:
         """End the engine process (politely, then by force) and remove its files (the log
-        too unless ``keep_log``, or an earlier close kept it: an error message names it)."""
-        keep_log = self._log_kept = keep_log or self._log_kept
+        too unless ``keep_log``). Only the first call does anything: a later one (the ``with``
+        block's, after an error) leaves the log an error message names."""
+        if self._closed:
+            return
+        self._closed = True
         if self._connection is not None:
             with contextlib.suppress(OSError):
                 self._connection.send({"op": "stop"})

@@ -60,7 +60,7 @@ def _engine(settings: dict):
         enable_prefix_caching=False,
         # every prompt computed in one step: a prompt cut over two steps makes vLLM rewind the
         # row's seeded generator, which a CPU generator cannot ("CPU Generator does not use
-        # offset": the recipe's evaluation, 128 chats; a test's 400 rows of 50 tokens)
+        # offset": the recipe's evaluation, 128 chats; a test's 400 rows of 40 tokens)
         enable_chunked_prefill=False,
         max_num_batched_tokens=max(settings["max_model_len"], 8192),
         logprobs_mode=settings["logprobs_mode"],

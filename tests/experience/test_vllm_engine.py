@@ -294,10 +294,10 @@ def test_each_ddp_rank_samples_with_an_engine_of_its_own(
     assert not _engines()
 
 
-def _engines() -> list[psutil.Process]:
-    """The engine processes among this process's descendants."""
+def _engines(root: psutil.Process | None = None) -> list[psutil.Process]:
+    """The engine processes among the descendants of ``root`` (this process by default)."""
     found = []
-    for child in psutil.Process().children(recursive=True):
+    for child in (root or psutil.Process()).children(recursive=True):
         try:
             if "vllm_worker.py" in " ".join(child.cmdline()):
                 found.append(child)
@@ -348,11 +348,8 @@ def _wait_for_engine(stage: subprocess.Popen, seconds: float) -> psutil.Process:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         assert stage.poll() is None, "the stage ended before its engine started"
-        for child in psutil.Process(stage.pid).children(recursive=True):
-            try:
-                if "vllm_worker.py" in " ".join(child.cmdline()):
-                    return child
-            except psutil.NoSuchProcess:
-                continue
+        engines = _engines(psutil.Process(stage.pid))
+        if engines:
+            return engines[0]
         time.sleep(0.5)
     raise AssertionError(json.dumps({"no engine after": seconds}))
