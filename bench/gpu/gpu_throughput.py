@@ -124,14 +124,14 @@ def measure_sampling_loop(model, prompts, mask, args, device) -> dict[str, float
     for step in range(args.steps + 1):
         synchronize(device)
         start = time.perf_counter()
-        response, _ = sample_tokens(
+        response = sample_tokens(
             model.policy,
             prompts,
             mask,
             max_new_tokens=args.response_length,
             stop_ids=[2],
             pad_token_id=0,
-        )
+        ).response_ids
         synchronize(device)
         if step:
             times.append(time.perf_counter() - start)

@@ -4,7 +4,9 @@ Both sides run in the same invocation, on the same machine, one after the other,
 work: the same GPT-2 config (random weights saved once to a folder both sides load), the same
 tokenizer and prompts, the same sequence-classification reward model, a separate full value model
 (TRL requires one; here ``model.critic=separate``), a frozen reference, the same rollout batch,
-mini-batch, micro-batch, PPO epochs and response length, fp32 and the same thread count.
+mini-batch, micro-batch, PPO epochs and response length, fp32 and the same thread count. Both
+take the old log-probabilities from the sampling (TRL from its generation's logits; ours with
+``ppo.old_logprobs=sampling``, whose loop also gives a shared value head's values).
 
 The work per iteration is counted as ``batch x response_length`` generated positions on both
 sides (random weights rarely emit EOS, so both sides generate the full length). Each run does
@@ -177,6 +179,8 @@ def run_ours(
         "ppo.max_grad_norm=null",
         "ppo.vf_coef=0.1",
         "ppo.loss_agg_mode=token-mean",
+        # TRL takes the old log-probabilities from its generation's logits: so does ours
+        "ppo.old_logprobs=sampling",
         f"generation.max_new_tokens={args.response_length}",
         f"kl.coef={args.kl_coef}",
         f"optim.lr={args.lr}",

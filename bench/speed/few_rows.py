@@ -110,7 +110,7 @@ def measure(args: argparse.Namespace, model) -> None:
                 sample(model, ids, args.new_tokens, layouts, repeat)
                 if repeat:  # the first round warms up
                     times[layouts].append(time.perf_counter() - started)
-        (plain_ids, plain_lp), (ids_on, lp_on) = (
+        (plain_ids, plain_lp, _), (ids_on, lp_on, _) = (
             sample(model, ids, args.new_tokens, layouts, 0) for layouts in (False, True)
         )
         tokens = rows * args.new_tokens

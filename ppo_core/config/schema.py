@@ -136,11 +136,12 @@ class PPOConfig:
     measured 2.4e-6 in a logprob on the tiny default)."""
     old_logprobs: Choice[OldLogprobs] = "rescore"
     """Where the rollout's old log-probabilities come from: ``rescore``, a forward pass of the
-    policy over the sampled responses; or ``sampling``, kept by the sampling loop as it draws
-    each token, which saves that pass when there is no critic (a critic's values still need it).
+    policy over the sampled responses; or ``sampling``, kept by the sampler as it draws each
+    token, which saves that pass unless a separate critic (``model.critic=separate``) or the
+    vLLM engine leaves the values to it: the loop applies a shared value head as it samples.
     The two differ by float rounding, the step-by-step cached forward against the whole-sequence
-    one (measured: 2.1e-5 at most on SmolLM2-135M, 4.8e-6 on the tiny default), and with LoRA
-    the merged weights sampling runs on; docs/training.md, "Speed"."""
+    one (measured: 2.1e-5 at most on SmolLM2-135M, 4.8e-6 on the tiny default; values 1.9e-6),
+    and with LoRA the merged weights sampling runs on; docs/training.md, "Speed"."""
     tis_cap: float | None = bounded(None, ge=1)
     """Truncated importance sampling of the sampler's draws: each token's policy loss weighted
     by ``min(pi_old / pi_sampler, tis_cap)``, the trainer's rescored probability of the token

@@ -52,6 +52,7 @@ def sample_responses(
     chunk_size: int,
     chunk_seeds: Sequence[int] | None = None,
     engine: VLLMEngine | None = None,
+    value_head: torch.nn.Module | None = None,
 ) -> GeneratedBatch:
     """One sampled response per prompt, ``chunk_size`` prompts per ``generate`` call.
 
@@ -59,6 +60,7 @@ def sample_responses(
     seed per chunk), so a chunk's responses do not depend on which process samples it; without
     them the global generator runs on from chunk to chunk. With an ``engine``
     (``generation.engine=vllm``) the engine samples them, given ``policy``'s weights first.
+    With ``value_head`` (the loop only) the loop also gives each state's value.
     """
     if engine is not None:
         return engine.sample(policy, tokenizer, prompts, chunk_size, chunk_seeds, runtime.device)
@@ -84,6 +86,7 @@ def sample_responses(
                     top_p=generation.top_p,
                     device=runtime.device,
                     few_row_layouts=generation.few_row_layouts,
+                    value_head=value_head,
                 )
             )
     return concat_generated(pieces, tokenizer.pad_token_id)

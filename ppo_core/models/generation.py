@@ -56,6 +56,7 @@ class GeneratedBatch:
     response_mask: Tensor  # [B, T] True on real response tokens, the first EOS included
     has_eos: Tensor  # [B] whether the response ended with EOS before max_new_tokens
     logprobs: Tensor | None = None  # [B, T] each token's, under softmax(logits / temperature)
+    values: Tensor | None = None  # [B, T] the value head's, of the state before each token
 
 
 class ChatTemplateError(ModelFolderError):
@@ -283,11 +284,13 @@ def generate_responses(
     top_p: float = 1.0,
     device: torch.device | str = "cpu",
     few_row_layouts: bool = False,
+    value_head: torch.nn.Module | None = None,
 ) -> GeneratedBatch:
     """Sample one response per prompt with the causal LM ``model`` (eval mode, KV cache), by
     :func:`ppo_core.models.sampling.sample_tokens`: the distribution ``generate`` would sample
     with :func:`sampling_config`, the model's own generation settings left out, and each
-    token's log-probability kept (``few_row_layouts``: ``generation.few_row_layouts``)."""
+    token's log-probability kept (``few_row_layouts``: ``generation.few_row_layouts``); with
+    ``value_head`` (on ``model``'s last hidden state) each state's value too."""
     from ppo_core.models.few_rows import few_row_products
     from ppo_core.models.sampling import sample_tokens
 
@@ -295,7 +298,7 @@ def generate_responses(
     stops = stop_token_ids(model, tokenizer)
     layouts = few_row_products(model) if few_row_layouts else contextlib.nullcontext()
     with layouts:
-        response_ids, logprobs = sample_tokens(
+        sampled = sample_tokens(
             model,
             prompt_ids,
             prompt_mask,
@@ -305,9 +308,18 @@ def generate_responses(
             temperature=temperature,
             top_k=top_k,
             top_p=top_p,
+            value_head=value_head,
         )
-    response_mask, has_eos = response_mask_from_ids(response_ids, stops)
-    return GeneratedBatch(prompt_ids, prompt_mask, response_ids, response_mask, has_eos, logprobs)
+    response_mask, has_eos = response_mask_from_ids(sampled.response_ids, stops)
+    return GeneratedBatch(
+        prompt_ids,
+        prompt_mask,
+        sampled.response_ids,
+        response_mask,
+        has_eos,
+        sampled.logprobs,
+        sampled.values,
+    )
 
 
 def decode_responses(tokenizer, response_ids: Tensor, response_mask: Tensor) -> list[str]:
@@ -343,7 +355,15 @@ def concat_generated(batches: list[GeneratedBatch], pad_token_id: int) -> Genera
         ),
         response_mask=torch.cat([right(b.response_mask, response_len, False) for b in batches]),
         has_eos=torch.cat([b.has_eos for b in batches]),
-        logprobs=None
-        if any(b.logprobs is None for b in batches)
-        else torch.cat([right(cast(Tensor, b.logprobs), response_len, 0.0) for b in batches]),
+        logprobs=_joined([b.logprobs for b in batches], response_len),
+        values=_joined([b.values for b in batches], response_len),
     )
+
+
+def _joined(pieces: list[Tensor | None], width: int) -> Tensor | None:
+    """Per-token ``[B_i, T_i]`` pieces padded with 0.0 to ``width`` and stacked; None when any
+    piece is missing."""
+    if any(piece is None for piece in pieces):
+        return None
+    whole = cast("list[Tensor]", pieces)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in whole])

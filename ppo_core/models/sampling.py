@@ -16,7 +16,11 @@ number per vocabulary entry. Here
   depend on when the other rows end, nor on when they were dropped;
 - the log-probability of each sampled token under ``softmax(logits / temperature)`` (before
   top-k and top-p, as the scoring pass computes it) comes out with the tokens, so the rollout
-  can take the old log-probabilities from sampling (``ppo.old_logprobs``).
+  can take the old log-probabilities from sampling (``ppo.old_logprobs``);
+- given the policy's value head, the value of the state before each sampled token comes out
+  too: the head applied to the hidden state the output layer reads at that position (captured
+  by a pre-hook on it), the state the scoring pass gives the head. With both, a rollout on a
+  shared critic needs no scoring pass of the policy at all.
 
 The distribution is the one ``generate`` samples with the same settings: ``logits /
 temperature``, then transformers' own top-k and top-p warpers, then the softmax.
@@ -24,9 +28,10 @@ temperature``, then transformers' own top-k and top-p warpers, then the softmax.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor, nn
@@ -41,6 +46,7 @@ from ppo_core.models.causal_lm import (
 __all__ = [
     "KVCacheTooLargeError",
     "NonFiniteSamplingError",
+    "Sampled",
     "draw_from",
     "kv_cache_bytes",
     "preallocated_cache",
@@ -56,6 +62,19 @@ class KVCacheTooLargeError(MemoryError):
 class NonFiniteSamplingError(FloatingPointError):
     """A step's distribution held a NaN or an infinite probability: sampling stops there, since
     the draw would return some token (the last of the vocabulary) as if it had been sampled."""
+
+
+class Sampled(NamedTuple):
+    """What :func:`sample_tokens` returns, each ``[B, T]``, ``T`` the longest response."""
+
+    response_ids: Tensor
+    """The tokens, with the pad id after a row's end."""
+    logprobs: Tensor
+    """Each token's log-probability under ``softmax(logits / temperature)``; 0.0 after the end,
+    float32."""
+    values: Tensor | None
+    """With a value head, the value of the state before each token (0.0 after the end,
+    float32); else None."""
 
 
 COMPACT_FRACTION = 0.25
@@ -226,7 +245,8 @@ def sample_tokens(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-) -> tuple[Tensor, Tensor]:
+    value_head: nn.Module | None = None,
+) -> Sampled:
     """Sample up to ``max_new_tokens`` tokens after each left-padded prompt.
 
     Args:
@@ -234,31 +254,96 @@ def sample_tokens(
             transformers does); eval mode.
         prompt_ids, prompt_mask: ``[B, P]``, left-padded.
         stop_ids: a row ends at the first of these (included in its response).
+        value_head: ``[H] -> [1]``, the head on ``model``'s last hidden state
+            (:class:`~ppo_core.models.policy.ActorCritic`'s shared one): values come out too.
 
     Returns:
-        ``(response_ids [B, T], logprobs [B, T])``, ``T`` the longest response: the tokens, with
-        ``pad_token_id`` after a row's end, and each token's log-probability under
-        ``softmax(logits / temperature)`` (0.0 after the end), float32.
+        :class:`Sampled`: tokens, their log-probabilities, and values with ``value_head``.
     """
     batch, prompt_length = prompt_ids.shape
-    device = prompt_ids.device
-    stops = torch.as_tensor(list(stop_ids), device=device)
-    warpers = _warpers(temperature, top_k, top_p)
-    _check_cache_fits(model, batch, prompt_length + max_new_tokens, device)
+    _check_cache_fits(model, batch, prompt_length + max_new_tokens, prompt_ids.device)
     cache = preallocated_cache(_num_layers(model), prompt_length + max_new_tokens)
-    with_cache = {_cache_keyword(model): cache, "use_cache": True}
     attention = prompt_mask.long()
     positions = position_ids_from_mask(attention)
-    logits = model(
-        input_ids=prompt_ids,
-        attention_mask=attention,
-        position_ids=positions,
-        **with_cache,
-        **logits_to_keep_kwargs(model, 1),
-    ).logits[:, -1]
-    next_position = positions[:, -1] + 1
+    with _CachedForward(model, cache, value_head) as forward:
+        first = forward(prompt_ids, attention, positions, **logits_to_keep_kwargs(model, 1))
+        return _draw_responses(
+            forward,
+            first,
+            attention,
+            positions[:, -1] + 1,
+            max_new_tokens=max_new_tokens,
+            stops=torch.as_tensor(list(stop_ids), device=prompt_ids.device),
+            pad_token_id=pad_token_id,
+            temperature=temperature,
+            warpers=_warpers(temperature, top_k, top_p),
+        )
+
+
+class _CachedForward(contextlib.AbstractContextManager):
+    """One step of the model on the cache: ``(logits of the last position [B, V], the values
+    there [B] or None)``. With a value head, a pre-hook on the output layer keeps the hidden
+    state it reads (only the kept positions: one a row), so nothing of the trunk runs twice."""
+
+    def __init__(self, model: nn.Module, cache, value_head: nn.Module | None) -> None:
+        self.model, self.cache, self.value_head = model, cache, value_head
+        self.cache_kwargs = {_cache_keyword(model): cache, "use_cache": True}
+        self.hidden: Tensor | None = None
+        self.hook = None
+        if value_head is not None:
+            output_layer = cast("Any", unwrap_model(model)).get_output_embeddings()
+            if not isinstance(output_layer, nn.Module):
+                raise ValueError(
+                    f"{type(unwrap_model(model)).__name__} has no output layer to read its "
+                    "last hidden state at"
+                )
+            self.hook = output_layer.register_forward_pre_hook(self._keep)
+
+    def _keep(self, module: nn.Module, args: tuple) -> None:
+        self.hidden = args[0]
+
+    def __call__(
+        self, input_ids: Tensor, attention: Tensor, positions: Tensor, **kwargs
+    ) -> tuple[Tensor, Tensor | None]:
+        logits = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            **self.cache_kwargs,
+            **kwargs,
+        ).logits[:, -1]
+        if self.value_head is None or self.hidden is None:
+            return logits, None
+        weight_dtype = next(self.value_head.parameters()).dtype
+        values = self.value_head(self.hidden[:, -1].to(weight_dtype))[..., 0].float()
+        self.hidden = None
+        return logits, values
+
+    def __exit__(self, *exc) -> None:
+        if self.hook is not None:
+            self.hook.remove()
+
+
+def _draw_responses(
+    forward: _CachedForward,
+    first: tuple[Tensor, Tensor | None],
+    attention: Tensor,
+    next_position: Tensor,
+    *,
+    max_new_tokens: int,
+    stops: Tensor,
+    pad_token_id: int,
+    temperature: float,
+    warpers: list,
+) -> Sampled:
+    """The loop of :func:`sample_tokens` from the prompts' step ``first``: a token a step for
+    every unended row, ended rows dropped from the batch and the cache by
+    :data:`COMPACT_FRACTION`."""
+    logits, value = first
+    batch, device = len(logits), logits.device
     tokens = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
     logprobs = torch.zeros((batch, max_new_tokens), dtype=torch.float32, device=device)
+    values = None if value is None else torch.zeros_like(logprobs)
     rows = torch.arange(batch, device=device)  # the batch row of each row still computed
     running = torch.ones(batch, dtype=torch.bool, device=device)  # of those, the unended
     steps = 0
@@ -268,6 +353,8 @@ def sample_tokens(
         live = rows[running]
         tokens[live, step] = token[running]
         logprobs[live, step] = token_logprob[running]
+        if values is not None and value is not None:
+            values[live, step] = value[running]
         steps = step + 1
         running &= ~torch.isin(token, stops)
         ended = int((~running).sum())
@@ -275,18 +362,15 @@ def sample_tokens(
             break
         if ended >= COMPACT_FRACTION * len(rows):
             keep = running.nonzero().squeeze(-1)
-            cache.keep_rows(keep)
+            forward.cache.keep_rows(keep)
             rows, token, attention = rows[keep], token[keep], attention[keep]
             next_position, running = next_position[keep], running[keep]
         attention = torch.cat([attention, attention.new_ones(len(rows), 1)], dim=1)
-        logits = model(
-            input_ids=token.unsqueeze(-1),
-            attention_mask=attention,
-            position_ids=next_position.unsqueeze(-1),
-            **with_cache,
-        ).logits[:, -1]
+        logits, value = forward(token.unsqueeze(-1), attention, next_position.unsqueeze(-1))
         next_position = next_position + 1
-    return tokens[:, :steps], logprobs[:, :steps]
+    return Sampled(
+        tokens[:, :steps], logprobs[:, :steps], None if values is None else values[:, :steps]
+    )
 
 
 def _draw_next(

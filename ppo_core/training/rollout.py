@@ -81,6 +81,7 @@ def collect_rollout(
             chunk_size=ppo.generation_batch_size or len(prompts),
             chunk_seeds=chunk_seeds,
             engine=engine,
+            value_head=_value_head_for_sampling(actor_critic, ppo, engine),
         )
     with watch.step("score"):
         policy_scored, reference_scored = _score_with_both(
@@ -148,6 +149,18 @@ def _sampler_metrics(
     return metrics
 
 
+def _value_head_for_sampling(
+    actor_critic: ActorCritic, ppo: PPOConfig, engine: VLLMEngine | None
+) -> torch.nn.Module | None:
+    """The value head the sampling loop applies as it samples, so that with
+    ``ppo.old_logprobs=sampling`` the policy needs no scoring pass: the shared one (on the
+    policy's trunk) under the loop; None for a separate critic (a trunk the loop does not run),
+    the critic-free estimators and the vLLM engine (which gives no hidden states)."""
+    if ppo.old_logprobs != "sampling" or engine is not None or actor_critic.critic is not None:
+        return None
+    return actor_critic.value_head
+
+
 def _score_with_both(
     actor_critic: ActorCritic,
     reference: torch.nn.Module,
@@ -159,11 +172,12 @@ def _score_with_both(
     """The sampled responses scored by the policy (log-probabilities, values when it has a
     critic) and by the reference, in gradient-free passes of ``ppo.scoring_batch_size`` rows
     (``ppo.micro_batch_size`` when unset). With ``ppo.old_logprobs=sampling`` the policy's
-    log-probabilities are those the sampling loop kept, and its pass runs only for a critic."""
+    log-probabilities are those the sampler kept, and its pass runs only for a critic whose
+    values the sampling loop did not give (:func:`_value_head_for_sampling`)."""
     size = ppo.scoring_batch_size or ppo.micro_batch_size
     sampled = generated.logprobs if ppo.old_logprobs == "sampling" else None
-    if sampled is not None and not actor_critic.has_critic:
-        policy_scored = ScoredBatch(logprobs=sampled, values=None, entropy=None)
+    if sampled is not None and (not actor_critic.has_critic or generated.values is not None):
+        policy_scored = ScoredBatch(logprobs=sampled, values=generated.values, entropy=None)
     else:
         policy_scored = score_in_chunks(
             actor_critic, generated, temperature, runtime, size, actor_critic.has_critic

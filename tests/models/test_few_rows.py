@@ -125,7 +125,7 @@ def test_sampling_draws_the_same_tokens_in_either_layout(layouts):
                 )
             )
         assert measured  # the loop's products went through the table
-    (ids, logprobs), (plain_ids, plain_logprobs) = runs
+    (ids, logprobs, _), (plain_ids, plain_logprobs, _) = runs
     assert torch.equal(ids, plain_ids)
     difference = float((logprobs - plain_logprobs).abs().max())
     assert 0 < difference <= 2e-5, difference
