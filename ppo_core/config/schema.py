@@ -137,8 +137,9 @@ class PPOConfig:
     old_logprobs: Choice[OldLogprobs] = "rescore"
     """Where the rollout's old log-probabilities come from: ``rescore``, a forward pass of the
     policy over the sampled responses; or ``sampling``, kept by the sampler as it draws each
-    token, which saves that pass unless a separate critic (``model.critic=separate``) or the
-    vLLM engine leaves the values to it: the loop applies a shared value head as it samples.
+    token, which saves that pass: the loop applies a shared value head as it samples, and a
+    separate critic (``model.critic=separate``) or the vLLM engine leaves a pass that computes
+    the values alone.
     The two differ by float rounding, the step-by-step cached forward against the whole-sequence
     one (measured: 2.1e-5 at most on SmolLM2-135M, 4.8e-6 on the tiny default; values 1.9e-6),
     and with LoRA the merged weights sampling runs on; docs/training.md, "Speed"."""

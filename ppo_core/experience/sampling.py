@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor
@@ -24,7 +25,8 @@ from ppo_core.models.generation import (
     decode_responses,
     generate_responses,
 )
-from ppo_core.models.scoring import ScoredBatch, score_sequences
+from ppo_core.models.policy import ActorCritic
+from ppo_core.models.scoring import ScoredBatch, score_sequences, score_values
 from ppo_core.parallel.runtime import Runtime
 from ppo_core.prompts import Prompt
 from ppo_core.rewards.loading import RewardFn, checked_scores
@@ -100,10 +102,14 @@ def score_in_chunks(
     runtime: Runtime,
     chunk_size: int,
     with_values: bool,
+    sampled_logprobs: Tensor | None = None,
 ) -> ScoredBatch:
     """Logprobs (and values) of every sampled response token, ``chunk_size`` rows per forward
     pass; ``[B, T]`` each, aligned with ``generated.response_ids`` (meaningful under its response
-    mask only; 0.0 past the longest response of the row's chunk).
+    mask only; 0.0 past the longest response of the row's chunk). With ``sampled_logprobs``
+    (the sampler's, ``[B, T]``) those are the log-probabilities, and ``model``, an
+    :class:`~ppo_core.models.policy.ActorCritic`, computes the values alone
+    (:func:`~ppo_core.models.scoring.score_values`).
 
     Rows go through in order of length (:func:`~ppo_core.math.batching.by_length`), each chunk
     cut to its own longest prompt and response (:func:`~ppo_core.math.batching.kept_columns`),
@@ -117,19 +123,24 @@ def score_in_chunks(
         index = order[rows]
         prompt_mask, response_mask = generated.prompt_mask[index], generated.response_mask[index]
         first, end = kept_columns(prompt_mask, response_mask)
+        sequences = (
+            generated.prompt_ids[index, first:],
+            prompt_mask[:, first:],
+            generated.response_ids[index, :end],
+            response_mask[:, :end],
+        )
         with runtime.autocast():
+            if sampled_logprobs is not None and values is not None:
+                values[index, :end] = score_values(cast("ActorCritic", model), *sequences).float()
+                continue
             out = score_sequences(
-                model,
-                generated.prompt_ids[index, first:],
-                prompt_mask[:, first:],
-                generated.response_ids[index, :end],
-                response_mask[:, :end],
-                temperature=temperature,
-                with_values=with_values,
+                model, *sequences, temperature=temperature, with_values=with_values
             )
         logprobs[index, :end] = out.logprobs.float()
         if values is not None and out.values is not None:
             values[index, :end] = out.values.float()
+    if sampled_logprobs is not None:
+        logprobs = sampled_logprobs
     return ScoredBatch(logprobs=logprobs, values=values, entropy=None)
 
 

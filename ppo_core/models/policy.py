@@ -125,17 +125,42 @@ class ActorCritic(nn.Module):
         if self.value_head is None:
             return out.logits, None
         if self.critic is None:
-            hidden = out.hidden_states[-1]
-        else:
-            hidden = self.critic(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                position_ids=position_ids,
-                use_cache=False,
-            ).last_hidden_state
+            return out.logits, self._head(out.hidden_states[-1])
+        return out.logits, self._critic_values(input_ids, attention_mask, position_ids)
+
+    def values(self, input_ids: Tensor, attention_mask: Tensor) -> Tensor:
+        """The values alone, ``[B, L]``, as :meth:`forward` computes them: the critic's trunk
+        only, or the policy's trunk with its output layer cut to the last position (a pass
+        that needs no log-probabilities throws the logits away). A model without a value head
+        is a ``ValueError``."""
+        if self.value_head is None:
+            raise ValueError("this actor-critic has no value head (model.critic=none)")
+        position_ids = position_ids_from_mask(attention_mask)
+        if self.critic is not None:
+            return self._critic_values(input_ids, attention_mask, position_ids)
+        out = self.causal_lm(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            output_hidden_states=True,
+            use_cache=False,
+            **logits_to_keep_kwargs(self.causal_lm, 1),
+        )
+        return self._head(out.hidden_states[-1])
+
+    def _critic_values(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor):
+        hidden = cast("nn.Module", self.critic)(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=False,
+        ).last_hidden_state
+        return self._head(hidden)
+
+    def _head(self, hidden: Tensor) -> Tensor:
+        head = cast("nn.Linear", self.value_head)
         # a new tensor, not a view: FSDP's backward hooks are lost on views of a root's output
-        values = self.value_head(hidden.to(self.value_head.weight.dtype))[..., 0].clone()
-        return out.logits, values
+        return head(hidden.to(head.weight.dtype))[..., 0].clone()
 
     def save(
         self,

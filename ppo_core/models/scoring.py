@@ -18,7 +18,7 @@ from ppo_core.models.causal_lm import (
 )
 from ppo_core.models.policy import ActorCritic
 
-__all__ = ["ScoredBatch", "score_sequences"]
+__all__ = ["ScoredBatch", "score_sequences", "score_values"]
 
 
 @dataclass
@@ -83,3 +83,23 @@ def score_sequences(
         values = values[:, prompt_len - 1 : prompt_len - 1 + length]
         values = values.to(torch.promote_types(values.dtype, torch.float32))
     return ScoredBatch(logprobs=logprobs, values=values, entropy=entropy)
+
+
+def score_values(
+    model: ActorCritic,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+) -> Tensor:
+    """The values alone of the states before each response token, ``[B, T]`` (float32 at
+    least), by :meth:`ActorCritic.values`: for a rollout whose log-probabilities the sampler
+    gave, so the pass skips what only they need (a separate critic's policy, the output
+    layer)."""
+    values = model.values(
+        torch.cat([prompt_ids, response_ids], dim=1),
+        torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
+    )
+    start = prompt_ids.shape[1] - 1
+    values = values[:, start : start + response_ids.shape[1]]
+    return values.to(torch.promote_types(values.dtype, torch.float32))

@@ -173,17 +173,16 @@ def _score_with_both(
     critic) and by the reference, in gradient-free passes of ``ppo.scoring_batch_size`` rows
     (``ppo.micro_batch_size`` when unset). With ``ppo.old_logprobs=sampling`` the policy's
     log-probabilities are those the sampler kept, and its pass runs only for a critic whose
-    values the sampling loop did not give (:func:`_value_head_for_sampling`)."""
+    values the sampling loop did not give (:func:`_value_head_for_sampling`), computing those
+    alone."""
     size = ppo.scoring_batch_size or ppo.micro_batch_size
     sampled = generated.logprobs if ppo.old_logprobs == "sampling" else None
     if sampled is not None and (not actor_critic.has_critic or generated.values is not None):
         policy_scored = ScoredBatch(logprobs=sampled, values=generated.values, entropy=None)
-    else:
+    else:  # with the sampler's log-probabilities the pass computes the values alone
         policy_scored = score_in_chunks(
-            actor_critic, generated, temperature, runtime, size, actor_critic.has_critic
+            actor_critic, generated, temperature, runtime, size, actor_critic.has_critic, sampled
         )
-        if sampled is not None:
-            policy_scored.logprobs = sampled
     reference_scored = score_in_chunks(
         reference, generated, temperature, runtime, size, with_values=False
     )

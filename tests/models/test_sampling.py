@@ -183,3 +183,27 @@ def test_values_the_loop_gives_are_the_scoring_pass_values(
     difference = float(((sampled.values - scored.values) * response_mask).abs().max())
     assert difference < 1e-5, difference
     assert torch.all(sampled.values[~response_mask] == 0)
+
+
+@pytest.mark.parametrize("critic", ["shared", "separate"])
+def test_values_alone_are_the_forward_values_without_the_work_of_the_logits(tiny_model_dir, critic):
+    """``ActorCritic.values``, the pass of a rollout whose log-probabilities the sampler gave:
+    the values ``forward`` computes, with the output layer cut to the last position on a shared
+    trunk and the policy not run at all beside a separate critic."""
+    actor_critic = load_actor_critic(tiny_model_dir, critic)
+    torch.manual_seed(3)
+    torch.nn.init.normal_(actor_critic.value_head.weight, std=0.3)
+    tokenizer = load_tokenizer(tiny_model_dir)
+    ids, mask = encode_prompts(tokenizer, ["The plot was", "I think the movie was a", "A"])
+    policy_runs: list[int] = []  # the positions the output layer was given, one entry a run
+    hook = actor_critic.causal_lm.get_output_embeddings().register_forward_pre_hook(
+        lambda module, args: policy_runs.append(args[0].shape[1])
+    )
+    with torch.no_grad():
+        _, values = actor_critic(ids, mask)
+        alone = actor_critic.values(ids, mask)
+    hook.remove()
+    assert policy_runs == ([ids.shape[1], 1] if critic == "shared" else [ids.shape[1]])
+    real = mask.bool()
+    assert float(values[real].abs().mean()) > 0.1
+    torch.testing.assert_close(alone[real], values[real], rtol=0, atol=1e-6)
