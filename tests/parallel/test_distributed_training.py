@@ -167,6 +167,31 @@ def test_two_fsdp_ranks_reach_the_parameters_of_one_process(
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_fsdp_ranks_take_values_from_the_sampling_loop_like_one_process(
+    tmp_path, tiny_model_dir, prompt_files, one_process
+):
+    """``ppo.old_logprobs=sampling`` on the shared value head: the sampling loop applies the
+    root's value head as it samples, whole on each rank while FSDP2 holds the model unsharded
+    for sampling. Two iterations, so the second rollout's values come from a head the first
+    update moved off zero; the parameters match one process doing the same."""
+    sampled = ["ppo.old_logprobs=sampling", "train.iterations=2"]
+    single = one_process(tiny_model_dir, *sampled)
+    sharded = tmp_path / "fsdp"
+    train_on_two_ranks(
+        [
+            *overrides(sharded, tiny_model_dir, prompt_files, 8, 4),
+            "parallel.strategy=fsdp",
+            *sampled,
+        ]
+    )
+    one, two = parameters(single / "candidate"), parameters(sharded / "candidate")
+    assert one.keys() == two.keys()
+    assert float(one["value_head.weight"].abs().sum()) > 0  # moved off zero by the first update
+    assert_parity(two, one)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 @pytest.mark.parametrize("merge", [False, True])
 def test_two_fsdp_ranks_train_a_lora_adapter_like_one_process(
     tmp_path, prompt_files, llama, one_process, merge
