@@ -238,6 +238,45 @@ def test_a_ppo_run_on_the_engine_logs_the_gap_and_the_engine_ends_with_it(
     assert after <= before
 
 
+def test_the_engines_log_probabilities_with_values_computed_alone(
+    engine_python, tmp_path, tiny_model_dir, prompt_files, monkeypatch
+):
+    """``ppo.old_logprobs=sampling`` on the engine with the shared value head: the engine gives
+    no hidden states, so the policy's pass computes the values alone (``ActorCritic.values``,
+    its output layer cut to one position), and the log-probabilities are the engine's. Two
+    iterations, so the second rollout's values come from a head the first update moved."""
+    from ppo_core.models.policy import ActorCritic
+    from ppo_core.training.loop import train
+
+    passes: list[str] = []
+    values = ActorCritic.values
+    forward = ActorCritic.forward
+    monkeypatch.setattr(
+        ActorCritic, "values", lambda self, *a: passes.append("values") or values(self, *a)
+    )
+    monkeypatch.setattr(
+        ActorCritic,
+        "forward",
+        lambda self, *a, **k: passes.append("forward") or forward(self, *a, **k),
+    )
+    config = small_config(
+        tmp_path,
+        tiny_model_dir,
+        prompt_files,
+        "generation.engine=vllm",
+        f"generation.vllm_python={engine_python}",
+        "ppo.old_logprobs=sampling",
+        "train.iterations=2",
+    )
+    metrics = train(config).history
+    assert "values" in passes
+    rollout_passes = passes[: passes.index("values") + 1]
+    assert rollout_passes == ["values"]  # the first rollout ran no forward of the policy
+    assert metrics[0]["rollout/value_mean"] == 0.0  # the head starts at zero
+    assert metrics[1]["rollout/value_mean"] != 0.0
+    assert "rollout/sampler_gap_mean" not in metrics[1]  # sampling: nothing to compare
+
+
 def test_each_ddp_rank_samples_with_an_engine_of_its_own(
     engine_python, tmp_path, tiny_model_dir, prompt_files
 ):
