@@ -9,9 +9,9 @@ The engine's log-probabilities of its draws are compared with the trainer's resc
 (the gap every iteration logs). Tokens per second count the tokens each side sampled (the draws
 differ, so do the lengths). Writes ``bench/results/engine.json``.
 
-``--shape smollm2`` or ``gpt2-124m`` samples from random weights of that shape instead (a machine
-without the GGUF file, such as a lent GPU: ``bench/gpu/gpu.sh`` runs it there), with the tiny
-default's tokenizer and plain prompts; random weights rarely end a row, so both sides sample
+``--shape smollm2``, ``gpt2-124m`` or ``qwen2-0.5b`` samples from random weights of that shape
+instead (a machine without the GGUF file, such as a lent GPU: ``bench/gpu/gpu.sh`` runs it
+there), with the tiny default's tokenizer and plain prompts; random weights rarely end a row, so both sides sample
 nearly every token.
 
     .venv/bin/python -m bench.speed.engine                 # SmolLM2-135M-Instruct (GGUF import)
@@ -33,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.gpu.gpu_throughput import CONFIGS as GPT2_CONFIGS
+from bench.speed.memory_scaling import QWEN2_SHAPE
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,8 +160,18 @@ SHAPES = {
         ),
     ),
     "gpt2-124m": ("gpt2", GPT2_CONFIGS["gpt2-100m"]),
+    "qwen2-0.5b": (
+        "qwen2",
+        dict(
+            QWEN2_SHAPE,
+            vocab_size=151936,
+            max_position_embeddings=32768,
+            rope_theta=1000000.0,
+        ),
+    ),
 }
-"""Random-weight shapes: SmolLM2-135M's (Llama, 30 blocks of 576, tied) and GPT-2 small's."""
+"""Random-weight shapes: SmolLM2-135M's (Llama, 30 blocks of 576, tied), GPT-2 small's, and
+Qwen2-0.5B's (24 blocks of 896, 2 key-value heads, its vocabulary of 151,936, tied)."""
 
 
 def random_model(folder: Path, shape: str, one_block: bool = False) -> Path:
