@@ -297,10 +297,10 @@ class _CachedForward(contextlib.AbstractContextManager):
                     f"{type(unwrap_model(model)).__name__} has no output layer to read its "
                     "last hidden state at"
                 )
-            self.hook = output_layer.register_forward_pre_hook(self._keep)
+            self.hook = output_layer.register_forward_pre_hook(self._keep, with_kwargs=True)
 
-    def _keep(self, module: nn.Module, args: tuple) -> None:
-        self.hidden = args[0]
+    def _keep(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.hidden = args[0] if args else next(iter(kwargs.values()))
 
     def __call__(
         self, input_ids: Tensor, attention: Tensor, positions: Tensor, **kwargs
