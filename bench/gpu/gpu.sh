@@ -44,8 +44,8 @@ fi
     --out bench/results/memory_scaling_gpu.json "${SMOKE[@]}"
 # The vLLM engine against the sampling loop (tokens/s) at the recipe's 32 rows and at 128, 64 new
 # tokens, random weights of SmolLM2-135M's, GPT-2 small's and Qwen2-0.5B's shapes (the GGUF file
-# is not on a lent GPU); needs a Python that imports vllm: VLLM_PY, by default $PY on CUDA (an environment
-# with `pip install vllm`) and .venv-vllm's on a CPU
+# is not on a lent GPU); needs a Python that imports vllm: VLLM_PY, by default $PY on CUDA (an
+# environment with `pip install vllm`) and .venv-vllm's on a CPU
 if [ "$DEVICE" = cuda ]; then ENGINE_PRECISION=bf16; else ENGINE_PRECISION=fp32; fi
 VLLM_PY=$(command -v "${VLLM_PY:-$([ "$DEVICE" = cuda ] && echo "$PY" || echo .venv-vllm/bin/python)}" || true)
 if [ -n "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm" 2>/dev/null; then

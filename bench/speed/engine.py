@@ -11,8 +11,8 @@ differ, so do the lengths). Writes ``bench/results/engine.json``.
 
 ``--shape smollm2``, ``gpt2-124m`` or ``qwen2-0.5b`` samples from random weights of that shape
 instead (a machine without the GGUF file, such as a lent GPU: ``bench/gpu/gpu.sh`` runs it
-there), with the tiny default's tokenizer and plain prompts; random weights rarely end a row, so both sides sample
-nearly every token.
+there), with the tiny default's tokenizer and plain prompts; random weights rarely end a row, so
+both sides sample nearly every token.
 
     .venv/bin/python -m bench.speed.engine                 # SmolLM2-135M-Instruct (GGUF import)
     .venv/bin/python -m bench.speed.engine --rows 16 32 --precision bf16

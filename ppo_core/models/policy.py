@@ -114,14 +114,7 @@ class ActorCritic(nn.Module):
         """With ``logits_to_keep=n > 0`` only the last ``n`` positions get logits (``[B, n, V]``);
         values always cover all ``L`` positions."""
         position_ids = position_ids_from_mask(attention_mask)
-        out = self.causal_lm(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            output_hidden_states=self.has_critic and self.critic is None,
-            use_cache=False,
-            **logits_to_keep_kwargs(self.causal_lm, logits_to_keep),
-        )
+        out = self._policy_pass(input_ids, attention_mask, position_ids, logits_to_keep)
         if self.value_head is None:
             return out.logits, None
         if self.critic is None:
@@ -138,15 +131,21 @@ class ActorCritic(nn.Module):
         position_ids = position_ids_from_mask(attention_mask)
         if self.critic is not None:
             return self._critic_values(input_ids, attention_mask, position_ids)
-        out = self.causal_lm(
+        out = self._policy_pass(input_ids, attention_mask, position_ids, logits_to_keep=1)
+        return self._head(out.hidden_states[-1])
+
+    def _policy_pass(
+        self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, logits_to_keep: int
+    ):
+        """The causal LM's output, with its hidden states when the value head sits on its trunk."""
+        return self.causal_lm(
             input_ids=input_ids,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            output_hidden_states=True,
+            output_hidden_states=self.has_critic and self.critic is None,
             use_cache=False,
-            **logits_to_keep_kwargs(self.causal_lm, 1),
+            **logits_to_keep_kwargs(self.causal_lm, logits_to_keep),
         )
-        return self._head(out.hidden_states[-1])
 
     def _critic_values(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor):
         hidden = cast("nn.Module", self.critic)(

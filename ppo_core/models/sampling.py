@@ -291,6 +291,7 @@ class _CachedForward(contextlib.AbstractContextManager):
         self.hidden: Tensor | None = None
         self.hook = None
         if value_head is not None:
+            self.head_dtype = next(value_head.parameters()).dtype
             output_layer = cast("Any", unwrap_model(model)).get_output_embeddings()
             if not isinstance(output_layer, nn.Module):
                 raise ValueError(
@@ -314,8 +315,7 @@ class _CachedForward(contextlib.AbstractContextManager):
         ).logits[:, -1]
         if self.value_head is None or self.hidden is None:
             return logits, None
-        weight_dtype = next(self.value_head.parameters()).dtype
-        values = self.value_head(self.hidden[:, -1].to(weight_dtype))[..., 0].float()
+        values = self.value_head(self.hidden[:, -1].to(self.head_dtype))[..., 0].float()
         self.hidden = None
         return logits, values
 

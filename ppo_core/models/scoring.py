@@ -54,8 +54,9 @@ def score_sequences(
     Returns:
         :class:`ScoredBatch` with ``[B, T]`` tensors aligned with ``response_ids``.
     """
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask.long(), response_mask.long()], dim=1)
+    input_ids, attention_mask = _whole_sequences(
+        prompt_ids, prompt_mask, response_ids, response_mask
+    )
     prompt_len = prompt_ids.shape[1]
     length = response_ids.shape[1]
     # Logits at position t predict token t + 1, so the response needs those of the last
@@ -80,8 +81,7 @@ def score_sequences(
         with contextlib.nullcontext() if entropy_grad else torch.no_grad():
             entropy = entropy_from_logits(response_logits, temperature)
     if values is not None:
-        values = values[:, prompt_len - 1 : prompt_len - 1 + length]
-        values = values.to(torch.promote_types(values.dtype, torch.float32))
+        values = _response_values(values, prompt_len, length)
     return ScoredBatch(logprobs=logprobs, values=values, entropy=entropy)
 
 
@@ -96,10 +96,22 @@ def score_values(
     least), by :meth:`ActorCritic.values`: for a rollout whose log-probabilities the sampler
     gave, so the pass skips what only they need (a separate critic's policy, the output
     layer)."""
-    values = model.values(
+    values = model.values(*_whole_sequences(prompt_ids, prompt_mask, response_ids, response_mask))
+    return _response_values(values, prompt_ids.shape[1], response_ids.shape[1])
+
+
+def _whole_sequences(
+    prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``[prompt; response]``: ids and attention mask, ``[B, P + T]``."""
+    return (
         torch.cat([prompt_ids, response_ids], dim=1),
         torch.cat([prompt_mask.long(), response_mask.long()], dim=1),
     )
-    start = prompt_ids.shape[1] - 1
-    values = values[:, start : start + response_ids.shape[1]]
+
+
+def _response_values(values: Tensor, prompt_len: int, length: int) -> Tensor:
+    """The values ``[B, P + T]`` of the states before each response token, ``[B, T]``, float32
+    at least: the state before token ``t`` ends at position ``P - 1 + t``."""
+    values = values[:, prompt_len - 1 : prompt_len - 1 + length]
     return values.to(torch.promote_types(values.dtype, torch.float32))

@@ -61,6 +61,18 @@ def _generation(engine_python: Path, *extra: str):
     ).generation
 
 
+def _engine_run(engine_python: Path, tmp_path, model, prompt_files, *extra: str):
+    """:func:`small_config` of a PPO run on the engine, ``extra`` overrides last."""
+    return small_config(
+        tmp_path,
+        model,
+        prompt_files,
+        "generation.engine=vllm",
+        f"generation.vllm_python={engine_python}",
+        *extra,
+    )
+
+
 def _perturb(model: torch.nn.Module, seed: int) -> None:
     """An update of every weight (the tied embedding and output layer included)."""
     generator = torch.Generator().manual_seed(seed)
@@ -213,12 +225,11 @@ def test_a_ppo_run_on_the_engine_logs_the_gap_and_the_engine_ends_with_it(
     from ppo_core.evaluation.evaluate import evaluate
     from ppo_core.training.loop import train
 
-    config = small_config(
+    config = _engine_run(
+        engine_python,
         tmp_path,
         tiny_model_dir,
         prompt_files,
-        "generation.engine=vllm",
-        f"generation.vllm_python={engine_python}",
         "train.iterations=1",
         "ppo.tis_cap=2.0",
     )
@@ -259,12 +270,11 @@ def test_the_engines_log_probabilities_with_values_computed_alone(
         "forward",
         lambda self, *a, **k: passes.append("forward") or forward(self, *a, **k),
     )
-    config = small_config(
+    config = _engine_run(
+        engine_python,
         tmp_path,
         tiny_model_dir,
         prompt_files,
-        "generation.engine=vllm",
-        f"generation.vllm_python={engine_python}",
         "ppo.old_logprobs=sampling",
         "train.iterations=2",
     )
