@@ -118,7 +118,13 @@ def measure(args: argparse.Namespace, folder: Path) -> None:
             def loop(seed: int, prompts=prompts):
                 torch.manual_seed(seed)
                 return generate_responses(
-                    model, tokenizer, prompts, args.new_tokens, temperature=1.0, device=device
+                    model,
+                    tokenizer,
+                    prompts,
+                    args.new_tokens,
+                    temperature=1.0,
+                    device=device,
+                    few_row_layouts=generation.few_row_layouts,
                 )
 
             def vllm(seed: int, prompts=prompts):

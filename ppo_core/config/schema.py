@@ -253,12 +253,14 @@ class GenerationConfig:
     """0 disables top-k."""
     top_p: float = bounded(1.0, gt=0, le=1)
     """1.0 disables nucleus sampling."""
-    few_row_layouts: bool = False
-    """Multiply the sampling loop's few-row products (2 to 64 rows, layers at least 256 wide) in
-    the layout measured fastest for each shape on this machine, ``(W @ x.T).T`` or
-    ``F.linear``'s (``ppo_core/models/few_rows.py``). Off by default: on a 2-core AMD EPYC (AVX2)
-    the loop on SmolLM2 ran 0.96x to 1.31x as fast across runs (docs/benchmarks.md); float
-    rounding can change a draw that falls on a boundary."""
+    few_row_layouts: bool = True
+    """Multiply the sampling loop's few-row products (2 to 64 rows, layers at least 256 wide, on
+    a CPU) in the layout measured fastest for each shape on this machine, ``(W @ x.T).T`` or
+    ``F.linear``'s (``ppo_core/models/few_rows.py``; measured once per machine, about 3 s for
+    SmolLM2's shapes, kept under ``~/.cache/ppo-core``). On a 2-core AMD EPYC (AVX2) the loop on
+    SmolLM2 ran 1.17x to 1.31x as fast at 8 to 32 rows (docs/benchmarks.md). The layouts can
+    differ by float rounding, which can change a draw that falls on a boundary; ``false`` keeps
+    ``F.linear`` everywhere."""
     engine: Choice[GenerationEngine] = "loop"
     """What samples the rollouts and the evaluation's replies: ``loop``, the pipeline's own
     sampling loop (the exact reference, ``ppo_core/models/sampling.py``); or ``vllm``, a vLLM

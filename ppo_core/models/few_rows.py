@@ -8,7 +8,8 @@ MKL with 2 threads: the SmolLM2 output layer, ``[8, 576] x [576, 49152]``, 48 ag
 docs/benchmarks.md), others not. Neither layout is right everywhere, so each shape is measured:
 the first time a ``(in, out, rows, dtype)`` is met, both layouts are timed (rows rounded up to a
 power of two) and the transposed one is kept only when it is at least :data:`MARGIN` times
-faster. The table is kept per process and in a file per CPU, torch build and thread count
+faster. They are timed as the loop meets them: every call on a weight read from memory, not
+from the cache (a model's weights outgrow the last-level cache, and a step reads each once). The table is kept per process and in a file per CPU, torch build and thread count
 (:func:`table_path`), so that runs on one machine take the same layouts and sample the same
 tokens for a seed.
 
@@ -33,7 +34,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-__all__ = ["FEW_ROWS", "MARGIN", "MIN_WIDTH", "few_row_products", "table_path"]
+__all__ = ["FEW_ROWS", "MARGIN", "MIN_WIDTH", "cold_bytes", "few_row_products", "table_path"]
 
 FEW_ROWS = 64
 """Products of at most this many rows are measured; more rows keep ``F.linear``."""
@@ -41,7 +42,7 @@ FEW_ROWS = 64
 MIN_WIDTH = 256
 """Linear layers narrower than this (input features) keep ``F.linear``."""
 
-MARGIN = 1.25
+MARGIN = 1.1
 """The transposed layout must be this many times faster to be taken (timing noise must not
 flip a shape's layout between runs)."""
 
@@ -55,7 +56,9 @@ def table_path() -> Path:
     root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "ppo-core"
     capability = torch.backends.cpu.get_cpu_capability()
     version = torch.__version__.replace("+", "_")
-    return root / f"few_row_layouts-{capability}-{version}-{torch.get_num_threads()}t.json"
+    threads = torch.get_num_threads()
+    # v2: timed on weights read from memory (v1's tables, timed on cached weights, are not read)
+    return root / f"few_row_layouts-v2-{capability}-{version}-{threads}t.json"
 
 
 @contextlib.contextmanager
@@ -98,7 +101,10 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
     weight = self.weight
     flat = x.reshape(rows, self.in_features)
-    out = torch.mm(weight, flat.t()).t()
+    # back to row-major: left as the transposed view, every operation after the layer (norms,
+    # activations, the next layer's product) ran on strided memory, and the loop gained nothing
+    # (1.00x at 16 rows against 1.31x with the copy; docs/benchmarks.md)
+    out = torch.mm(weight, flat.t()).t().contiguous()
     if self.bias is not None:
         out = out + self.bias.to(out.dtype)
     return out.reshape(*x.shape[:-1], self.out_features)
@@ -114,23 +120,48 @@ def _transposed_is_faster(inputs: int, outputs: int, rows: int, dtype: torch.dty
 
 
 @torch.no_grad()
-def _measure(inputs: int, outputs: int, rows: int, dtype: torch.dtype, repeats: int = 5) -> bool:
-    """Whether ``(W @ x.T).T`` beats ``F.linear`` by :data:`MARGIN` at this shape (the best of
-    ``repeats`` calls each, alternated, after one call each to set kernels up)."""
+def _measure(inputs: int, outputs: int, rows: int, dtype: torch.dtype, repeats: int = 3) -> bool:
+    """Whether ``(W @ x.T).T`` beats ``F.linear`` by :data:`MARGIN` at this shape. Each layout
+    multiplies the rows by every one of as many copies of the weight as fill :func:`cold_bytes`
+    (so that each call reads its weight from memory, as a step of the loop does); the best of
+    ``repeats`` such sweeps, the layouts alternated after one sweep each."""
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(outputs, inputs, generator=generator).to(dtype)
+    copies = max(1, cold_bytes() // (weight.numel() * weight.element_size()))
+    weights = [weight.clone() for _ in range(copies)]
     x = torch.randn(rows, inputs, generator=generator).to(dtype)
+
+    def linear() -> None:
+        for each in weights:
+            F.linear(x, each)
+
+    def transposed() -> None:
+        for each in weights:
+            torch.mm(each, x.t()).t().contiguous()
+
     with torch.autocast("cpu", enabled=False):
-        layouts = (lambda: F.linear(x, weight), lambda: torch.mm(weight, x.t()).t())
         best = [float("inf"), float("inf")]
-        for layout in layouts:
+        for layout in (linear, transposed):
             layout()
         for _ in range(repeats):
-            for index, layout in enumerate(layouts):
+            for index, layout in enumerate((linear, transposed)):
                 started = time.perf_counter()
                 layout()
                 best[index] = min(best[index], time.perf_counter() - started)
     return best[0] >= MARGIN * best[1]
+
+
+def cold_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
+    """Bytes of weight copies a measurement sweeps: twice the largest CPU cache Linux reports
+    under ``caches`` (``index*/size``, such as ``32768K``), and at least 64 MiB, so that no copy
+    is still cached when it is read again."""
+    largest = 0
+    for entry in caches.glob("index*/size"):
+        with contextlib.suppress(OSError, ValueError):
+            text = entry.read_text().strip().upper()
+            scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+            largest = max(largest, int(text.rstrip("KMG")) * scale)
+    return max(2 * largest, 64 << 20)
 
 
 def _load(path: Path) -> None:

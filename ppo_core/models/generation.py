@@ -283,7 +283,7 @@ def generate_responses(
     top_k: int = 0,
     top_p: float = 1.0,
     device: torch.device | str = "cpu",
-    few_row_layouts: bool = False,
+    few_row_layouts: bool = True,
     value_head: torch.nn.Module | None = None,
 ) -> GeneratedBatch:
     """Sample one response per prompt with the causal LM ``model`` (eval mode, KV cache), by
