@@ -163,6 +163,8 @@ def run_ours(
         f"model.critic={critic}",
         f"data.train_file={assets['prompts']}",
         f"threads={args.threads}",
+        # TRL's side runs fp32 (bf16=False): ours too, where precision=auto would take bf16
+        "precision=fp32",
         f"seed={args.seed}",
         f"train.output_dir={work / 'candidate'}",
         f"train.checkpoint_dir={work / 'ckpt'}",
