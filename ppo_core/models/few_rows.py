@@ -9,7 +9,8 @@ docs/benchmarks.md), others not. Neither layout is right everywhere, so each sha
 the first time a ``(in, out, rows, dtype)`` is met, both layouts are timed (rows rounded up to a
 power of two) and the transposed one is kept only when it is at least :data:`MARGIN` times
 faster. They are timed as the loop meets them: every call on a weight read from memory, not
-from the cache (a model's weights outgrow the last-level cache, and a step reads each once). The table is kept per process and in a file per CPU, torch build and thread count
+from the cache (a model's weights outgrow the last-level cache, and a step reads each once).
+The table is kept per process and in a file per CPU, torch build and thread count
 (:func:`table_path`), so that runs on one machine take the same layouts and sample the same
 tokens for a seed.
 
@@ -23,6 +24,7 @@ before on every machine.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
@@ -99,15 +101,18 @@ def _forward(self: nn.Linear, x: Tensor) -> Tensor:
     dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else x.dtype
     if not _transposed_is_faster(self.in_features, self.out_features, rows, dtype):
         return F.linear(x, self.weight, self.bias)
-    weight = self.weight
-    flat = x.reshape(rows, self.in_features)
-    # back to row-major: left as the transposed view, every operation after the layer (norms,
-    # activations, the next layer's product) ran on strided memory, and the loop gained nothing
-    # (1.00x at 16 rows against 1.31x with the copy; docs/benchmarks.md)
-    out = torch.mm(weight, flat.t()).t().contiguous()
+    out = _transposed_product(self.weight, x.reshape(rows, self.in_features))
     if self.bias is not None:
         out = out + self.bias.to(out.dtype)
     return out.reshape(*x.shape[:-1], self.out_features)
+
+
+def _transposed_product(weight: Tensor, rows: Tensor) -> Tensor:
+    """``rows @ weight.T`` (``[n, in] x [out, in] -> [n, out]``) as ``(weight @ rows.T).T``,
+    copied back to row-major: left as the transposed view, every operation after the layer
+    (norms, activations, the next layer's product) ran on strided memory, and the loop gained
+    nothing (1.00x at 16 rows against 1.31x with the copy; docs/benchmarks.md)."""
+    return torch.mm(weight, rows.t()).t().contiguous()
 
 
 def _transposed_is_faster(inputs: int, outputs: int, rows: int, dtype: torch.dtype) -> bool:
@@ -137,7 +142,7 @@ def _measure(inputs: int, outputs: int, rows: int, dtype: torch.dtype, repeats: 
 
     def transposed() -> None:
         for each in weights:
-            torch.mm(each, x.t()).t().contiguous()
+            _transposed_product(each, x)
 
     with torch.autocast("cpu", enabled=False):
         best = [float("inf"), float("inf")]
@@ -151,6 +156,7 @@ def _measure(inputs: int, outputs: int, rows: int, dtype: torch.dtype, repeats: 
     return best[0] >= MARGIN * best[1]
 
 
+@functools.cache
 def cold_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int:
     """Bytes of weight copies a measurement sweeps: twice the largest CPU cache Linux reports
     under ``caches`` (``index*/size``, such as ``32768K``), and at least 64 MiB, so that no copy
