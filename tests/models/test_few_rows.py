@@ -89,7 +89,7 @@ def test_the_measurement_compares_the_two_layouts():
     assert few_rows._measure(256, 256, 8, torch.float32) in (True, False)
 
 
-def test_the_measurement_reads_every_weight_from_memory(tmp_path):
+def test_the_measurement_reads_every_weight_from_memory(tmp_path, monkeypatch):
     """The copies a measurement sweeps outgrow every cache the CPU reports (twice the largest),
     so that it times the layouts on weights read from memory, as the loop meets them (timed on
     one cached weight, the choices flipped between runs on an AMD EPYC)."""
@@ -99,6 +99,16 @@ def test_the_measurement_reads_every_weight_from_memory(tmp_path):
     assert few_rows.cold_bytes(tmp_path) == 512 << 20
     assert few_rows.cold_bytes(tmp_path / "none") == 64 << 20  # nothing reported: 64 MiB
     assert few_rows.cold_bytes() >= 64 << 20
+    # a measurement multiplies by as many copies as fill cold_bytes, each once a sweep
+    weight_bytes = 256 * 256 * 4
+    monkeypatch.setattr(few_rows, "cold_bytes", lambda: 5 * weight_bytes)
+    seen: list[int] = []
+    product = few_rows._transposed_product
+    monkeypatch.setattr(
+        few_rows, "_transposed_product", lambda w, x: seen.append(w.data_ptr()) or product(w, x)
+    )
+    few_rows._measure(256, 256, 8, torch.float32, repeats=2)
+    assert len(seen) == 5 * 3 and len(set(seen)) == 5  # 5 copies; a warm-up sweep and 2 timed
 
 
 def test_a_transposed_product_comes_back_row_major(layouts):
