@@ -18,6 +18,7 @@ of their own, :mod:`flows.base_model` (``base``), :mod:`flows.reward_stage` (``r
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -38,12 +39,14 @@ from ppo_core.files import (
 )
 from ppo_core.files.artifacts import (
     DATA_MANIFEST,
+    VALIDATION_RECORD,
 )
 from ppo_core.prompts import (
     CHAT_FIELD,
     Prompt,
     PromptFileError,
     parse_messages,
+    read_manifest_hash,
 )
 from ppo_core.registry.promotion import promote as run_promotion
 from ppo_core.registry.versions import current_production
@@ -93,7 +96,8 @@ def validate(config: Config) -> Path:
     Reads ``data.interim_dir`` (written by ``prepare``), counts prompt tokens with the policy's
     tokenizer, runs the suite of :mod:`flows.validation`, writes Data Docs and ``summary.json`` to
     ``validation.report_dir`` (also on failure), and only then copies the version to
-    ``data.prepared_dir``. A violation raises :class:`flows.validation.DataValidationError` and
+    ``data.prepared_dir`` with ``validated_with.json``, the bound the prompts were held to. A
+    violation raises :class:`flows.validation.DataValidationError` and
     leaves the previous prepared version as it was.
     """
     import pandas as pd
@@ -149,17 +153,27 @@ def validate(config: Config) -> Path:
     if feedback_result is not None and not feedback_result.success:
         raise DataValidationError(feedback_result)
 
-    def publish(tmp: Path) -> None:
-        for name in ("train.parquet", "eval.parquet", DATA_MANIFEST):
-            # regular files only, never through a link put there since the check above
-            fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
-            try:
-                copy_regular_file(interim / name, fd, MAX_COPY_BYTES)
-            finally:
-                os.close(fd)
-        publish_feedback(config, tmp)
+    return atomic_folder(config.data.prepared_dir, lambda tmp: _publish(config, interim, tmp))
 
-    return atomic_folder(config.data.prepared_dir, publish)
+
+def _publish(config: Config, interim: Path, tmp: Path) -> None:
+    """Write the validated version in ``interim`` to ``tmp`` (the prepared folder to be)."""
+    for name in ("train.parquet", "eval.parquet", DATA_MANIFEST):
+        # regular files only, never through a link put there since validate's check
+        fd = os.open(tmp / name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
+        try:
+            copy_regular_file(interim / name, fd, MAX_COPY_BYTES)
+        finally:
+            os.close(fd)
+    # the bound the prompts were held to travels with them: train and evaluate size their
+    # context from it, whatever their own config says (ppo_core.experience.sampling)
+    record = {
+        "max_tokens": config.validation.max_tokens,
+        "min_tokens": config.validation.min_tokens,
+        "data_hash": read_manifest_hash(interim / "train.parquet"),
+    }
+    (tmp / VALIDATION_RECORD).write_text(json.dumps(record, indent=1) + "\n")
+    publish_feedback(config, tmp)
 
 
 @stage("reward", flow=True, accelerated=True, retries=1)

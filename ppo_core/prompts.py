@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ppo_core.files.artifacts import DATA_MANIFEST
+from ppo_core.files.artifacts import DATA_MANIFEST, VALIDATION_RECORD
 
 __all__ = [
     "CHAT_FIELD",
@@ -430,3 +430,23 @@ def read_manifest_hash(prompt_file: str | Path) -> str | None:
         return json.loads(manifest.read_text()).get("content_hash")
     except (json.JSONDecodeError, AttributeError):
         return None
+
+
+def read_validation_record(prompt_file: str | Path) -> dict[str, Any] | None:
+    """The settings ``ppo validate`` held the data version to (``validated_with.json`` beside
+    the prompt file: ``max_tokens``, ``min_tokens``, ``data_hash``), or None where there is
+    none (a prompt file this pipeline did not validate). A record that is not a small JSON
+    object with an integer ``max_tokens`` is a :class:`PromptFileError` naming it."""
+    path = Path(prompt_file).with_name(VALIDATION_RECORD)
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as stream:
+            record = json.loads(stream.read(1 << 16))
+    except (OSError, ValueError) as error:
+        raise PromptFileError(f"{path}: not a validation record ({error})") from None
+    if not isinstance(record, dict) or type(record.get("max_tokens")) is not int:
+        raise PromptFileError(
+            f"{path}: not a validation record (no integer max_tokens); run `ppo validate` again"
+        )
+    return record

@@ -244,7 +244,7 @@ def _tiny(folder: Path) -> Path:
 
 
 def _positions(model) -> int:
-    from ppo_core.experience.sampling import POSITION_KEYS
+    from ppo_core.models.folders import POSITION_KEYS
 
     return next(getattr(model.config, key) for key in POSITION_KEYS if hasattr(model.config, key))
 

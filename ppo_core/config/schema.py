@@ -150,6 +150,17 @@ class PPOConfig:
     implementation samples (``generation.engine=vllm``, bf16 weights). Needs
     ``ppo.old_logprobs=rescore``; ``None`` is off (every token weighs 1). The gap it corrects is
     logged as ``rollout/sampler_gap_*`` whatever this is."""
+    sampler_gap_every: int = bounded(10, most=1_000_000)
+    """With ``ppo.old_logprobs=sampling``, every this many iterations (the first included) the
+    policy rescores ``ppo.sampler_gap_rows`` rows of the rollout, so that
+    ``rollout/sampler_gap_*`` is logged in that mode too (with ``rescore`` every row of every
+    iteration is compared, at no extra cost)."""
+    sampler_gap_rows: int = bounded(8, most=MAX_BATCH_ROWS)
+    """Rows per rank rescored for the sampler gap with ``ppo.old_logprobs=sampling``."""
+    sampler_gap_warn: float | None = bounded(0.05, gt=0)
+    """A ``rollout/sampler_gap_mean`` (nats per token) above this warns once per run, naming
+    the likely causes: the sampler's log-probabilities are not the trainer's (fp32 on both sides
+    agree to about 1e-5; bf16 against fp32 to about 1e-2). ``None``: never warn."""
     epochs: int = bounded(4, gt=0, most=10_000)
     """Passes over each rollout batch."""
     drop_last: bool = False

@@ -37,9 +37,11 @@ from ppo_core.experience.judges import build_reward, load_reference
 from ppo_core.experience.sampling import (
     POSITIVE_SCORE,
     check_context_length,
+    longest_prompt,
     sample_responses,
     score_in_chunks,
     score_responses,
+    with_validated_bound,
 )
 from ppo_core.files import first_line
 from ppo_core.files.artifacts import TRAINED_CONFIG, TRAINING_SUMMARY
@@ -294,7 +296,9 @@ def evaluate(
     ``eval.output_dir``).
 
     Raises :class:`TokenizerMismatchError` before sampling anything when the candidate's
-    tokenizer is not the KL reference's."""
+    tokenizer is not the KL reference's. The prompt token bound is the one ``ppo validate``
+    held the data to, where it recorded one."""
+    config = with_validated_bound(config, config.data.eval_file)
     check_context_length(config)
     runtime = setup_runtime(config, distributed=False, model_folder=candidate)
     check_engine(config, runtime)
@@ -314,6 +318,10 @@ def evaluate(
     }
     for name, path in models.items():
         check_chat_template(tokenizers[name], prompts, path, f"the {name}")
+    longest = max(
+        longest_prompt(tokenizer, prompts, config, config.data.eval_file)
+        for tokenizer in tokenizers.values()
+    )
     reference_vocab, measure_kl = _kl_measurable(config, models, tokenizers)
     reward = evaluation_reward(config, candidate)
     reward_fn, previous, previous_fn = _evaluation_rewards(config, reward, runtime)
@@ -322,7 +330,7 @@ def evaluate(
     origin_path, origin = _origin_model(config, reference_vocab, runtime)
     # one start for both models; the architecture is the base's (a candidate folder also holds
     # its value head, which vLLM would try to load as the model's)
-    with open_engine(config, runtime, config.model.policy) as engine:
+    with open_engine(config, runtime, config.model.policy, longest) as engine:
         reports = {
             name: evaluate_model(
                 name,

@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Any, NoReturn
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from ppo_core.config import Config, ConfigError, GenerationConfig
+from ppo_core.models.folders import declared_positions
 from ppo_core.models.generation import (
     GeneratedBatch,
     encode_prompts,
     prompt_token_ids,
-    response_mask_from_ids,
     stop_token_ids,
 )
 from ppo_core.parallel.runtime import Runtime, config_folder
@@ -51,8 +51,10 @@ __all__ = [
     "EngineError",
     "VLLMEngine",
     "check_engine",
+    "engine_context",
     "engine_device_environment",
     "open_engine",
+    "responses_from_answer",
     "row_seeds",
 ]
 
@@ -112,17 +114,36 @@ def _memory_hint(error: str) -> str:
     return (
         " (this project's keys: generation.vllm_kv_cache_gib on a CPU, "
         "generation.vllm_gpu_memory_utilization on a GPU, or a shorter "
-        "validation.max_tokens + generation.max_new_tokens)"
+        "generation.max_new_tokens: the engine's context is the stage's longest prompt plus it)"
     )
+
+
+def engine_context(folder: str | Path, longest_prompt: int, max_new_tokens: int) -> int:
+    """The engine's context (vLLM's ``max_model_len``): the stage's longest prompt, in tokens,
+    plus ``generation.max_new_tokens``, so that no row is ever cut by the context. A context
+    past the positions ``folder``'s ``config.json`` declares is refused, naming both."""
+    context = longest_prompt + max_new_tokens
+    found = declared_positions(folder)
+    if found is not None and context > found[1]:
+        key, positions, path = found
+        raise ConfigError(
+            f"generation.engine=vllm: the longest prompt ({longest_prompt} tokens) plus "
+            f"generation.max_new_tokens={max_new_tokens} is {context} positions, more than "
+            f"the {positions} the policy has ({key} in {path}); shorten the prompts or "
+            "generation.max_new_tokens"
+        )
+    return context
 
 
 @contextlib.contextmanager
 def open_engine(
-    config: Config, runtime: Runtime, model_folder: str | Path
+    config: Config, runtime: Runtime, model_folder: str | Path, longest_prompt: int
 ) -> Iterator[VLLMEngine | None]:
     """The stage's rollout engine for the ``with`` block: None for ``generation.engine=loop``
     (the loop needs no process), a started :class:`VLLMEngine` for ``vllm`` whose architecture
-    and tokenizer are ``model_folder``'s (an adapter folder's base's); ended on leaving."""
+    and tokenizer are ``model_folder``'s (an adapter folder's base's), its context sized for
+    the stage's longest prompt, ``longest_prompt`` tokens (:func:`engine_context`); ended on
+    leaving."""
     if config.generation.engine != "vllm":
         yield None
         return
@@ -134,7 +155,7 @@ def open_engine(
     with VLLMEngine(
         folder,
         config.generation,
-        max_model_len=config.validation.max_tokens + config.generation.max_new_tokens,
+        max_model_len=engine_context(folder, longest_prompt, config.generation.max_new_tokens),
         seed=config.seed,
         device=runtime.device,
         bf16=runtime.precision == "bf16",
@@ -185,6 +206,7 @@ class VLLMEngine:
     ) -> None:
         self.generation = generation
         self.model_folder = Path(model_folder)
+        self.max_model_len = max_model_len
         _check_python(generation)
         python = Path(generation.vllm_python)
         self._folder = Path(tempfile.mkdtemp(prefix="ppo-vllm-"))
@@ -376,9 +398,11 @@ class VLLMEngine:
         :func:`row_seeds` of ``chunk_seeds[c]`` (without them, of a seed drawn from torch's
         global generator). The batch is the loop's: left-padded prompts, responses padded
         after their stop id, ``logprobs`` vLLM's."""
-        self.load_weights(model)
         stops = stop_token_ids(model, tokenizer)
         ids = prompt_token_ids(tokenizer, prompts)
+        g = self.generation
+        self._check_prompts_fit(ids, g.max_new_tokens)
+        self.load_weights(model)
         seeds: list[int] = []
         for index, start in enumerate(range(0, len(prompts), chunk_size)):
             rows = len(ids[start : start + chunk_size])
@@ -388,7 +412,6 @@ class VLLMEngine:
                 else int(torch.randint(0, 2**31 - 1, (1,)))
             )
             seeds.extend(row_seeds(chunk_seed, rows))
-        g = self.generation
         answer = self._request(
             {
                 "op": "sample",
@@ -409,16 +432,68 @@ class VLLMEngine:
                 f"{answer['prompts'][row][:8]}... against {ids[row][:8]}...)"
             )
         prompt_ids, prompt_mask = encode_prompts(tokenizer, prompts, device)
-        width = max((len(row) for row in answer["tokens"]), default=0)
-        response_ids = torch.full((len(ids), width), tokenizer.pad_token_id, dtype=torch.long)
-        logprobs = torch.zeros((len(ids), width), dtype=torch.float32)
-        for row, (tokens, values) in enumerate(
-            zip(answer["tokens"], answer["logprobs"], strict=True)
-        ):
-            response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
-        response_ids, logprobs = response_ids.to(device), logprobs.to(device)
-        response_mask, has_eos = response_mask_from_ids(response_ids, stops)
-        return GeneratedBatch(
-            prompt_ids, prompt_mask, response_ids, response_mask, has_eos, logprobs
+        response_ids, response_mask, has_eos, logprobs = responses_from_answer(
+            answer, stops, g.max_new_tokens, tokenizer.pad_token_id
         )
+        return GeneratedBatch(
+            prompt_ids,
+            prompt_mask,
+            response_ids.to(device),
+            response_mask.to(device),
+            has_eos.to(device),
+            logprobs.to(device),
+        )
+
+    def _check_prompts_fit(self, ids: Sequence[Sequence[int]], max_new_tokens: int) -> None:
+        """Refuse, before sampling, a prompt whose reply could not be sampled whole in the
+        engine's context (vLLM would end it early, and the row would look finished)."""
+        room = self.max_model_len - max_new_tokens
+        for row, prompt in enumerate(ids):
+            if len(prompt) > room:
+                raise EngineError(
+                    f"prompt {row} is {len(prompt)} tokens, and the vLLM engine's context of "
+                    f"{self.max_model_len} holds prompts of at most {room} beside "
+                    f"generation.max_new_tokens={max_new_tokens}; the engine was started for "
+                    "shorter prompts than this stage gave it"
+                )
+
+
+def responses_from_answer(
+    answer: dict, stop_ids: Sequence[int], max_new_tokens: int, pad_token_id: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The worker's ``sample`` answer (:mod:`~ppo_core.experience.vllm_worker`) as the loop's
+    tensors ``(response_ids [B, T], response_mask [B, T], has_eos [B], logprobs [B, T])``, ``T``
+    the longest row. Each row is what was sampled: its mask covers exactly the tokens the
+    worker returned (the pad id after them, often the EOS id itself, is never counted), and
+    ``has_eos`` is true only where the last token returned, a sampled one, is a stop id (vLLM
+    reports ``"length"`` for a stop id drawn as the last allowed token, which the loop counts
+    as a stop). A row that ended without a stop id before ``max_new_tokens`` (cut by the
+    context) is an :class:`EngineError`: a cut row would pass for a finished one."""
+    rows = answer["tokens"]
+    finish = answer["finish"]
+    width = max((len(row) for row in rows), default=0)
+    response_ids = torch.full((len(rows), width), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    logprobs = torch.zeros((len(rows), width), dtype=torch.float32)
+    has_eos = torch.zeros(len(rows), dtype=torch.bool)
+    stops = set(stop_ids)
+    for row, (tokens, values, reason) in enumerate(
+        zip(rows, answer["logprobs"], finish, strict=True)
+    ):
+        if len(values) != len(tokens):
+            raise EngineError(
+                f"the vLLM engine returned {len(tokens)} tokens and {len(values)} "
+                f"log-probabilities for row {row}"
+            )
+        stopped = bool(tokens) and tokens[-1] in stops
+        if not stopped and len(tokens) != max_new_tokens:
+            raise EngineError(
+                f"the vLLM engine ended row {row} after {len(tokens)} of "
+                f"generation.max_new_tokens={max_new_tokens} tokens without a stop id "
+                f"(finish reason {reason!r}): a cut row, never trained on"
+            )
+        response_ids[row, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+        response_mask[row, : len(tokens)] = True
+        logprobs[row, : len(values)] = torch.tensor(values, dtype=torch.float32)
+        has_eos[row] = stopped
+    return response_ids, response_mask, has_eos, logprobs

@@ -8,8 +8,10 @@ anything is sampled, a prompt and response budget past the model's positions.
 
 from __future__ import annotations
 
-import json
+import warnings
 from collections.abc import Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import cast
 
 import torch
@@ -17,27 +19,31 @@ from torch import Tensor
 
 from ppo_core.config import Config, ConfigError, GenerationConfig
 from ppo_core.experience.engines import VLLMEngine
+from ppo_core.files.artifacts import VALIDATION_RECORD
 from ppo_core.math.batching import by_length, kept_columns, micro_batch_slices
-from ppo_core.models.folders import check_model_folder
+from ppo_core.models.folders import check_model_folder, declared_positions
 from ppo_core.models.generation import (
     GeneratedBatch,
     concat_generated,
     decode_responses,
     generate_responses,
+    prompt_token_ids,
 )
 from ppo_core.models.policy import ActorCritic
 from ppo_core.models.scoring import ScoredBatch, score_sequences, score_values
 from ppo_core.parallel.runtime import Runtime
-from ppo_core.prompts import Prompt
+from ppo_core.prompts import Prompt, read_manifest_hash, read_validation_record
 from ppo_core.rewards.loading import RewardFn, checked_scores
 
 __all__ = [
-    "POSITION_KEYS",
     "POSITIVE_SCORE",
+    "BoundAdoptedWarning",
     "check_context_length",
+    "longest_prompt",
     "sample_responses",
     "score_in_chunks",
     "score_responses",
+    "with_validated_bound",
 ]
 
 POSITIVE_SCORE = 0.05
@@ -153,9 +159,49 @@ def score_responses(
     return texts, checked_scores(reward_fn(prompts, texts), len(prompts))
 
 
-POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
-"""Where a model's ``config.json`` says how many positions it has (Llama and most families,
-GPT-2, older GPT-2 configs)."""
+class BoundAdoptedWarning(UserWarning):
+    """A stage took the prompt token bound its data was validated with over its own."""
+
+
+def with_validated_bound(config: Config, prompt_file: str | Path) -> Config:
+    """``config`` with ``validation.max_tokens`` set to the bound ``ppo validate`` held
+    ``prompt_file``'s data version to (its ``validated_with.json``), so that every stage sizes
+    contexts for the prompts the data really holds; a differing setting is named in a
+    :class:`BoundAdoptedWarning`. A prompt file without a record, or whose record names another
+    data version than its manifest, keeps the config's bound."""
+    record = read_validation_record(prompt_file)
+    if record is None or record["max_tokens"] == config.validation.max_tokens:
+        return config
+    if record.get("data_hash") != read_manifest_hash(prompt_file):
+        return config  # the record of another data version than the file's (copied by hand)
+    validated = record["max_tokens"]
+    warnings.warn(
+        f"validation.max_tokens={config.validation.max_tokens} differs from the "
+        f"{validated} that `ppo validate` held {prompt_file}'s data version to "
+        f"({Path(prompt_file).with_name(VALIDATION_RECORD)}); using {validated}",
+        BoundAdoptedWarning,
+        stacklevel=2,
+    )
+    return replace(config, validation=replace(config.validation, max_tokens=validated))
+
+
+def longest_prompt(tokenizer, prompts: Sequence[Prompt], config: Config, where: str) -> int:
+    """The number of tokens of the longest of ``prompts`` as the policy sees them
+    (:func:`~ppo_core.models.generation.prompt_token_ids`, a chat rendered by its template),
+    refused past ``validation.max_tokens``, the bound every stage sizes contexts by: a prompt
+    ``ppo validate`` did not hold to it (``where`` names the file) is an error before
+    anything is sampled, never a row cut short."""
+    lengths = [len(ids) for ids in prompt_token_ids(tokenizer, prompts)]
+    longest = max(lengths, default=0)
+    bound = config.validation.max_tokens
+    if longest > bound:
+        row = lengths.index(longest)
+        raise ConfigError(
+            f"{where}: prompt {row} is {longest} tokens, more than validation.max_tokens="
+            f"{bound}; validate the data with a bound that holds it (`ppo validate "
+            f"validation.max_tokens={longest}`, which train and evaluate then adopt)"
+        )
+    return longest
 
 
 def check_context_length(config: Config) -> None:
@@ -164,17 +210,11 @@ def check_context_length(config: Config) -> None:
     positions ``model.policy``'s ``config.json`` declares. Past them a learned position table
     fails mid-run with an ``IndexError``, and a rotary model samples where it was never
     trained, silently."""
-    path = check_model_folder(config.model.policy, "model.policy") / "config.json"
-    try:
-        declared = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return  # loading the model names what is wrong with its config
-    found = next(
-        ((k, declared[k]) for k in POSITION_KEYS if isinstance(declared.get(k), int)), None
-    )
+    folder = check_model_folder(config.model.policy, "model.policy")
+    found = declared_positions(folder)
     if found is None:
         return
-    key, positions = found
+    key, positions, path = found
     needed = config.validation.max_tokens + config.generation.max_new_tokens
     if needed > positions:
         raise ConfigError(

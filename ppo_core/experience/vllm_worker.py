@@ -17,8 +17,11 @@ Requests (dicts) and answers:
 - ``{"op": "sample", "prompts": [[ids]], "seeds": [int], ...}``: one response per prompt
   (``max_new_tokens``, ``temperature``, ``top_k``, ``top_p``, ``stop_ids``); each row's draw is
   seeded by its own seed, so a run repeats on one machine. Answers ``{"tokens": [[ids]],
-  "logprobs": [[float]], "prompts": [[ids]]}``: the sampled ids (a stop id included), each
-  one's log-probability as vLLM computed it (``logprobs_mode``), and the prompt ids vLLM saw.
+  "logprobs": [[float]], "finish": [str], "prompts": [[ids]]}``: the sampled ids (a stop id
+  included), each one's log-probability as vLLM computed it (``logprobs_mode``), why each row
+  ended (vLLM's ``finish_reason``: ``"stop"`` at a stop id, ``"length"`` at ``max_new_tokens``
+  or at the end of the engine's context), and the prompt ids vLLM saw. Nothing is padded: a
+  row is what was sampled.
 - ``{"op": "stop"}``: the process exits.
 
 Every answer is ``{"ok": ...}`` or ``{"error": "one line"}``.
@@ -122,19 +125,20 @@ def _sample(llm, request: dict) -> dict:
         for seed in request["seeds"]
     ]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    tokens, logprobs, seen = [], [], []
+    tokens, logprobs, finish, seen = [], [], [], []
     for output in outputs:
         seen.append(list(output.prompt_token_ids or ()))
         completion = output.outputs[0]
         ids = list(completion.token_ids)
         tokens.append(ids)
+        finish.append(str(completion.finish_reason))
         logprobs.append(
             [
                 float(step[token].logprob)
                 for step, token in zip(completion.logprobs, ids, strict=True)
             ]
         )
-    return {"tokens": tokens, "logprobs": logprobs, "prompts": seen}
+    return {"tokens": tokens, "logprobs": logprobs, "finish": finish, "prompts": seen}
 
 
 def main() -> int:

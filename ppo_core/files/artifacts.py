@@ -5,6 +5,7 @@ readers every consumer shares.
 |---|---|---|---|
 | ``manifest.json`` | ``prepare`` (and the feedback's pair version) | ``data.interim_dir``, ``data.prepared_dir`` | ``validate``, ``train``, ``reward``, ``ppo prepare`` |
 | ``summary.json`` | ``validate`` | ``validation.report_dir`` | people, the pipeline's outcome |
+| ``validated_with.json`` | ``validate`` (on publishing) | ``data.prepared_dir`` | ``train``, ``evaluate`` (the prompt token bound the data was held to) |
 | ``imported_from.json`` | ``base`` (an import) | ``model.policy`` | lineage, ``promote`` |
 | ``tiny_default.json`` | ``base`` (the tiny default) | ``model.policy`` | people |
 | ``training_summary.json`` | ``train`` | ``train.output_dir`` | ``evaluate`` (the reward it trained with), ``promote`` (data hash, base, seed) |
@@ -31,6 +32,7 @@ __all__ = [
     "TINY_DEFAULT_RECORD",
     "TRAINED_CONFIG",
     "TRAINING_SUMMARY",
+    "VALIDATION_RECORD",
     "VALIDATION_SUMMARY",
     "metric_group",
     "read_training_summary",
@@ -38,6 +40,7 @@ __all__ = [
 
 DATA_MANIFEST = "manifest.json"
 VALIDATION_SUMMARY = "summary.json"
+VALIDATION_RECORD = "validated_with.json"
 IMPORT_RECORD = "imported_from.json"
 TINY_DEFAULT_RECORD = "tiny_default.json"
 TRAINING_SUMMARY = "training_summary.json"

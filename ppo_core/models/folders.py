@@ -9,9 +9,16 @@ checks it and the base it names.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
-__all__ = ["ADAPTER_CONFIG", "ModelFolderError", "check_model_folder"]
+__all__ = [
+    "ADAPTER_CONFIG",
+    "POSITION_KEYS",
+    "ModelFolderError",
+    "check_model_folder",
+    "declared_positions",
+]
 
 ADAPTER_CONFIG = "adapter_config.json"
 
@@ -46,3 +53,24 @@ def check_model_folder(path: str | Path, role: str = "model") -> Path:
             "with save_pretrained(..., safe_serialization=True)"
         )
     return folder
+
+
+POSITION_KEYS = ("max_position_embeddings", "n_positions", "n_ctx")
+"""Where a model's ``config.json`` says how many positions it has (Llama and most families,
+GPT-2, older GPT-2 configs)."""
+
+
+def declared_positions(folder: str | Path) -> tuple[str, int, Path] | None:
+    """``(key, positions, path of config.json)`` for the first of :data:`POSITION_KEYS` the
+    folder's ``config.json`` declares as an integer; None when it declares none or cannot be
+    read (loading the model names what is wrong with it)."""
+    path = Path(folder) / "config.json"
+    try:
+        declared = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(declared, dict):
+        return None
+    return next(
+        ((k, declared[k], path) for k in POSITION_KEYS if type(declared.get(k)) is int), None
+    )

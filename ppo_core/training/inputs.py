@@ -9,7 +9,7 @@ from typing import Any
 from ppo_core.config import Config, code_free_folders
 from ppo_core.experience.engines import check_engine
 from ppo_core.experience.judges import build_reward
-from ppo_core.experience.sampling import check_context_length
+from ppo_core.experience.sampling import check_context_length, longest_prompt
 from ppo_core.files import check_replaceable
 from ppo_core.models.adapter_folders import base_fingerprint
 from ppo_core.models.causal_lm import load_tokenizer
@@ -32,6 +32,8 @@ class RunInputs:
     base_sha256: str | None = None
     """Fingerprint of ``model.policy`` (config and weights): a checkpoint continues a run only
     on the base it started from (a new generation imports a new base under the same path)."""
+    longest_prompt: int = 0
+    """Tokens of the longest train prompt (within ``validation.max_tokens``, checked)."""
 
 
 def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
@@ -66,6 +68,7 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
         max_bytes=config.data.max_bytes_per_file,
     )
     check_chat_template(tokenizer, train_prompts, model.policy, "model.policy")
+    longest = longest_prompt(tokenizer, train_prompts, config, config.data.train_file)
     return RunInputs(
         train_prompts=train_prompts,
         tokenizer=tokenizer,
@@ -77,6 +80,7 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
             versions_dir=config.reward_model.versions_dir,
         ),
         base_sha256=base_fingerprint(model.policy),
+        longest_prompt=longest,
     )
 
 

@@ -34,6 +34,7 @@ import torch
 from ppo_core.config import Config, save_config, to_yaml
 from ppo_core.experience.engines import VLLMEngine, open_engine
 from ppo_core.experience.judges import with_resolved_reward
+from ppo_core.experience.sampling import with_validated_bound
 from ppo_core.files import atomic_folder, exclusive_run
 from ppo_core.files.artifacts import TRAINED_CONFIG, TRAINING_SUMMARY
 from ppo_core.models.policy import ActorCritic
@@ -44,7 +45,7 @@ from ppo_core.prompts import Prompt, prompt_text
 from ppo_core.training.inputs import RunInputs, check_inputs
 from ppo_core.training.networks import Models, build_models
 from ppo_core.training.resume import resolve_resume
-from ppo_core.training.rollout import collect_rollout
+from ppo_core.training.rollout import SamplerGapWatch, collect_rollout
 from ppo_core.training.seeds import RandomStream, draw_prompts, sampling_seeds, stream_seed
 from ppo_core.training.state import TrainState, build_train_state, without_timings
 from ppo_core.training.stopwatch import TIMINGS, Stopwatch
@@ -120,6 +121,7 @@ def run_iteration(
                 # sharded parameters must stay FSDP's: the adapter is merged only when unsharded
                 merge_adapter=not models.strategy.sharded,
                 engine=engine,
+                measure_gap=iteration % config.ppo.sampler_gap_every == 0,
             )
     with watch.step("update"):
         # 3. PPO epochs over shuffled mini-batches, each step the exact mini-batch gradient.
@@ -169,12 +171,15 @@ def train(
 ) -> TrainSummary:
     """Run ``config.train.iterations`` PPO iterations, resuming from the newest checkpoint.
 
-    Writes checkpoints to ``train.checkpoint_dir`` and the final policy, with its config and
+    The prompt token bound is the one ``ppo validate`` held the data to, where it recorded one
+    (:func:`~ppo_core.experience.sampling.with_validated_bound`). Writes checkpoints to
+    ``train.checkpoint_dir`` and the final policy, with its config and
     lineage, to ``train.output_dir`` (atomically; a failed run leaves the previous one in place).
     A second run on the same checkpoint folder refuses to start while the first one runs.
     """
     checkpoints = Path(config.train.checkpoint_dir)
     config = with_resolved_reward(config)  # reward:current -> the version it names now
+    config = with_validated_bound(config, config.data.train_file)
     if not is_main_process():  # under torchrun, rank 0 holds the lock
         return _run(config, loggers, on_samples)
     lock = checkpoints.parent / f".{checkpoints.name}.lock"
@@ -214,10 +219,14 @@ def _run(
         "world_size": runtime.parallel.world_size,
     }
     metrics: dict[str, float] = state.history[-1] if state.history else {}
-    with open_engine(config, runtime, config.model.policy) as engine:  # one start per stage
+    gap_watch = SamplerGapWatch(config.ppo, config.generation, runtime.precision)
+    # one start per stage, its context sized for the longest prompt any rank may draw
+    with open_engine(config, runtime, config.model.policy, inputs.longest_prompt) as engine:
         while state.iteration < config.train.iterations:
             result = run_iteration(config, runtime, inputs, models, state, engine)
             metrics = result.metrics
+            if is_main:
+                gap_watch.check(state.iteration, metrics)
             for logger in loggers:
                 logger.log(state.iteration, metrics)
             if on_samples is not None and is_main:

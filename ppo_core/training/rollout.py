@@ -11,6 +11,8 @@ critic's values, or a critic-free one (:mod:`ppo_core.math.advantages`).
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -38,7 +40,7 @@ from ppo_core.rewards.loading import RewardFn
 from ppo_core.training.batch import RolloutBatch
 from ppo_core.training.stopwatch import Stopwatch
 
-__all__ = ["collect_rollout", "sampler_gap"]
+__all__ = ["SamplerGapWarning", "SamplerGapWatch", "collect_rollout", "sampler_gap"]
 
 
 @torch.no_grad()
@@ -57,6 +59,7 @@ def collect_rollout(
     chunk_seeds: Sequence[int] | None = None,
     merge_adapter: bool = True,
     engine: VLLMEngine | None = None,
+    measure_gap: bool = True,
 ) -> tuple[RolloutBatch, dict[str, float], list[str]]:
     """Generate, score and turn one batch of prompts into advantages and returns.
 
@@ -67,8 +70,9 @@ def collect_rollout(
     whole on this rank, so group statistics need no communication. With LoRA and
     ``merge_adapter`` the responses are sampled with the adapter merged into copies of the
     weights (``ActorCritic.sampling_model``), by the loop or the vLLM ``engine``; scoring always
-    runs on the unmerged model. Returns the batch, its ``rollout/*`` metrics, and the responses.
-    """
+    runs on the unmerged model. With ``ppo.old_logprobs=sampling`` and ``measure_gap`` a few
+    rows are rescored for the sampler gap. Returns the batch, its ``rollout/*`` metrics, and
+    the responses."""
     all_ranks = runtime.parallel.active
     watch = Stopwatch()
     with watch.step("generate"), actor_critic.sampling_model(merge_adapter) as sampler:
@@ -90,18 +94,15 @@ def collect_rollout(
     mask = generated.response_mask
     with watch.step("reward"):
         responses, raw_scores = score_responses(reward_fn, tokenizer, prompts, generated)
-    raw_scores = raw_scores.to(runtime.device)
-    scores = raw_scores
+    scores = raw_scores = raw_scores.to(runtime.device)
     if ppo.missing_eos_penalty is not None:
         scores = torch.where(generated.has_eos, scores, scores - ppo.missing_eos_penalty)
-
     token_kl = kl_penalty(policy_scored.logprobs, reference_scored.logprobs, kl.estimator, mask)
     reward_kl_coef = 0.0 if kl.in_loss else kl_coef
     rewards = token_rewards(scores, token_kl, mask, reward_kl_coef)
     advantages, returns = _advantages(
         ppo, scores, token_kl, reward_kl_coef, rewards, mask, policy_scored.values, all_ranks
     )
-
     batch = RolloutBatch(
         prompt_ids=generated.prompt_ids,
         prompt_mask=generated.prompt_mask,
@@ -118,7 +119,9 @@ def collect_rollout(
     )
     metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
     metrics["rollout/kl_coef"] = float(kl_coef)
-    metrics.update(_sampler_metrics(ppo, generated, batch, all_ranks))
+    rescorer = (actor_critic, generation.temperature, runtime) if measure_gap else None
+    with watch.step("score"):
+        metrics.update(_sampler_metrics(ppo, generated, batch, all_ranks, rescorer))
     metrics.update(watch.metrics())
     return batch, metrics, responses
 
@@ -135,18 +138,95 @@ def _importance_weights(
 
 
 def _sampler_metrics(
-    ppo: PPOConfig, generated: GeneratedBatch, batch: RolloutBatch, all_ranks: bool
+    ppo: PPOConfig,
+    generated: GeneratedBatch,
+    batch: RolloutBatch,
+    all_ranks: bool,
+    rescorer: tuple[ActorCritic, float, Runtime] | None,
 ) -> dict[str, float]:
-    """The sampler gap when the old log-probabilities were rescored (with ``sampling`` they are
-    the sampler's own), and the mean TIS weight when it is on."""
-    if ppo.old_logprobs != "rescore" or generated.logprobs is None:
+    """The sampler gap and, when TIS is on, the mean TIS weight. With ``rescore`` the gap is
+    every row's, the old log-probabilities being the trainer's; with ``sampling`` (they are the
+    sampler's own) the policy of ``rescorer`` (``(actor_critic, temperature, runtime)``, None
+    to skip this iteration) rescores the first ``ppo.sampler_gap_rows`` rows of every rank."""
+    if generated.logprobs is None:
         return {}
     mask = batch.response_mask
-    metrics = sampler_gap(generated.logprobs, batch.old_logprobs, mask, all_ranks)
+    if ppo.old_logprobs == "rescore":
+        metrics = sampler_gap(generated.logprobs, batch.old_logprobs, mask, all_ranks)
+    elif rescorer is not None:
+        actor_critic, temperature, runtime = rescorer
+        few = _first_rows(generated, ppo.sampler_gap_rows)
+        size = ppo.scoring_batch_size or ppo.micro_batch_size
+        scored = score_in_chunks(actor_critic, few, temperature, runtime, size, with_values=False)
+        assert few.logprobs is not None
+        metrics = sampler_gap(few.logprobs, scored.logprobs, few.response_mask, all_ranks)
+    else:
+        return {}
     if batch.importance_weights is not None:
         weight = RunningMean.from_masked(batch.importance_weights, mask)
         metrics["rollout/tis_weight"] = (weight.all_reduce() if all_ranks else weight).item()
     return metrics
+
+
+def _first_rows(generated: GeneratedBatch, rows: int) -> GeneratedBatch:
+    """The batch's first ``rows`` rows (every field cut alike)."""
+    return dataclasses.replace(
+        generated,
+        **{
+            field.name: getattr(generated, field.name)[:rows]
+            for field in dataclasses.fields(generated)
+            if getattr(generated, field.name) is not None
+        },
+    )
+
+
+class SamplerGapWarning(UserWarning):
+    """The sampler's log-probabilities of the sampled tokens are far from the trainer's."""
+
+
+class SamplerGapWatch:
+    """Warns once per run when ``rollout/sampler_gap_mean`` passes ``ppo.sampler_gap_warn``,
+    naming the likely causes and the keys."""
+
+    def __init__(self, ppo: PPOConfig, generation: GenerationConfig, precision: str) -> None:
+        self.bound = ppo.sampler_gap_warn
+        self.ppo, self.generation, self.precision = ppo, generation, precision
+        self.warned = False
+
+    def check(self, iteration: int, metrics: dict[str, float]) -> None:
+        gap = metrics.get("rollout/sampler_gap_mean")
+        if self.warned or self.bound is None or gap is None or gap <= self.bound:
+            return
+        self.warned = True
+        causes = []
+        if self.precision == "bf16":
+            causes.append(
+                "bf16 sampling against the trainer's rescoring (precision=bf16); "
+                "ppo.tis_cap corrects for it"
+            )
+        if self.generation.engine == "vllm" and (
+            self.generation.top_k or self.generation.top_p < 1.0
+        ):
+            causes.append(
+                "generation.top_k/top_p on the vLLM engine, whose log-probabilities describe "
+                "the truncated distribution"
+            )
+        causes.append("a sampler and trainer that do not see the same model or tokens (a bug)")
+        mode = (
+            " With ppo.old_logprobs=sampling the update takes the sampler's numbers as the old "
+            "policy's: ppo.old_logprobs=rescore uses the trainer's."
+            if self.ppo.old_logprobs == "sampling"
+            else ""
+        )
+        warnings.warn(
+            f"rollout/sampler_gap_mean={gap:.3g} nats per token at iteration {iteration} is over "
+            f"ppo.sampler_gap_warn={self.bound:g} (largest "
+            f"{metrics.get('rollout/sampler_gap_max', float('nan')):.3g}): the sampler's "
+            "log-probabilities of the sampled tokens are not the trainer's. Likely: "
+            f"{'; '.join(causes)}.{mode} Warned once per run.",
+            SamplerGapWarning,
+            stacklevel=2,
+        )
 
 
 def _value_head_for_sampling(

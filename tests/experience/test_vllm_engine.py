@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from ppo_core.config import load_config
 from ppo_core.experience.engines import EngineError, VLLMEngine
-from ppo_core.models.generation import encode_prompts, generate_responses
+from ppo_core.models.generation import encode_prompts, generate_responses, prompt_token_ids
 from ppo_core.models.scoring import score_sequences
 from ppo_core.training.rollout import sampler_gap
 from tests.helpers import small_config
@@ -249,13 +249,58 @@ def test_a_ppo_run_on_the_engine_logs_the_gap_and_the_engine_ends_with_it(
     assert after <= before
 
 
+def _prompts_of_many_lengths(path: Path, tokenizer, longest: int) -> Path:
+    """Train prompts of 2 to ``longest`` tokens, the longest past ``validation.max_tokens``'
+    default of 32 plus 6 new tokens (the context the engine was once sized with, which cut the
+    longest rows)."""
+    words = [
+        "the",
+        "film",
+        "was",
+        "a",
+        "quiet",
+        "and",
+        "patient",
+        "study",
+        "of",
+        "grief",
+        "with",
+        "a",
+        "score",
+        "that",
+        "never",
+        "lets",
+        "go",
+    ]
+    texts = [" ".join(words[i % len(words)] for i in range(n)) for n in range(1, 40)]
+    lengths = {text: len(tokenizer(text)["input_ids"]) for text in texts}
+    kept = [text for text in texts if lengths[text] <= longest]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    assert max(lengths[text] for text in kept) > 32 + 6, lengths
+    path.write_text("".join(json.dumps({"prompt": text}) + "\n" for text in kept))
+    return _validated(path, longest)
+
+
+def _validated(path: Path, bound: int) -> Path:
+    """``path`` as ``ppo validate`` publishes a version held to ``validation.max_tokens=bound``:
+    a manifest and ``validated_with.json`` beside it, which train adopts."""
+    (path.parent / "manifest.json").write_text(json.dumps({"content_hash": "v1"}))
+    record = {"max_tokens": bound, "min_tokens": 1, "data_hash": "v1"}
+    (path.parent / "validated_with.json").write_text(json.dumps(record))
+    return path
+
+
 def test_the_engines_log_probabilities_with_values_computed_alone(
     engine_python, tmp_path, tiny_model_dir, prompt_files, monkeypatch
 ):
     """``ppo.old_logprobs=sampling`` on the engine with the shared value head: the engine gives
     no hidden states, so the policy's pass computes the values alone (``ActorCritic.values``,
     its output layer cut to one position), and the log-probabilities are the engine's. Two
-    iterations, so the second rollout's values come from a head the first update moved."""
+    iterations, so the second rollout's values come from a head the first update moved. The
+    prompts run to 48 tokens, validated with ``validation.max_tokens=48`` and trained with the
+    default 32 (train adopts 48): each row is what the engine sampled (none cut by its
+    context), and the sampler gap, rescored on a few rows at the first iteration
+    (``ppo.sampler_gap_every``), is fp32 noise."""
     from ppo_core.models.policy import ActorCritic
     from ppo_core.training.loop import train
 
@@ -270,21 +315,98 @@ def test_the_engines_log_probabilities_with_values_computed_alone(
         "forward",
         lambda self, *a, **k: passes.append("forward") or forward(self, *a, **k),
     )
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    # the tiny default has 64 positions: 48 + 6 fit
+    train_file = _prompts_of_many_lengths(tmp_path / "data" / "long.jsonl", tokenizer, 48)
     config = _engine_run(
         engine_python,
         tmp_path,
         tiny_model_dir,
-        prompt_files,
+        (train_file, prompt_files[1]),
         "ppo.old_logprobs=sampling",
         "train.iterations=2",
     )
+    assert config.validation.max_tokens == 32
     metrics = train(config).history
     assert "values" in passes
     rollout_passes = passes[: passes.index("values") + 1]
     assert rollout_passes == ["values"]  # the first rollout ran no forward of the policy
     assert metrics[0]["rollout/value_mean"] == 0.0  # the head starts at zero
     assert metrics[1]["rollout/value_mean"] != 0.0
-    assert "rollout/sampler_gap_mean" not in metrics[1]  # sampling: nothing to compare
+    gap = {k: v for k, v in metrics[0].items() if "sampler" in k}
+    print(gap)
+    assert gap["rollout/sampler_gap_mean"] <= 1e-3 and gap["rollout/sampler_gap_max"] <= 0.1
+    assert "rollout/sampler_gap_mean" not in metrics[1]  # measured every 10 iterations
+
+
+PLAIN_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}{{ message['role'] }}: "
+    "{{ message['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+def test_a_chat_model_whose_pad_is_its_stop_gets_only_sampled_stops(
+    engine_python, tmp_path, tiny_model_dir
+):
+    """The tiny default made a chat model whose pad id is its EOS (as SmolLM2 pads with its
+    ``<|im_end|>``), chat prompts of 10 to 48 tokens, train's defaults otherwise: every row is
+    what the engine sampled, so the gap is fp32 noise with either ``ppo.old_logprobs`` (a stop
+    the engine never sampled has log-probability 0.0 on its side), and both kinds of row, with
+    and without a sampled stop, are there."""
+    import shutil
+
+    from ppo_core.config import load_config
+    from ppo_core.training.loop import train
+
+    folder = tmp_path / "chat"
+    shutil.copytree(tiny_model_dir, folder)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+    tokenizer.save_pretrained(folder)
+    settings = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(
+        json.dumps({**settings, "pad_token_id": tokenizer.eos_token_id})
+    )
+    words = (
+        "the film was a quiet and patient study of grief with a score that never lets go " * 3
+    ).split()
+    chats = [
+        {"messages": [{"role": "user", "content": " ".join(words[: 2 + 3 * n])}]} for n in range(8)
+    ]
+    lengths = [len(ids) for ids in prompt_token_ids(tokenizer, [c["messages"] for c in chats])]
+    # 12 to 47 tokens: the longest leave 1 to 4 tokens in the context once sized from
+    # validation.max_tokens' default (32 + 16 new tokens)
+    assert min(lengths) < 32 and 44 <= max(lengths) <= 48, lengths
+    train_file = tmp_path / "chats.jsonl"
+    train_file.write_text("".join(json.dumps(chat) + "\n" for chat in chats * 2))
+    _validated(train_file, 48)  # validated with 48, trained with the default of 32
+    runs = {}
+    for mode in ("rescore", "sampling"):
+        run = tmp_path / mode
+        runs[mode] = train(
+            load_config(
+                overrides=[
+                    f"model.policy={folder}",
+                    f"data.train_file={train_file}",
+                    f"train.output_dir={run / 'candidate'}",
+                    f"train.checkpoint_dir={run / 'checkpoints'}",
+                    "ppo.rollout_batch_size=16",
+                    "ppo.mini_batch_size=8",
+                    "ppo.micro_batch_size=8",
+                    "ppo.epochs=1",
+                    "train.iterations=1",
+                    f"ppo.old_logprobs={mode}",
+                    "generation.engine=vllm",
+                    f"generation.vllm_python={engine_python}",
+                ]
+            )
+        ).history[0]
+    for mode, metrics in runs.items():
+        print(mode, {k: v for k, v in metrics.items() if "sampler" in k or "eos" in k})
+        assert metrics["rollout/sampler_gap_mean"] <= 1e-3, mode
+        assert metrics["rollout/sampler_gap_max"] <= 0.1, mode
+        assert 0.0 < metrics["rollout/eos_rate"] < 1.0, mode  # both kinds of row are there
 
 
 def test_each_ddp_rank_samples_with_an_engine_of_its_own(

@@ -91,3 +91,32 @@ def test_a_link_in_the_candidate_version_is_never_read_or_published(tmp_path, ti
     with pytest.raises(PromptFileError, match=r"manifest.json is not a regular file"):
         validate(config)
     assert not (tmp_path / "prepared").exists()
+
+
+def test_the_bound_validate_held_the_prompts_to_is_what_train_and_evaluate_use(
+    tmp_path, tiny_model_dir
+):
+    """``ppo validate validation.max_tokens=48`` publishes the bound with the version
+    (``validated_with.json``); a stage run with the default of 32 adopts 48, saying so, since
+    the published prompts may run to 48 tokens; a record of another data version (a prompt
+    file copied over by hand) and a file without a record keep the stage's own bound."""
+    from ppo_core.experience.sampling import BoundAdoptedWarning, with_validated_bound
+
+    config = stage_config(tmp_path, tiny_model_dir)
+    config.validation.max_tokens = 48
+    train = [f"The movie number {i} was " + "very " * (i % 30) for i in range(20)]
+    write_version(tmp_path / "interim", train, [f"The film number {i} is" for i in range(5)])
+    published = validate(config)
+    record = json.loads((published / "validated_with.json").read_text())
+    assert record["max_tokens"] == 48 and record["min_tokens"] == config.validation.min_tokens
+    run = load_config(overrides=[f"data.train_file={published / 'train.parquet'}"])
+    assert run.validation.max_tokens == 32
+    with pytest.warns(BoundAdoptedWarning, match=r"validation.max_tokens=32 differs from the 48"):
+        adopted = with_validated_bound(run, run.data.train_file)
+    assert adopted.validation.max_tokens == 48
+    assert with_validated_bound(adopted, run.data.train_file) is adopted  # agrees: no word
+
+    (published / "manifest.json").write_text(json.dumps({"content_hash": "another"}))
+    assert with_validated_bound(run, run.data.train_file).validation.max_tokens == 32
+    (published / "validated_with.json").unlink()
+    assert with_validated_bound(run, run.data.train_file).validation.max_tokens == 32

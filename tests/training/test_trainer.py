@@ -625,6 +625,36 @@ def test_new_tokens_past_the_models_positions_are_refused_before_anything_is_wri
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
 
 
+def test_train_takes_the_prompt_bound_validate_held_the_data_to(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    """Data validated with ``validation.max_tokens=48`` (its ``validated_with.json``) and a
+    run with the default 32: train adopts 48, so 48 + 20 new tokens is past the tiny default's
+    64 positions and refused before anything is written (with 32 the run would start, and
+    rows of the longest prompts would be cut)."""
+    from ppo_core.config import ConfigError
+    from ppo_core.experience.sampling import BoundAdoptedWarning
+
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_bytes(prompt_files[0].read_bytes())
+    (data / "manifest.json").write_text(json.dumps({"content_hash": "v1"}))
+    (data / "validated_with.json").write_text(json.dumps({"max_tokens": 48, "data_hash": "v1"}))
+    config = small_config(
+        tmp_path,
+        tiny_model_dir,
+        (data / "train.jsonl", prompt_files[1]),
+        "generation.max_new_tokens=20",
+    )
+    assert config.validation.max_tokens == 32
+    with (
+        pytest.warns(BoundAdoptedWarning, match="using 48"),
+        pytest.raises(ConfigError, match=r"validation.max_tokens=48 plus .*=20 is 68 positions"),
+    ):
+        train(config)
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
+
+
 @pytest.mark.parametrize("case", ["another base", "no recorded base"])
 def test_a_checkpoint_of_another_or_an_unrecorded_base_is_not_resumed(
     tmp_path, tiny_model_dir, prompt_files, case
