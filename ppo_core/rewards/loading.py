@@ -25,12 +25,14 @@ reward that hangs stops the run, and releases its lock, instead of blocking it f
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
+import inspect
 import os
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -49,9 +51,17 @@ from ppo_core.rewards.classifier import (
 )
 from ppo_core.rewards.scorers import BUILTIN_REWARDS
 
-__all__ = ["RewardError", "RewardTimeoutError", "build_reward_fn", "checked_scores"]
+__all__ = [
+    "RewardError",
+    "RewardTimeoutError",
+    "build_reward_fn",
+    "checked_scores",
+    "reference_keywords",
+]
 
-RewardFn = Callable[[list[Prompt], list[str]], Tensor]
+RewardFn = Callable[..., Tensor]
+"""``reward(prompts, responses, references=None) -> scores [B]``: ``references`` maps each
+reference field of the rows to its values, one a row."""
 
 
 class RewardError(ValueError):
@@ -74,6 +84,7 @@ def build_reward_fn(
     code_free: Sequence[str] = (),
     normalization: tuple[float, float] | None = None,
     name: str | None = None,
+    reference_fields: Sequence[str] = (),
 ) -> RewardFn:
     """The reward function described by ``spec`` (see the module docstring), which the setting
     ``key`` names; each call that takes longer than ``timeout`` seconds raises
@@ -81,13 +92,51 @@ def build_reward_fn(
     in one of the folders ``code_free`` (model, data, checkpoint and report folders: what a
     run writes or a model brings) is refused before it is imported. ``normalization``
     (mean, std) standardises a reward model folder's scores; ``name`` is what errors call the
-    reward (default ``spec``)."""
+    reward (default ``spec``).
+
+    A reward may take the prompt rows' reference fields (``reference_fields``: an ``answer``,
+    ``tests``, ...) as keyword arguments, as TRL's GRPO rewards take dataset columns:
+    ``def reward(prompts, responses, *, answer, **rest)``; its signature is read once, here,
+    and a keyword it requires that the rows do not carry is a :class:`RewardError` naming it.
+    A two-argument reward gets none of them."""
     callable_ = _reward_callable(spec, device, trust_remote_code, key, tuple(code_free))
     if normalization is not None:
         if not isinstance(callable_, _RewardModel):
             raise RewardError(f"{key}={spec!r}: only a reward model's scores are normalised")
         callable_.normalization = normalization
-    return _checked(callable_, name or spec, timeout)
+    wanted = reference_keywords(callable_, reference_fields, f"{key}={spec!r}")
+    return _checked(callable_, name or spec, timeout, wanted)
+
+
+def reference_keywords(
+    function: Callable[..., Any], reference_fields: Sequence[str], where: str
+) -> tuple[str, ...]:
+    """The reference fields ``function`` takes beside ``(prompts, responses)``: each named
+    parameter after the first two (all of ``reference_fields`` for a ``**kwargs``), in the
+    order of ``reference_fields``. A required one the rows do not carry is a
+    :class:`RewardError` naming it and the fields there are."""
+    try:
+        parameters = list(inspect.signature(function).parameters.values())
+    except (TypeError, ValueError):
+        return ()  # a callable without a signature to read: the two-argument convention
+    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    rest = [p for p in parameters if p.kind != inspect.Parameter.VAR_POSITIONAL]
+    rest = rest[2:] if len([p for p in rest[:2] if p.kind in positional]) == 2 else rest
+    takes_any = any(p.kind == inspect.Parameter.VAR_KEYWORD for p in rest)
+    named = {p.name: p for p in rest if p.kind != inspect.Parameter.VAR_KEYWORD}
+    missing = [
+        name
+        for name, parameter in named.items()
+        if parameter.default is inspect.Parameter.empty and name not in reference_fields
+    ]
+    if missing:
+        have = ", ".join(reference_fields) or "none"
+        raise RewardError(
+            f"{where} asks for the keyword {missing[0]!r}, which the prompt rows do not "
+            f"carry (data.reference_fields: {have}); add it to the rows and to "
+            "data.reference_fields, or give the parameter a default"
+        )
+    return tuple(field for field in reference_fields if takes_any or field in named)
 
 
 def _reward_callable(
@@ -181,16 +230,33 @@ def _within(path: str, folder: str) -> bool:
     return path == folder or path.startswith(folder.rstrip(os.sep) + os.sep)
 
 
-def _checked(function: RewardFn, name: str, timeout: float = 0.0) -> RewardFn:
+def _checked(
+    function: Callable[..., Any], name: str, timeout: float = 0.0, wanted: Sequence[str] = ()
+) -> RewardFn:
     """Wrap a reward function so that errors, bad outputs and calls longer than ``timeout``
-    seconds (0: no limit) name it."""
+    seconds (0: no limit) name it; the wrapper takes the batch's reference fields as
+    ``references`` (``{field: [value per row]}``) and passes the ``wanted`` ones on as
+    keywords."""
 
-    def reward(prompts: list[Prompt], responses: list[str]) -> Tensor:
+    def reward(
+        prompts: list[Prompt],
+        responses: list[str],
+        references: Mapping[str, Sequence[Any]] | None = None,
+    ) -> Tensor:
+        given = references or {}
+        absent = [field for field in wanted if field not in given]
+        if absent:
+            raise RewardError(
+                f"the reward {name!r} takes the reference field {absent[0]!r}, which this "
+                "batch does not carry"
+            )
+        keywords = {field: list(given[field]) for field in wanted}
+        call = functools.partial(function, **keywords) if keywords else function
         try:
             if timeout > 0:
-                raw = _call_with_timeout(function, prompts, responses, timeout, name)
+                raw = _call_with_timeout(call, prompts, responses, timeout, name)
             else:
-                raw = function(prompts, responses)
+                raw = call(prompts, responses)
         except RewardTimeoutError:
             raise
         except Exception as exc:

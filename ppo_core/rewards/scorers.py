@@ -15,6 +15,10 @@ Built-in scorers, both rule based and CPU only, so that nothing is downloaded:
   promotion gate's check (``promote.check_reward``): a policy that learnt one lexicon's quirks is
   not rewarded for them by the other. Both still reward a repeated positive word; the gate's
   distinct-2 guard is the one that catches repetition.
+
+Verifiers, which take the row's ``answer`` reference field as a keyword
+(:mod:`ppo_core.rewards.verifiers`): ``builtin:exact_match`` (the normalised final answer) and
+``builtin:math_answer`` (math-verify, symbolically, each reply bounded in time).
 """
 
 from __future__ import annotations
@@ -87,3 +91,55 @@ class AfinnScorer(SentimentScorer):
     def score_texts(self, texts: list[str]) -> list[float]:
         """Return ``tanh(sum of valences / 5)`` of each whole text."""
         return [math.tanh(self._afinn.score(text) / 5.0) for text in texts]
+
+
+@builtin_reward("builtin:exact_match")
+class ExactMatchReward:
+    """1.0 where the reply's final answer equals the row's ``answer`` field, both normalised
+    (:func:`ppo_core.rewards.verifiers.exact_match`); 0.0 otherwise. Each call's reasons
+    (``correct``, ``wrong``, ``empty``) are counted in :attr:`last_reasons`."""
+
+    def __init__(self) -> None:
+        self.last_reasons: dict[str, int] = {}
+
+    def __call__(
+        self, prompts: list[Prompt], responses: list[str], *, answer: list
+    ) -> torch.Tensor:
+        from ppo_core.rewards.verifiers import exact_match
+
+        verdicts = [exact_match(r, str(a)) for r, a in zip(responses, answer, strict=True)]
+        return _scored(self, verdicts)
+
+
+@builtin_reward("builtin:math_answer")
+class MathAnswerReward:
+    """1.0 where the reply's final answer (its last ``\\boxed{}``, ``####`` or "answer is")
+    equals the row's ``answer`` field symbolically, by math-verify in a worker process, each
+    reply within :data:`MATH_SECONDS` (:class:`ppo_core.rewards.verifiers.MathAnswerChecker`);
+    0.0 otherwise. Reasons (``correct``, ``wrong``, ``unparsed``, ``timeout``, ``error``) are
+    counted in :attr:`last_reasons`."""
+
+    def __init__(self) -> None:
+        from ppo_core.rewards.verifiers import MathAnswerChecker
+
+        self.checker = MathAnswerChecker(seconds=MATH_SECONDS)
+        self.last_reasons: dict[str, int] = {}
+
+    def __call__(
+        self, prompts: list[Prompt], responses: list[str], *, answer: list
+    ) -> torch.Tensor:
+        verdicts = [self.checker.check(r, str(a)) for r, a in zip(responses, answer, strict=True)]
+        return _scored(self, verdicts)
+
+
+MATH_SECONDS = 5.0
+"""Longest ``builtin:math_answer`` spends on one reply (math-verify's own default)."""
+
+
+def _scored(reward, verdicts) -> torch.Tensor:
+    """The verdicts' scores as a float32 tensor, their reasons counted on ``reward``."""
+    reasons: dict[str, int] = {}
+    for verdict in verdicts:
+        reasons[verdict.reason] = reasons.get(verdict.reason, 0) + 1
+    reward.last_reasons = reasons
+    return torch.tensor([verdict.score for verdict in verdicts], dtype=torch.float32)
