@@ -10,7 +10,13 @@ import json
 from pathlib import Path
 
 from flows.feedback_data import prepare_feedback
-from flows.raw_data import in_eval_split, normalise_prompt, raw_sources, read_raw_prompts
+from flows.raw_data import (
+    in_eval_split,
+    normalise_prompt,
+    raw_sources,
+    read_raw_prompts,
+    read_raw_references,
+)
 from ppo_core.config import Config
 from ppo_core.files import atomic_folder, file_sha256
 from ppo_core.files.artifacts import DATA_MANIFEST
@@ -20,6 +26,12 @@ from ppo_core.prompts import (
     is_chat,
     parquet_size,
     project_path,
+)
+from ppo_core.references import (
+    REFERENCES_COLUMN,
+    Reference,
+    check_reference_fields,
+    reference_json,
 )
 
 __all__ = ["prepare_prompts"]
@@ -42,7 +54,8 @@ def prepare_prompts(config: Config) -> Path:
     import pandas as pd
 
     data = config.data
-    prompts, counts, source_info, chat = _distinct_prompts(config)
+    check_reference_fields(data.reference_fields, data.prompt_field)
+    prompts, counts, source_info, chat, references = _distinct_prompts(config)
     column = CHAT_FIELD if chat else data.prompt_field
     evals = [p for p in prompts if in_eval_split(p, data.split_seed, data.eval_fraction)]
     trains = [p for p in prompts if not in_eval_split(p, data.split_seed, data.eval_fraction)]
@@ -64,6 +77,8 @@ def prepare_prompts(config: Config) -> Path:
     for split, items in (("train", trains), ("eval", evals)):
         for prompt in items:
             content.update(f"{split}\x00{prompt}\n".encode())
+            if references:  # a changed answer is a new data version
+                content.update(f"{reference_json(references[prompt])}\n".encode())
     # the feedback's pair version, read (and refused when malformed) before anything is written
     feedback = prepare_feedback(config)
     manifest = {
@@ -72,11 +87,15 @@ def prepare_prompts(config: Config) -> Path:
         "eval_fraction": data.eval_fraction,
         "split_seed": data.split_seed,
         "sources": source_info,
+        **({"reference_fields": list(data.reference_fields)} if references else {}),
     }
 
     def write(tmp: Path) -> None:
         for split, items in (("train", trains), ("eval", evals)):
-            pd.DataFrame({column: items}).to_parquet(tmp / f"{split}.parquet", index=False)
+            columns = {column: items}
+            if references:  # each row's fields beside its prompt: they share a side
+                columns[REFERENCES_COLUMN] = [reference_json(references[p]) for p in items]
+            pd.DataFrame(columns).to_parquet(tmp / f"{split}.parquet", index=False)
             # the size a reader measures first, known only once written
             _, size = parquet_size(tmp / f"{split}.parquet", column)
             if size > data.max_bytes_per_file:
@@ -91,25 +110,30 @@ def prepare_prompts(config: Config) -> Path:
     return atomic_folder(data.interim_dir, write)
 
 
-def _distinct_prompts(config: Config) -> tuple[list[str], dict[str, int], list[dict], bool]:
+def _distinct_prompts(
+    config: Config,
+) -> tuple[list[str], dict[str, int], list[dict], bool, dict[str, Reference]]:
     """The normalised, distinct prompts of every raw file in order (first occurrence wins),
-    with the counts of raw, empty and duplicate rows, each source file's record, and whether
-    they are chats; a mix of plain and chat files is refused naming one of each."""
+    with the counts of raw, empty and duplicate rows, each source file's record, whether they
+    are chats, and each kept prompt's reference fields (``data.reference_fields``; empty
+    without them); a mix of plain and chat files is refused naming one of each."""
     data = config.data
     sources = raw_sources(Path(data.raw_dir))
     if not sources:
         raise PromptFileError(f"no .jsonl or .parquet prompt files in {str(Path(data.raw_dir))!r}")
     seen: set[str] = set()
     prompts: list[str] = []
+    references: dict[str, Reference] = {}
     counts = {"raw": 0, "empty": 0, "duplicates": 0}
     source_info = []
     first_of_kind: dict[bool, str] = {}  # is_chat -> the first source file of that kind
     for source in sources:
         rows = read_raw_prompts(config, source)
+        fields = read_raw_references(config, source)
         source_info.append(
             {"file": project_path(source), "sha256": file_sha256(source), "rows": len(rows)}
         )
-        for raw in rows:
+        for index, raw in enumerate(rows):
             first_of_kind.setdefault(is_chat(raw), project_path(source))
             counts["raw"] += 1
             prompt = normalise_prompt(raw)
@@ -120,10 +144,12 @@ def _distinct_prompts(config: Config) -> tuple[list[str], dict[str, int], list[d
             else:
                 seen.add(prompt)
                 prompts.append(prompt)
+                if fields:
+                    references[prompt] = fields[index]
     if len(first_of_kind) > 1:
         raise PromptFileError(
             f"{first_of_kind[False]} holds plain {data.prompt_field!r} rows and "
             f"{first_of_kind[True]} chat {CHAT_FIELD!r} rows; a data version holds one kind "
             "(write a plain prompt as a chat with one user turn to mix them)"
         )
-    return prompts, counts, source_info, bool(first_of_kind.get(True))
+    return prompts, counts, source_info, bool(first_of_kind.get(True)), references

@@ -13,6 +13,7 @@ from ppo_core.config import Config
 from ppo_core.feedback.rows import feedback_sources
 from ppo_core.files import entry_kind, file_sha256, printable
 from ppo_core.prompts import Prompt, PromptFileError, chat_json, load_prompts
+from ppo_core.references import Reference, load_references
 
 
 def _normalise(text: str) -> str:
@@ -58,6 +59,18 @@ def read_raw_prompts(config: Config, path: Path) -> list[Prompt]:
         path,
         data.prompt_field,
         allow_empty=True,
+        max_rows=data.max_rows_per_file,
+        max_bytes=data.max_bytes_per_file,
+    )
+
+
+def read_raw_references(config: Config, path: Path) -> list[Reference]:
+    """Each row's ``data.reference_fields`` of one raw file, in the order
+    :func:`read_raw_prompts` gives its prompts (``[]`` when none are declared)."""
+    data = config.data
+    return load_references(
+        path,
+        data.reference_fields,
         max_rows=data.max_rows_per_file,
         max_bytes=data.max_bytes_per_file,
     )

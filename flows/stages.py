@@ -145,6 +145,7 @@ def validate(config: Config) -> Path:
         min_train_rows=rules.min_train_rows,
         min_eval_rows=rules.min_eval_rows,
         report_dir=rules.report_dir,
+        reference_fields=config.data.reference_fields,
     )
     if not result.success:
         raise DataValidationError(result)
@@ -170,6 +171,7 @@ def _publish(config: Config, interim: Path, tmp: Path) -> None:
     record = {
         "max_tokens": config.validation.max_tokens,
         "min_tokens": config.validation.min_tokens,
+        "reference_fields": list(config.data.reference_fields),
         "data_hash": read_manifest_hash(interim / "train.parquet"),
     }
     (tmp / VALIDATION_RECORD).write_text(json.dumps(record, indent=1) + "\n")

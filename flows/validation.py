@@ -21,7 +21,7 @@ import html
 import json
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -29,6 +29,8 @@ from typing import TYPE_CHECKING, Any
 from flows.validation_results import read_result, token_stats
 from ppo_core.files import atomic_write_text, clear_output_folder
 from ppo_core.files.artifacts import VALIDATION_SUMMARY
+from ppo_core.prompts import MAX_LINE_BYTES
+from ppo_core.references import REFERENCES_COLUMN
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -109,12 +111,15 @@ def validate_prompt_splits(
     min_train_rows: int,
     min_eval_rows: int,
     report_dir: str | Path,
+    reference_fields: Sequence[str] = (),
 ) -> ValidationResult:
     """Validate the train and eval prompt splits with Great Expectations; write Data Docs and a summary.
 
     Per split: columns are exactly ``[prompt_field, "n_tokens"]``, prompts are non-null unique
     strings of ``min_tokens..max_tokens`` tokens (``count_tokens``, the policy tokenizer's counter),
     at least ``min_train_rows`` / ``min_eval_rows`` rows; on eval, no prompt also in train.
+    With ``reference_fields``, also the ``references`` column: not null, at most 1 MiB a row,
+    the JSON of an object holding every field (the derived ``reference_fields_present``).
     Never raises on bad data: the result says what failed (raise `DataValidationError` with it).
     """
     if min_tokens > max_tokens:
@@ -137,20 +142,12 @@ def validate_prompt_splits(
             min_rows[split],
             leak_set=[html.escape(p) for p in train_prompts] if split == "eval" else None,
         )
-        # Data Docs show the values that fail (and the leak set) as HTML: GE gets each prompt
-        # HTML-escaped, which changes no outcome (escaping is one-to-one, lengths are counted
-        # from the text itself); the summary's examples are read from the prompts as they are.
-        checks = [
-            read_result(outcome, split, frame, prompt_field, tokens_column)
-            for outcome in ge.check(split, expectations, _escaped(frame, prompt_field))
-        ]
-        split_reports[split] = {
-            "rows": len(frame),
-            "columns": [str(c) for c in frames[split].columns],
-            "success": all(check["success"] for check in checks),
-            "n_tokens": token_stats(frame[tokens_column]),
-            "expectations": checks,
-        }
+        if reference_fields:
+            frame = _with_references_present(frame, reference_fields)
+            expectations = _reference_expectations(ge.gx, expectations, reference_fields)
+        split_reports[split] = _split_report(
+            ge, split, frames[split], frame, expectations, prompt_field, tokens_column
+        )
 
     checks = [check for report in split_reports.values() for check in report["expectations"]]
     failures = [
@@ -175,9 +172,37 @@ def validate_prompt_splits(
         "max_tokens": max_tokens,
         "min_train_rows": min_train_rows,
         "min_eval_rows": min_eval_rows,
+        "reference_fields": list(reference_fields),
     }
     _write_summary(result, settings, split_reports, ge.gx.__version__)
     return result
+
+
+def _split_report(
+    ge,
+    split: str,
+    given: pd.DataFrame,
+    frame: pd.DataFrame,
+    expectations: list,
+    prompt_field: str,
+    tokens_column: str,
+) -> dict[str, Any]:
+    """One split's suite run on ``frame`` (``given`` with its derived columns): its rows,
+    columns, outcome, token statistics and each expectation's record."""
+    # Data Docs show the values that fail (and the leak set) as HTML: GE gets each prompt
+    # HTML-escaped, which changes no outcome (escaping is one-to-one, lengths are counted
+    # from the text itself); the summary's examples are read from the prompts as they are.
+    checks = [
+        read_result(outcome, split, frame, prompt_field, tokens_column)
+        for outcome in ge.check(split, expectations, _escaped(frame, prompt_field))
+    ]
+    return {
+        "rows": len(frame),
+        "columns": [str(c) for c in given.columns],
+        "success": all(check["success"] for check in checks),
+        "n_tokens": token_stats(frame[tokens_column]),
+        "expectations": checks,
+    }
 
 
 def _write_summary(
@@ -349,6 +374,54 @@ def _frame_for_ge(
     counts_iter = iter(counts)
     out[tokens_column] = [int(next(counts_iter)) if isinstance(v, str) else -1 for v in values]
     return out, tokens_column
+
+
+PRESENT_COLUMN = "reference_fields_present"
+"""Derived: how many of ``data.reference_fields`` a row's ``references`` object holds, not null
+(-1 when it is not the JSON of an object)."""
+
+
+def _with_references_present(frame: pd.DataFrame, fields: Sequence[str]) -> pd.DataFrame:
+    """``frame`` with :data:`PRESENT_COLUMN` beside its ``references`` column."""
+    out = frame.copy()
+    values = out[REFERENCES_COLUMN].tolist() if REFERENCES_COLUMN in out.columns else []
+    present = []
+    for value in values:
+        try:
+            record = json.loads(value) if isinstance(value, str) else None
+        except (ValueError, RecursionError):
+            record = None
+        present.append(
+            sum(record.get(f) is not None for f in fields) if isinstance(record, dict) else -1
+        )
+    out[PRESENT_COLUMN] = present if values else [-1] * len(out)
+    if REFERENCES_COLUMN in out.columns:
+        out[REFERENCES_COLUMN] = out[REFERENCES_COLUMN].astype(object)
+    return out
+
+
+def _reference_expectations(gx, suite: list, fields: Sequence[str]) -> list:
+    """The prompt suite with its column set widened to the references and their checks."""
+    e = gx.expectations
+    columns = next(x for x in suite if isinstance(x, e.ExpectTableColumnsToMatchSet))
+    columns.column_set = [*columns.column_set, REFERENCES_COLUMN, PRESENT_COLUMN]
+    names = ", ".join(f"`{name}`" for name in fields)
+    return [
+        *suite,
+        e.ExpectColumnValuesToNotBeNull(column=REFERENCES_COLUMN),
+        e.ExpectColumnValueLengthsToBeBetween(
+            column=REFERENCES_COLUMN,
+            min_value=2,
+            max_value=MAX_LINE_BYTES,
+            description=f"Each row's reference fields are at most {MAX_LINE_BYTES} characters",
+        ),
+        e.ExpectColumnValuesToBeBetween(
+            column=PRESENT_COLUMN,
+            min_value=len(fields),
+            max_value=len(fields),
+            description=f"Every row carries the reference fields {names}, none null",
+        ),
+    ]
 
 
 def _escaped(frame: pd.DataFrame, prompt_field: str) -> pd.DataFrame:

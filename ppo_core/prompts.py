@@ -27,6 +27,7 @@ __all__ = [
     "CHAT_FIELD",
     "CHAT_ROLES",
     "MAX_BYTES_PER_FILE",
+    "MAX_LINE_BYTES",
     "MAX_ROWS_PER_FILE",
     "Message",
     "Prompt",
@@ -35,10 +36,12 @@ __all__ = [
     "is_chat",
     "load_prompts",
     "parquet_size",
+    "parquet_text_column",
     "parse_messages",
     "project_path",
     "prompt_text",
     "read_manifest_hash",
+    "read_validation_record",
 ]
 
 Message = dict[str, str]
@@ -298,6 +301,15 @@ def _parquet_values(path: Path, field: str, max_rows: int, max_bytes: int) -> tu
             raise PromptFileError(_invalid_utf8(path, field, chunk, start)) from None
         values.extend(None if i is None else distinct[i] for i in chunk.indices.to_pylist())
     return field, values
+
+
+def parquet_text_column(path: Path, column: str, max_rows: int, max_bytes: int) -> list[Any]:
+    """The values of the text column ``column`` of a Parquet file (None for a null), measured
+    against the caps as a prompt column is; a column that does not hold text is refused."""
+    found, text = _parquet_column(path, column)
+    if found != column or not text:
+        raise PromptFileError(f"{path}: column {column!r} does not hold text")
+    return _parquet_values(path, column, max_rows, max_bytes)[1]
 
 
 def _parquet_column(path: Path, field: str) -> tuple[str, bool]:

@@ -366,3 +366,17 @@ def recording_reward(prompts, responses):
     """Scores 0 and records its arguments in :data:`RECORDED`."""
     RECORDED.append((list(prompts), list(responses)))
     return [0.0] * len(prompts)
+
+
+def answer_of(prompt) -> str:
+    """The answer a test row carries for ``prompt``: a function of the prompt, so that a reward
+    can check it got each row's own."""
+    return "good" if len(str(prompt)) % 2 else "bad"
+
+
+def aligned_answer_reward(prompts, responses, *, answer):
+    """A keyword reward that refuses an answer that is not its own prompt's."""
+    for prompt, given in zip(prompts, answer, strict=True):
+        if given != answer_of(prompt):
+            raise AssertionError(f"the answer {given!r} came with the prompt {prompt!r}")
+    return [float(a in r) for r, a in zip(responses, answer, strict=True)]

@@ -70,7 +70,7 @@ def test_ppo_core_never_imports_orchestration():
 
 # Each room of ppo_core and the rooms it may import (docs/design.md section 2). Under everything:
 # catalog (the open sets' mechanism). Layer 1: math and files; layer 2, model I/O: prompts,
-# feedback, models, base_sources, rewards, checkpoints; layer 3, composition: config, parallel,
+# references, feedback, models, base_sources, rewards, checkpoints; layer 3, composition: config, parallel,
 # registry, experience, training, preference, evaluation. A room missing here fails the test, so a
 # new room states its place.
 ROOM_IMPORTS: dict[str, set[str]] = {
@@ -78,6 +78,7 @@ ROOM_IMPORTS: dict[str, set[str]] = {
     "math": set(),
     "files": set(),
     "prompts": {"files"},
+    "references": {"files", "prompts"},
     "feedback": {"files", "prompts"},
     "models": {"math", "files", "prompts"},
     "base_sources": {"files", "models"},
@@ -90,6 +91,7 @@ ROOM_IMPORTS: dict[str, set[str]] = {
         "math",
         "files",
         "prompts",
+        "references",
         "models",
         "rewards",
         "checkpoints",
@@ -125,6 +127,7 @@ ROOM_IMPORTS: dict[str, set[str]] = {
         "math",
         "files",
         "prompts",
+        "references",
         "models",
         "rewards",
         "config",

@@ -55,6 +55,12 @@ class DataConfig:
     """Held-out prompts for ``ppo evaluate``."""
     prompt_field: str = "prompt"
     """Name of the field that holds the prompt in each raw record."""
+    reference_fields: list[str] = field(default_factory=list)
+    """Fields each prompt row carries beside its prompt for the reward to check replies
+    against (``answer``, ``tests``: any JSON value in JSONL, text in a Parquet column). Kept
+    with their prompt through ``prepare``'s split, checked by ``validate`` (present, at most
+    1 MiB each), and given to a reward that names them as keyword arguments
+    (``def reward(prompts, responses, *, answer)``, ``builtin:math_answer``)."""
     max_rows_per_file: int = bounded(MAX_ROWS_PER_FILE, most=MAX_ROWS)
     """Most prompts one prompt file may hold (JSONL records, Parquet rows); a Parquet file is
     measured by its metadata before it is read, a JSONL file is read up to the first extra
@@ -122,6 +128,11 @@ class PromoteConfig:
     min_improvement: float = 0.02
     """The candidate's held-out score must beat the baseline's (production, or the base model
     while there is no production yet) by at least this much."""
+    min_gain_se: float | None = bounded(None, ge=0)
+    """When set, the score gain must also be at least this many standard errors of the
+    difference, ``sqrt(sd_c^2 / n_c + sd_b^2 / n_b)`` from each side's ``score_std`` and
+    ``num_samples`` (replies of one prompt counted as independent): for a verifier reward,
+    held-out accuracy that rose by more than chance. ``None``: off."""
     max_kl: float = bounded(4.0, gt=0)
     """Largest KL to the reference (nats per sequence) a promoted model may have."""
     max_kl_from_origin: float | None = bounded(12.0, gt=0)

@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import json
 import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
 
-from ppo_core.config import Config, ConfigError, code_free_folders
+from ppo_core.config import Config, ConfigError
+from ppo_core.evaluation.judging import check_reward_fn, eval_references, evaluation_rewards
 from ppo_core.evaluation.markdown import escape_markdown
 from ppo_core.evaluation.report import ModelReport, RewardChoice, metric_table, write_reports
+from ppo_core.evaluation.task import task_metrics
 from ppo_core.experience.engines import VLLMEngine, check_engine, open_engine
-from ppo_core.experience.judges import build_reward, load_reference
+from ppo_core.experience.judges import load_reference
 from ppo_core.experience.sampling import (
     POSITIVE_SCORE,
     check_context_length,
@@ -41,7 +42,7 @@ from ppo_core.experience.sampling import (
     sample_responses,
     score_in_chunks,
     score_responses,
-    with_validated_bound,
+    with_validated_settings,
 )
 from ppo_core.files import first_line
 from ppo_core.files.artifacts import TRAINED_CONFIG, TRAINING_SUMMARY
@@ -58,8 +59,9 @@ from ppo_core.models.vocabulary import (
 )
 from ppo_core.parallel.runtime import Runtime, setup_runtime
 from ppo_core.prompts import Prompt, load_prompts, prompt_text
+from ppo_core.references import Reference, batch_references
 from ppo_core.registry.lineage import origin_folder
-from ppo_core.registry.rewards import REWARD_SPEC_PREFIX, resolve_reward_spec
+from ppo_core.registry.rewards import REWARD_SPEC_PREFIX
 from ppo_core.rewards.loading import RewardError, RewardFn, checked_scores
 
 __all__ = [
@@ -184,6 +186,7 @@ def evaluate_model(
     origin: torch.nn.Module | None = None,
     previous_fn: RewardFn | None = None,
     engine: VLLMEngine | None = None,
+    references: list[Reference] | None = None,
 ) -> ModelReport:
     """Sample ``eval.samples_per_prompt`` responses per prompt from the model in ``path`` with
     its own ``tokenizer``, with the rollout's own sampling and scoring code, and measure them.
@@ -196,7 +199,8 @@ def evaluate_model(
     ``kl_to_origin`` and ``origin_nll`` as the reference gives its two (without it they are the
     reference's: the chain starts at the reference)."""
     model = load_causal_lm(path, name, config.model.trust_remote_code).to(runtime.device)
-    expanded = [p for p in prompts for _ in range(config.eval.samples_per_prompt)]
+    k = config.eval.samples_per_prompt
+    expanded = [p for p in prompts for _ in range(k)]
     batch_size = config.ppo.rollout_batch_size
     temperature = config.generation.temperature
     torch.manual_seed(config.eval.seed)
@@ -221,14 +225,14 @@ def evaluate_model(
             kl, nll = _drift_from(origin, own, mask, logprobs_of, temperature)
             guard_metrics.update(kl_to_origin=kl, origin_nll=nll)
     del model
-    responses, score = score_responses(reward_fn, tokenizer, expanded, generated)
-    for metric, scorer, what in (
-        ("check_score", check_fn, "promote.check_reward"),
-        ("previous_reward_score", previous_fn, "the previous reward version"),
-    ):
-        if scorer is not None:
-            scores = checked_scores(scorer(expanded, responses), len(responses), what)
-            guard_metrics[metric] = scores.mean().item()
+    given = batch_references(
+        None if references is None else [r for r in references for _ in range(k)],
+        config.data.reference_fields,
+    )
+    responses, score = score_responses(reward_fn, tokenizer, expanded, generated, given)
+    guard_metrics.update(_judged(expanded, responses, given, check_fn, previous_fn))
+    if given:  # answers to check against: the task's accuracy and pass@k
+        guard_metrics.update(task_metrics(score, k, reward_fn))
     metrics = {**_response_metrics(score, generated, responses), **guard_metrics}
     samples = [
         {"prompt": prompt_text(p), "response": r, "score": round(float(s), 4)}
@@ -245,6 +249,28 @@ def evaluate_model(
             {} if reference is not None else dict.fromkeys(REFERENCE_METRICS, OTHER_TOKENIZER)
         ),
     )
+
+
+def _judged(
+    prompts: list[Prompt],
+    responses: list[str],
+    references: dict[str, list] | None,
+    check_fn: RewardFn | None,
+    previous_fn: RewardFn | None,
+) -> dict[str, float]:
+    """The mean score of the gate's check reward and of the previous reward version, each that
+    is given, on the same responses."""
+    judged = {}
+    for metric, scorer, what in (
+        ("check_score", check_fn, "promote.check_reward"),
+        ("previous_reward_score", previous_fn, "the previous reward version"),
+    ):
+        if scorer is not None:
+            raw = (
+                scorer(prompts, responses, references) if references else scorer(prompts, responses)
+            )
+            judged[metric] = checked_scores(raw, len(responses), what).mean().item()
+    return judged
 
 
 def _response_metrics(score: torch.Tensor, generated, responses: list[str]) -> dict[str, float]:
@@ -298,7 +324,7 @@ def evaluate(
     Raises :class:`TokenizerMismatchError` before sampling anything when the candidate's
     tokenizer is not the KL reference's. The prompt token bound is the one ``ppo validate``
     held the data to, where it recorded one."""
-    config = with_validated_bound(config, config.data.eval_file)
+    config = with_validated_settings(config, config.data.eval_file)
     check_context_length(config)
     runtime = setup_runtime(config, distributed=False, model_folder=candidate)
     check_engine(config, runtime)
@@ -308,6 +334,7 @@ def evaluate(
         max_rows=config.data.max_rows_per_file,
         max_bytes=config.data.max_bytes_per_file,
     )[: config.eval.num_prompts]
+    references = eval_references(config, len(prompts))
     models = (
         {"candidate": candidate}
         if baseline is None
@@ -324,7 +351,7 @@ def evaluate(
     )
     reference_vocab, measure_kl = _kl_measurable(config, models, tokenizers)
     reward = evaluation_reward(config, candidate)
-    reward_fn, previous, previous_fn = _evaluation_rewards(config, reward, runtime)
+    reward_fn, previous, previous_fn = evaluation_rewards(config, reward, runtime)
     check_fn = check_reward_fn(config, runtime)
     reference = load_reference(config.model, runtime.device)
     origin_path, origin = _origin_model(config, reference_vocab, runtime)
@@ -345,6 +372,7 @@ def evaluate(
                 origin,
                 previous_fn,
                 engine,
+                references,
             )
             for name, path in models.items()
         }
@@ -359,35 +387,6 @@ def evaluate(
         origin=str(origin_path),
     )
     return reports
-
-
-def _evaluation_rewards(config: Config, reward, runtime: Runtime):
-    """The reward both sides are scored with (``reward``, from :func:`evaluation_reward`), the
-    reward version before it (its spec, or None) and that version's reward function."""
-    try:
-        reward_fn = build_reward(
-            replace(config.model, reward=reward.spec),
-            runtime.device,
-            code_free=code_free_folders(config),
-            versions_dir=config.reward_model.versions_dir,
-        )
-    except RewardError as exc:
-        if reward.source == "model.reward":
-            raise
-        # The message names model.reward; say where this spec really came from.
-        raise RewardError(f"{exc} (the reward set by eval.reward)") from None
-    previous = previous_reward_version(config, reward.spec)
-    previous_fn = (
-        build_reward(
-            replace(config.model, reward=previous),
-            runtime.device,
-            key="the previous reward version",
-            versions_dir=config.reward_model.versions_dir,
-        )
-        if previous
-        else None
-    )
-    return reward_fn, previous, previous_fn
 
 
 def _kl_measurable(
@@ -437,30 +436,6 @@ def _origin_model(
         )
     model = load_causal_lm(folder, "the chain's origin", config.model.trust_remote_code)
     return folder, model.to(runtime.device)
-
-
-def previous_reward_version(config: Config, spec: str) -> str | None:
-    """The reward version before the one ``spec`` names (its ``parent`` in the reward
-    registry), as a spec ``reward:rNNNN``; None for a reward that is not a version, or the
-    first version. Evaluation scores both models with it too, so that a candidate that wins
-    only on a new reward model is seen to (docs/design.md section 3, "Reward versions")."""
-    version = resolve_reward_spec(spec, config.reward_model.versions_dir, "model.reward")
-    parent = version.entry.get("parent") if version else None
-    return f"{REWARD_SPEC_PREFIX}{parent}" if isinstance(parent, str) else None
-
-
-def check_reward_fn(config: Config, runtime: Runtime) -> RewardFn | None:
-    """The gate's independent scorer (``promote.check_reward``), or None when it is off."""
-    if config.promote.check_reward is None:
-        return None
-    spec = replace(config.model, reward=config.promote.check_reward)
-    return build_reward(
-        spec,
-        runtime.device,
-        key="promote.check_reward",
-        code_free=code_free_folders(config),
-        versions_dir=config.reward_model.versions_dir,
-    )
 
 
 def _refusal(

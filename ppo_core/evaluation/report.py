@@ -78,9 +78,11 @@ def write_reports(
             for key, value in r.metrics.items()
         }
         if "baseline" in reports:
-            flat["delta/score"] = (
-                reports["candidate"].metrics["score"] - reports["baseline"].metrics["score"]
-            )
+            for key in ("score", "accuracy"):  # accuracy: where rows carry answers
+                if key in reports["baseline"].metrics and key in reports["candidate"].metrics:
+                    flat[f"delta/{key}"] = (
+                        reports["candidate"].metrics[key] - reports["baseline"].metrics[key]
+                    )
         flat["num_prompts"] = num_prompts
         (tmp / EVAL_METRICS).write_text(json.dumps(flat, indent=1, sort_keys=True))
         described = {

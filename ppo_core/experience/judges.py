@@ -42,12 +42,14 @@ def build_reward(
     key: str = "model.reward",
     code_free: Sequence[str] = (),
     versions_dir: str = "models/rewards",
+    reference_fields: Sequence[str] = (),
 ) -> RewardFn:
     """The reward named by ``model.reward`` (built-in, user function, reward-model folder, or a
     reward version ``reward:current`` / ``reward:rNNNN`` of ``versions_dir``, its scores
     standardised by the statistics the version recorded), each call limited to
     ``model.reward_timeout`` seconds; errors name the spec as ``key``. A reward module is never
-    imported from the folders ``code_free`` (:func:`ppo_core.config.code_free_folders`)."""
+    imported from the folders ``code_free`` (:func:`ppo_core.config.code_free_folders`). A
+    reward may take the rows' ``reference_fields`` as keywords."""
     if model.reward_timeout < 0:
         raise ConfigError(
             f"model.reward_timeout must be >= 0 (0: no limit), got {model.reward_timeout}"
@@ -62,6 +64,7 @@ def build_reward(
         code_free=code_free,
         normalization=(version.score_mean, version.score_std) if version else None,
         name=version.spec if version else None,
+        reference_fields=reference_fields,
     )
 
 

@@ -9,10 +9,10 @@ anything is sampled, a prompt and response budget past the model's positions.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 from torch import Tensor
@@ -43,7 +43,7 @@ __all__ = [
     "sample_responses",
     "score_in_chunks",
     "score_responses",
-    "with_validated_bound",
+    "with_validated_settings",
 ]
 
 POSITIVE_SCORE = 0.05
@@ -151,38 +151,55 @@ def score_in_chunks(
 
 
 def score_responses(
-    reward_fn: RewardFn, tokenizer, prompts: list[Prompt], generated: GeneratedBatch
+    reward_fn: RewardFn,
+    tokenizer,
+    prompts: list[Prompt],
+    generated: GeneratedBatch,
+    references: Mapping[str, Sequence[Any]] | None = None,
 ) -> tuple[list[str], Tensor]:
-    """Decode each response up to EOS and score it: ``(texts, scores [B] float32 on CPU)``; a
-    reward that returns the wrong shape or a non-finite number is a ``RewardError``."""
+    """Decode each response up to EOS and score it: ``(texts, scores [B] float32 on CPU)``,
+    the rows' reference fields (``{field: [value per row]}``) given to the reward; a reward
+    that returns the wrong shape or a non-finite number is a ``RewardError``."""
     texts = decode_responses(tokenizer, generated.response_ids, generated.response_mask)
-    return texts, checked_scores(reward_fn(prompts, texts), len(prompts))
+    scores = reward_fn(prompts, texts, references) if references else reward_fn(prompts, texts)
+    return texts, checked_scores(scores, len(prompts))
 
 
 class BoundAdoptedWarning(UserWarning):
-    """A stage took the prompt token bound its data was validated with over its own."""
+    """A stage took a setting its data was validated with (the prompt token bound, the
+    reference fields) over its own."""
 
 
-def with_validated_bound(config: Config, prompt_file: str | Path) -> Config:
-    """``config`` with ``validation.max_tokens`` set to the bound ``ppo validate`` held
-    ``prompt_file``'s data version to (its ``validated_with.json``), so that every stage sizes
-    contexts for the prompts the data really holds; a differing setting is named in a
+def with_validated_settings(config: Config, prompt_file: str | Path) -> Config:
+    """``config`` with the settings ``ppo validate`` held ``prompt_file``'s data version to
+    (its ``validated_with.json``): ``validation.max_tokens``, so that every stage sizes
+    contexts for the prompts the data really holds, and ``data.reference_fields``, the fields
+    its rows carry for the reward. Each setting that differs is named in a
     :class:`BoundAdoptedWarning`. A prompt file without a record, or whose record names another
-    data version than its manifest, keeps the config's bound."""
+    data version than its manifest, keeps the config's settings."""
     record = read_validation_record(prompt_file)
-    if record is None or record["max_tokens"] == config.validation.max_tokens:
-        return config
-    if record.get("data_hash") != read_manifest_hash(prompt_file):
-        return config  # the record of another data version than the file's (copied by hand)
+    if record is None or record.get("data_hash") != read_manifest_hash(prompt_file):
+        return config  # none, or the record of another data version (a file copied by hand)
+    where = f"{prompt_file}'s data version ({Path(prompt_file).with_name(VALIDATION_RECORD)})"
     validated = record["max_tokens"]
-    warnings.warn(
-        f"validation.max_tokens={config.validation.max_tokens} differs from the "
-        f"{validated} that `ppo validate` held {prompt_file}'s data version to "
-        f"({Path(prompt_file).with_name(VALIDATION_RECORD)}); using {validated}",
-        BoundAdoptedWarning,
-        stacklevel=2,
-    )
-    return replace(config, validation=replace(config.validation, max_tokens=validated))
+    if validated != config.validation.max_tokens:
+        warnings.warn(
+            f"validation.max_tokens={config.validation.max_tokens} differs from the "
+            f"{validated} that `ppo validate` held {where} to; using {validated}",
+            BoundAdoptedWarning,
+            stacklevel=2,
+        )
+        config = replace(config, validation=replace(config.validation, max_tokens=validated))
+    fields = record.get("reference_fields")  # absent from records written before it
+    if isinstance(fields, list) and fields != list(config.data.reference_fields):
+        warnings.warn(
+            f"data.reference_fields={list(config.data.reference_fields)} differs from the "
+            f"{fields} that `ppo validate` checked {where} for; using {fields}",
+            BoundAdoptedWarning,
+            stacklevel=2,
+        )
+        config = replace(config, data=replace(config.data, reference_fields=list(fields)))
+    return config
 
 
 def longest_prompt(tokenizer, prompts: Sequence[Prompt], config: Config, where: str) -> int:

@@ -56,8 +56,11 @@ def gate(
     baseline, that is missing, NaN or infinite fails that rule, naming the metric, and so does
     a missing baseline. ``max_new_tokens`` (``generation.max_new_tokens``) is named in the EOS
     rule's reason when the rule fails."""
-    checks = [
-        lambda: _score_rule(candidate, baseline, rules),
+    checks = [lambda: _score_rule(candidate, baseline, rules)]
+    significance = rules.min_gain_se
+    if significance is not None:
+        checks.append(lambda: _gain_se_rule(candidate, baseline, significance))
+    checks += [
         lambda: _at_most(
             _metric(candidate, "candidate", "kl_to_reference"),
             rules.max_kl,
@@ -114,6 +117,26 @@ def _score_rule(
     return gain >= rules.min_improvement, (
         f"score {score:.4f} vs baseline {base_score:.4f}: gain {gain:+.4f} (needs >= "
         f"{rules.min_improvement:+.4f})"
+    )
+
+
+def _gain_se_rule(
+    candidate: dict[str, float], baseline: dict[str, float] | None, needed: float
+) -> tuple[bool, str]:
+    """The score gain in standard errors of the difference of two means, each side's from its
+    ``score_std`` and ``num_samples``: ``gain / sqrt(sd_c^2 / n_c + sd_b^2 / n_b)``."""
+    gain = _metric(candidate, "candidate", "score") - _metric(baseline, "baseline", "score")
+    spread = 0.0
+    for side, metrics in (("candidate", candidate), ("baseline", baseline)):
+        samples = _metric(metrics, side, "num_samples")
+        if samples < 1:
+            raise Unjudgeable(f"{side} num_samples is {samples:g}")
+        spread += _metric(metrics, side, "score_std") ** 2 / samples
+    error = math.sqrt(spread)
+    ratio = gain / error if error > 0 else (math.inf if gain > 0 else 0.0)
+    return ratio >= needed, (
+        f"score gain {gain:+.4f} is {ratio:.2f} standard errors ({error:.4f}; needs >= "
+        f"{needed:g}, promote.min_gain_se)"
     )
 
 

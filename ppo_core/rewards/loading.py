@@ -263,6 +263,7 @@ def _checked(
             raise RewardError(f"the reward {name!r} raised {type(exc).__name__}: {exc}") from exc
         return checked_scores(raw, len(prompts), name)
 
+    reward.source = function  # type: ignore[attr-defined]  # what a report reads reasons from
     return reward
 
 

@@ -18,6 +18,7 @@ from ppo_core.models.generation import check_chat_template
 from ppo_core.models.vocabulary import reference_vocabulary, vocabulary_mismatch, vocabulary_of
 from ppo_core.parallel.runtime import Runtime
 from ppo_core.prompts import Prompt, load_prompts, read_manifest_hash
+from ppo_core.references import Reference, load_references
 from ppo_core.rewards.loading import RewardFn
 
 
@@ -34,6 +35,8 @@ class RunInputs:
     on the base it started from (a new generation imports a new base under the same path)."""
     longest_prompt: int = 0
     """Tokens of the longest train prompt (within ``validation.max_tokens``, checked)."""
+    train_references: list[Reference] | None = None
+    """Each train prompt's ``data.reference_fields`` (None when none are declared)."""
 
 
 def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
@@ -69,6 +72,13 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
     )
     check_chat_template(tokenizer, train_prompts, model.policy, "model.policy")
     longest = longest_prompt(tokenizer, train_prompts, config, config.data.train_file)
+    fields = config.data.reference_fields
+    references = load_references(
+        config.data.train_file,
+        fields,
+        max_rows=config.data.max_rows_per_file,
+        max_bytes=config.data.max_bytes_per_file,
+    )
     return RunInputs(
         train_prompts=train_prompts,
         tokenizer=tokenizer,
@@ -78,9 +88,11 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
             runtime.device,
             code_free=code_free_folders(config),
             versions_dir=config.reward_model.versions_dir,
+            reference_fields=fields,
         ),
         base_sha256=base_fingerprint(model.policy),
         longest_prompt=longest,
+        train_references=references if fields else None,
     )
 
 

@@ -34,7 +34,7 @@ import torch
 from ppo_core.config import Config, save_config, to_yaml
 from ppo_core.experience.engines import VLLMEngine, open_engine
 from ppo_core.experience.judges import with_resolved_reward
-from ppo_core.experience.sampling import with_validated_bound
+from ppo_core.experience.sampling import with_validated_settings
 from ppo_core.files import atomic_folder, exclusive_run
 from ppo_core.files.artifacts import TRAINED_CONFIG, TRAINING_SUMMARY
 from ppo_core.models.policy import ActorCritic
@@ -42,6 +42,7 @@ from ppo_core.parallel.process_group import is_main_process
 from ppo_core.parallel.runtime import Runtime, setup_runtime
 from ppo_core.parallel.strategies import make_strategy
 from ppo_core.prompts import Prompt, prompt_text
+from ppo_core.references import batch_references
 from ppo_core.training.inputs import RunInputs, check_inputs
 from ppo_core.training.networks import Models, build_models
 from ppo_core.training.resume import resolve_resume
@@ -103,6 +104,13 @@ def run_iteration(
     with watch.step("rollout"):
         # 1. Draw this rank's prompts of the global batch.
         prompts = draw_prompts(inputs.train_prompts, config, iteration, parallel)
+        # the same draw of the rows' reference fields (the draw depends on the count alone)
+        references = batch_references(
+            draw_prompts(inputs.train_references, config, iteration, parallel)
+            if inputs.train_references is not None
+            else None,
+            config.data.reference_fields,
+        )
         # 2. Rollout: sample responses, score them, per-token rewards with KL, GAE advantages
         # (a sharded policy is gathered whole for it, not once per block per generated token).
         with watch.entering("gather", models.strategy.gathered(models.actor_critic)):
@@ -122,6 +130,7 @@ def run_iteration(
                 merge_adapter=not models.strategy.sharded,
                 engine=engine,
                 measure_gap=iteration % config.ppo.sampler_gap_every == 0,
+                references=references,
             )
     with watch.step("update"):
         # 3. PPO epochs over shuffled mini-batches, each step the exact mini-batch gradient.
@@ -172,14 +181,14 @@ def train(
     """Run ``config.train.iterations`` PPO iterations, resuming from the newest checkpoint.
 
     The prompt token bound is the one ``ppo validate`` held the data to, where it recorded one
-    (:func:`~ppo_core.experience.sampling.with_validated_bound`). Writes checkpoints to
+    (:func:`~ppo_core.experience.sampling.with_validated_settings`). Writes checkpoints to
     ``train.checkpoint_dir`` and the final policy, with its config and
     lineage, to ``train.output_dir`` (atomically; a failed run leaves the previous one in place).
     A second run on the same checkpoint folder refuses to start while the first one runs.
     """
     checkpoints = Path(config.train.checkpoint_dir)
     config = with_resolved_reward(config)  # reward:current -> the version it names now
-    config = with_validated_bound(config, config.data.train_file)
+    config = with_validated_settings(config, config.data.train_file)
     if not is_main_process():  # under torchrun, rank 0 holds the lock
         return _run(config, loggers, on_samples)
     lock = checkpoints.parent / f".{checkpoints.name}.lock"

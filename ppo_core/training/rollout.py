@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -60,6 +61,7 @@ def collect_rollout(
     merge_adapter: bool = True,
     engine: VLLMEngine | None = None,
     measure_gap: bool = True,
+    references: Mapping[str, Sequence[Any]] | None = None,
 ) -> tuple[RolloutBatch, dict[str, float], list[str]]:
     """Generate, score and turn one batch of prompts into advantages and returns.
 
@@ -71,8 +73,8 @@ def collect_rollout(
     ``merge_adapter`` the responses are sampled with the adapter merged into copies of the
     weights (``ActorCritic.sampling_model``), by the loop or the vLLM ``engine``; scoring always
     runs on the unmerged model. With ``ppo.old_logprobs=sampling`` and ``measure_gap`` a few
-    rows are rescored for the sampler gap. Returns the batch, its ``rollout/*`` metrics, and
-    the responses."""
+    rows are rescored for the sampler gap. ``references``: the rows' reference fields, for the
+    reward. Returns the batch, its ``rollout/*`` metrics, and the responses."""
     all_ranks = runtime.parallel.active
     watch = Stopwatch()
     with watch.step("generate"), actor_critic.sampling_model(merge_adapter) as sampler:
@@ -93,10 +95,9 @@ def collect_rollout(
         )
     mask = generated.response_mask
     with watch.step("reward"):
-        responses, raw_scores = score_responses(reward_fn, tokenizer, prompts, generated)
-    scores = raw_scores = raw_scores.to(runtime.device)
-    if ppo.missing_eos_penalty is not None:
-        scores = torch.where(generated.has_eos, scores, scores - ppo.missing_eos_penalty)
+        responses, raw_scores, scores = _rewarded(
+            reward_fn, tokenizer, prompts, generated, references, ppo, runtime
+        )
     token_kl = kl_penalty(policy_scored.logprobs, reference_scored.logprobs, kl.estimator, mask)
     reward_kl_coef = 0.0 if kl.in_loss else kl_coef
     rewards = token_rewards(scores, token_kl, mask, reward_kl_coef)
@@ -124,6 +125,25 @@ def collect_rollout(
         metrics.update(_sampler_metrics(ppo, generated, batch, all_ranks, rescorer))
     metrics.update(watch.metrics())
     return batch, metrics, responses
+
+
+def _rewarded(
+    reward_fn: RewardFn,
+    tokenizer,
+    prompts: list[Prompt],
+    generated: GeneratedBatch,
+    references: Mapping[str, Sequence[Any]] | None,
+    ppo: PPOConfig,
+    runtime: Runtime,
+) -> tuple[list[str], Tensor, Tensor]:
+    """The decoded responses, the reward's scores ``[B]`` on the run's device, and the scores
+    with ``ppo.missing_eos_penalty`` taken from each response that did not end with EOS."""
+    responses, raw_scores = score_responses(reward_fn, tokenizer, prompts, generated, references)
+    raw_scores = raw_scores.to(runtime.device)
+    if ppo.missing_eos_penalty is None:
+        return responses, raw_scores, raw_scores
+    penalised = raw_scores - ppo.missing_eos_penalty
+    return responses, raw_scores, torch.where(generated.has_eos, raw_scores, penalised)
 
 
 def _importance_weights(

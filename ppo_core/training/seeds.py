@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import enum
 from collections.abc import Sequence
+from typing import TypeVar
 
 import torch
 
 from ppo_core.config import Config
 from ppo_core.parallel.process_group import DataParallel
-from ppo_core.prompts import Prompt
+
+Row = TypeVar("Row")
+"""A prompt, or the row of reference fields that goes with it."""
 
 
 class RandomStream(enum.IntEnum):
@@ -31,12 +34,13 @@ def stream_seed(seed: int, iteration: int, stream: RandomStream, chunk: int = 0)
 
 
 def draw_prompts(
-    train_prompts: Sequence[Prompt], config: Config, iteration: int, parallel: DataParallel
-) -> list[Prompt]:
+    train_prompts: Sequence[Row], config: Config, iteration: int, parallel: DataParallel
+) -> list[Row]:
     """This rank's rows of the iteration's global prompt batch: prompts drawn with replacement,
     each repeated ``ppo.samples_per_prompt`` times in consecutive rows. The per-rank batch is a
     multiple of the group size, so every group lies whole on one rank, where its advantages are
-    computed (docs/design.md section 4)."""
+    computed (docs/design.md section 4). The draw depends on the number of rows alone, so the
+    same call on the prompts' reference fields draws the same rows."""
     draw = torch.Generator().manual_seed(
         stream_seed(config.seed, iteration, RandomStream.PROMPT_DRAW)
     )

@@ -100,7 +100,7 @@ def test_the_bound_validate_held_the_prompts_to_is_what_train_and_evaluate_use(
     (``validated_with.json``); a stage run with the default of 32 adopts 48, saying so, since
     the published prompts may run to 48 tokens; a record of another data version (a prompt
     file copied over by hand) and a file without a record keep the stage's own bound."""
-    from ppo_core.experience.sampling import BoundAdoptedWarning, with_validated_bound
+    from ppo_core.experience.sampling import BoundAdoptedWarning, with_validated_settings
 
     config = stage_config(tmp_path, tiny_model_dir)
     config.validation.max_tokens = 48
@@ -112,11 +112,44 @@ def test_the_bound_validate_held_the_prompts_to_is_what_train_and_evaluate_use(
     run = load_config(overrides=[f"data.train_file={published / 'train.parquet'}"])
     assert run.validation.max_tokens == 32
     with pytest.warns(BoundAdoptedWarning, match=r"validation.max_tokens=32 differs from the 48"):
-        adopted = with_validated_bound(run, run.data.train_file)
+        adopted = with_validated_settings(run, run.data.train_file)
     assert adopted.validation.max_tokens == 48
-    assert with_validated_bound(adopted, run.data.train_file) is adopted  # agrees: no word
+    assert with_validated_settings(adopted, run.data.train_file) is adopted  # agrees: no word
 
     (published / "manifest.json").write_text(json.dumps({"content_hash": "another"}))
-    assert with_validated_bound(run, run.data.train_file).validation.max_tokens == 32
+    assert with_validated_settings(run, run.data.train_file).validation.max_tokens == 32
     (published / "validated_with.json").unlink()
-    assert with_validated_bound(run, run.data.train_file).validation.max_tokens == 32
+    assert with_validated_settings(run, run.data.train_file).validation.max_tokens == 32
+
+
+def test_rows_without_their_reference_fields_fail_validation(tmp_path, tiny_model_dir):
+    """A candidate version whose ``references`` column lacks a declared field on one row, or
+    holds a null: validate fails with the Great Expectations check of the fields by name,
+    and publishes nothing; with every field there it passes and records the fields."""
+    config = stage_config(tmp_path, tiny_model_dir)
+    config.data.reference_fields = ["answer"]
+    train = [f"The movie number {i} was" for i in range(20)]
+    evals = [f"The film number {i} is" for i in range(5)]
+    write_version(tmp_path / "interim", train, evals)
+    good = [json.dumps({"answer": str(i)}) for i in range(20)]
+    for references, expected in (
+        ([*good[:3], json.dumps({"other": 1}), *good[4:]], "expect_column_values_to_be_between"),
+        ([*good[:3], None, *good[4:]], "expect_column_values_to_not_be_null"),
+    ):
+        frame = pd.DataFrame({"prompt": train, "references": references})
+        frame.to_parquet(tmp_path / "interim" / "train.parquet", index=False)
+        evals_frame = pd.DataFrame({"prompt": evals, "references": good[:5]})
+        evals_frame.to_parquet(tmp_path / "interim" / "eval.parquet", index=False)
+        with pytest.raises(DataValidationError) as caught:
+            validate(config)
+        failed = {(f.expectation, f.column, f.split) for f in caught.value.result.failures}
+        column = "reference_fields_present" if "between" in expected else "references"
+        assert (expected, column, "train") in failed, failed
+        assert not (tmp_path / "prepared").exists()
+    pd.DataFrame({"prompt": train, "references": good}).to_parquet(
+        tmp_path / "interim" / "train.parquet", index=False
+    )
+    published = validate(config)
+    assert json.loads((published / "validated_with.json").read_text())["reference_fields"] == [
+        "answer"
+    ]

@@ -42,6 +42,26 @@ def test_gate_hand_computed():
     assert not no_eos.promote and any("FAIL: EOS" in r for r in no_eos.reasons)
 
 
+def test_the_gain_in_standard_errors_hand_computed():
+    """``promote.min_gain_se``: accuracy 0.60 over 100 replies (sd 0.49) against 0.45 over 100
+    (sd 0.50): SE = sqrt(0.49^2/100 + 0.50^2/100) = 0.0700, gain 0.15 = 2.14 SE."""
+    candidate = {**GOOD, "score": 0.60, "score_std": 0.49, "num_samples": 100}
+    baseline = {"score": 0.45, "score_std": 0.50, "num_samples": 100}
+    two = dataclasses.replace(RULES, min_gain_se=2.0)
+    passed = gate(candidate, baseline, two)
+    assert passed.promote
+    assert "pass: score gain +0.1500 is 2.14 standard errors (0.0700; needs >= 2" in "\n".join(
+        passed.reasons
+    )
+    three = gate(candidate, baseline, dataclasses.replace(RULES, min_gain_se=3.0))
+    assert not three.promote and reasons_of(three, "FAIL:")[0].startswith("FAIL: score gain")
+    unmeasured = gate({**GOOD, "score": 0.6}, baseline, two)
+    assert reasons_of(unmeasured, "FAIL:") == [
+        "FAIL: cannot judge: candidate num_samples is missing from metrics.json"
+    ]
+    assert gate({**GOOD, "score": 0.6}, {"score": 0.45}, RULES).promote  # off by default
+
+
 def test_drift_from_the_origin_is_bounded():
     # three generations of 3.5 nats each: every one within max_kl=4, 10.5 from the origin
     chained = {**GOOD, "kl_to_reference": 3.5, "kl_to_origin": 10.5}

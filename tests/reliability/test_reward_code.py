@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from ppo_core.config import load_config
-from ppo_core.evaluation.evaluate import check_reward_fn
+from ppo_core.evaluation.judging import check_reward_fn
 from ppo_core.parallel.runtime import setup_runtime
 from ppo_core.rewards.loading import RewardError
 

@@ -655,6 +655,31 @@ def test_train_takes_the_prompt_bound_validate_held_the_data_to(
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
 
 
+def test_the_reward_gets_each_drawn_rows_own_answer(tmp_path, tiny_model_dir, prompt_files):
+    """Rows with an ``answer`` field: each iteration draws prompts with replacement, four
+    samples each, and the reward (``tests.helpers:aligned_answer_reward``, which raises on an
+    answer that is not its prompt's) receives each row's own answer as a keyword."""
+    from ppo_core.prompts import load_prompts
+    from tests.helpers import answer_of
+
+    rows = [{"prompt": p, "answer": answer_of(p)} for p in load_prompts(prompt_files[0])]
+    train_file = tmp_path / "answers.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    summary = train(
+        small_config(
+            tmp_path,
+            tiny_model_dir,
+            (train_file, prompt_files[1]),
+            "data.reference_fields=[answer]",
+            "model.reward=tests.helpers:aligned_answer_reward",
+            "ppo.advantage_estimator=grpo",
+            "model.critic=none",
+            "ppo.samples_per_prompt=4",
+        )
+    )
+    assert len(summary.history) == 2 and "rollout/score" in summary.final_metrics
+
+
 @pytest.mark.parametrize("case", ["another base", "no recorded base"])
 def test_a_checkpoint_of_another_or_an_unrecorded_base_is_not_resumed(
     tmp_path, tiny_model_dir, prompt_files, case

@@ -1,0 +1,41 @@
+"""Task metrics (layer 3): how often replies are right, when the reward checks them against the
+answer each prompt row carries (``data.reference_fields``, a verifier reward).
+
+A reply counts as correct when its score is at least :data:`CORRECT_SCORE` (a verifier's 1.0).
+``accuracy`` is the share of correct replies; ``pass@k`` the unbiased estimate (Chen et al.
+2021) that one of ``k`` replies to a prompt is correct, for ``k`` = 1 and
+``eval.samples_per_prompt``; ``reason/<why>`` the share of replies each verdict reason
+(``correct``, ``wrong``, ``unparsed``, ``timeout``, ...) covers, where the reward counts them.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ppo_core.math.pass_at_k import mean_pass_at_k
+
+__all__ = ["CORRECT_SCORE", "task_metrics"]
+
+CORRECT_SCORE = 1.0
+"""The score from which a reply counts as correct (a verifier gives 1.0 to a right answer)."""
+
+
+def task_metrics(scores: torch.Tensor, samples_per_prompt: int, reward_fn: Any) -> dict[str, float]:
+    """Accuracy, pass@1 and pass@k of ``scores`` ``[P * k]`` (the ``k`` replies of each prompt
+    consecutive), and the share of each reason the reward counted for them."""
+    correct = (scores >= CORRECT_SCORE).reshape(-1, samples_per_prompt).sum(dim=1).tolist()
+    metrics = {
+        "accuracy": float((scores >= CORRECT_SCORE).float().mean()),
+        "pass@1": mean_pass_at_k(correct, samples_per_prompt, 1),
+    }
+    if samples_per_prompt > 1:
+        metrics[f"pass@{samples_per_prompt}"] = mean_pass_at_k(
+            correct, samples_per_prompt, samples_per_prompt
+        )
+    reasons = getattr(getattr(reward_fn, "source", None), "last_reasons", None)
+    if isinstance(reasons, dict) and reasons:
+        total = sum(reasons.values())
+        metrics.update({f"reason/{why}": count / total for why, count in sorted(reasons.items())})
+    return metrics
