@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.raw_data import read_raw_prompts
+from flows.raw_data import read_raw_prompts, read_raw_references
 from ppo_core.config import Config
 from ppo_core.feedback.fields import FeedbackFileError
 from ppo_core.feedback.rows import load_feedback_file
@@ -278,10 +278,11 @@ def _ingest_locked(config: Config, files: Sequence[str | Path], inbox: Inbox) ->
 
 
 def _count_prompts(config: Config, copy: Path, original: Path) -> int:
-    """The number of prompts in ``copy`` (of ``original``), read as ``prepare`` reads it; errors
-    name the original."""
+    """The number of prompts in ``copy`` (of ``original``), read as ``prepare`` reads it, with
+    their ``data.reference_fields``; errors name the original."""
     try:
         prompts = read_raw_prompts(config, copy)
+        read_raw_references(config, copy)  # a row without its answer is refused here
     except PromptFileError as exc:
         raise PromptFileError(str(exc).replace(str(copy), str(original))) from None
     if not any(p.strip() if isinstance(p, str) else p for p in prompts):

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from ppo_core.math.pass_at_k import mean_pass_at_k
+from ppo_core.rewards.verifiers import reason_counts
 
 __all__ = ["CORRECT_SCORE", "task_metrics"]
 
@@ -34,8 +35,8 @@ def task_metrics(scores: torch.Tensor, samples_per_prompt: int, reward_fn: Any) 
         metrics[f"pass@{samples_per_prompt}"] = mean_pass_at_k(
             correct, samples_per_prompt, samples_per_prompt
         )
-    reasons = getattr(getattr(reward_fn, "source", None), "last_reasons", None)
-    if isinstance(reasons, dict) and reasons:
+    reasons = reason_counts(reward_fn)
+    if reasons:
         total = sum(reasons.values())
         metrics.update({f"reason/{why}": count / total for why, count in sorted(reasons.items())})
     return metrics

@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 __all__ = [
     "ANSWER_TAIL_CHARS",
+    "FAILED_REASONS",
+    "VERDICT_REASONS",
     "MathAnswerChecker",
     "Verdict",
     "exact_match",
@@ -41,6 +43,7 @@ __all__ = [
     "json_format",
     "normalise_answer",
     "overlong_penalty",
+    "reason_counts",
     "regex_format",
 ]
 
@@ -61,6 +64,35 @@ class Verdict:
 _BOXED = re.compile(r"\\boxed\s*\{")
 _HASHES = "####"
 _ANSWER_IS = re.compile(r"(?i)\banswer\s*(?:is|:)\s*")
+
+
+VERDICT_REASONS = (
+    "correct",
+    "wrong",
+    "empty",
+    "unparsed",
+    "matched",
+    "unmatched",
+    "missing_keys",
+    "timeout",
+    "error",
+)
+"""Every reason a built-in verifier gives, in the order reports list them."""
+
+FAILED_REASONS = ("timeout", "error")
+"""Verdict reasons that say the verifier failed on a reply (scored 0.0 and counted), not that
+the reply was wrong."""
+
+
+def reason_counts(reward_fn: object) -> dict[str, int]:
+    """How many replies of the reward's last call each verdict reason covered (a built-in
+    verifier's ``last_reasons``, read through the loaded reward's ``source``); ``{}`` for a
+    reward that gives no reasons."""
+    source = getattr(reward_fn, "source", reward_fn)
+    reasons = getattr(source, "last_reasons", None)
+    if not isinstance(reasons, dict):
+        return {}
+    return {str(k): int(v) for k, v in reasons.items() if isinstance(v, int)}
 
 
 def final_answer(reply: str) -> str | None:

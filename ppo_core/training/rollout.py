@@ -38,6 +38,7 @@ from ppo_core.models.scoring import ScoredBatch
 from ppo_core.parallel.runtime import Runtime
 from ppo_core.prompts import Prompt
 from ppo_core.rewards.loading import RewardFn
+from ppo_core.rewards.verifiers import FAILED_REASONS, VERDICT_REASONS, reason_counts
 from ppo_core.training.batch import RolloutBatch
 from ppo_core.training.stopwatch import Stopwatch
 
@@ -120,11 +121,32 @@ def collect_rollout(
     )
     metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
     metrics["rollout/kl_coef"] = float(kl_coef)
+    metrics.update(verdict_metrics(reward_fn, all_ranks))
     rescorer = (actor_critic, generation.temperature, runtime) if measure_gap else None
     with watch.step("score"):
         metrics.update(_sampler_metrics(ppo, generated, batch, all_ranks, rescorer))
     metrics.update(watch.metrics())
     return batch, metrics, responses
+
+
+def verdict_metrics(reward_fn: RewardFn, all_ranks: bool) -> dict[str, float]:
+    """For a verifier reward: ``reward/verifier_errors``, the replies it failed on (a timeout
+    or an error, each scored 0.0), and ``reward/reason/<why>``, the share of replies of each
+    verdict reason, over every rank's replies with ``all_ranks``; ``{}`` for another reward."""
+    reasons = reason_counts(reward_fn)
+    if not reasons:
+        return {}
+    # one fixed list on every rank, whatever reasons each rank's replies met
+    counts = torch.tensor([float(reasons.get(n, 0)) for n in VERDICT_REASONS], dtype=torch.float64)
+    if all_ranks:
+        import torch.distributed as dist
+
+        dist.all_reduce(counts)
+    found = dict(zip(VERDICT_REASONS, counts.tolist(), strict=True))
+    total = max(sum(found.values()), 1.0)
+    metrics = {f"reward/reason/{n}": c / total for n, c in found.items() if c > 0}
+    metrics["reward/verifier_errors"] = sum(found[n] for n in FAILED_REASONS)
+    return metrics
 
 
 def _rewarded(

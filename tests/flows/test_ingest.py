@@ -117,6 +117,26 @@ def test_a_malformed_file_names_the_file_and_line_and_nothing_is_added(project, 
     assert listing(project / "data" / "inbox") == []
 
 
+def test_rows_with_reference_fields_are_ingested_and_a_row_without_its_answer_is_not(
+    project, tmp_path_factory
+):
+    """With ``data.reference_fields=[answer]`` ingest checks each row's answer as ``prepare``
+    will read it: a file whose second row has none is refused naming the file, the line and
+    the field, and nothing is added; a file whose rows all carry one is added."""
+    from ppo_core.config import load_config
+
+    config = load_config(overrides=["data.reference_fields=[answer]"])
+    outside = tmp_path_factory.mktemp("incoming")
+    bad = outside / "problems.jsonl"
+    bad.write_text('{"prompt": "2 + 2 =", "answer": "4"}\n{"prompt": "3 + 3 ="}\n')
+    with pytest.raises(PromptFileError, match=rf"{bad}:2: reference field 'answer' is missing"):
+        ingest_files(config, [bad])
+    assert listing(project / "data" / "inbox") == []
+    good = outside / "more.jsonl"
+    good.write_text('{"prompt": "2 + 2 =", "answer": "4"}\n{"prompt": "3 + 3 =", "answer": 6}\n')
+    assert ingest_files(config, [good]).prompts == {"more.jsonl": 2}
+
+
 def test_ingest_never_replaces_a_file_of_the_same_name(project, tmp_path_factory):
     outside = tmp_path_factory.mktemp("incoming")
     clash = prompts_file(outside / "prompts.jsonl", "other bytes than the raw file")

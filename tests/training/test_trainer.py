@@ -680,6 +680,40 @@ def test_the_reward_gets_each_drawn_rows_own_answer(tmp_path, tiny_model_dir, pr
     assert len(summary.history) == 2 and "rollout/score" in summary.final_metrics
 
 
+def test_a_verifier_rewards_reasons_and_failures_are_logged(tmp_path, tiny_model_dir, prompt_files):
+    """``builtin:exact_match`` against each row's answer: the rollout logs the share of each
+    verdict reason and ``reward/verifier_errors``; a verifier that failed on replies (a
+    timeout, an error) is counted there, its replies scored 0.0, and the run goes on."""
+    from ppo_core.prompts import load_prompts
+    from ppo_core.training.rollout import verdict_metrics
+    from tests.helpers import answer_of
+
+    rows = [{"prompt": p, "answer": answer_of(p)} for p in load_prompts(prompt_files[0])]
+    train_file = tmp_path / "answers.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = small_config(
+        tmp_path,
+        tiny_model_dir,
+        (train_file, prompt_files[1]),
+        "data.reference_fields=[answer]",
+        "model.reward=builtin:exact_match",
+        "train.iterations=1",
+    )
+    metrics = train(config).final_metrics
+    reasons = {k: v for k, v in metrics.items() if k.startswith("reward/")}
+    assert reasons["reward/verifier_errors"] == 0.0
+    shares = [v for k, v in reasons.items() if k.startswith("reward/reason/")]
+    assert shares and sum(shares) == pytest.approx(1.0), reasons
+
+    class Failing:  # what a verifier that timed out on one reply and failed on another records
+        last_reasons = {"correct": 2, "wrong": 4, "timeout": 1, "error": 1}
+
+    counted = verdict_metrics(Failing(), all_ranks=False)
+    assert counted["reward/verifier_errors"] == 2.0
+    assert counted["reward/reason/timeout"] == 0.125 and counted["reward/reason/wrong"] == 0.5
+    assert verdict_metrics(lambda prompts, responses: None, all_ranks=False) == {}
+
+
 @pytest.mark.parametrize("case", ["another base", "no recorded base"])
 def test_a_checkpoint_of_another_or_an_unrecorded_base_is_not_resumed(
     tmp_path, tiny_model_dir, prompt_files, case
