@@ -706,7 +706,8 @@ def test_a_verifier_rewards_reasons_and_failures_are_logged(tmp_path, tiny_model
     assert shares and sum(shares) == pytest.approx(1.0), reasons
 
     class Failing:  # what a verifier that timed out on one reply and failed on another records
-        last_reasons = {"correct": 2, "wrong": 4, "timeout": 1, "error": 1}
+        def __init__(self) -> None:
+            self.last_reasons = {"correct": 2, "wrong": 4, "timeout": 1, "error": 1}
 
     counted = verdict_metrics(Failing(), all_ranks=False)
     assert counted["reward/verifier_errors"] == 2.0
