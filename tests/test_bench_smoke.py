@@ -44,6 +44,7 @@ SOAK = os.environ.get("PPO_SOAK") == "1"
 TIMEOUT_S = 900
 
 SLOW = {
+    "answers.py",
     "data_parallel.py",
     "engine.py",
     "estimators.py",

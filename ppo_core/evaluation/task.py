@@ -2,9 +2,9 @@
 answer each prompt row carries (``data.reference_fields``, a verifier reward).
 
 A reply counts as correct when its score is at least :data:`CORRECT_SCORE` (a verifier's 1.0).
-``accuracy`` is the share of correct replies; ``pass@k`` the unbiased estimate (Chen et al.
-2021) that one of ``k`` replies to a prompt is correct, for ``k`` = 1 and
-``eval.samples_per_prompt``; ``reason/<why>`` the share of replies each verdict reason
+``accuracy`` is the share of correct replies; ``pass_at_<k>`` the unbiased estimate of pass@k
+(Chen et al. 2021) that one of ``k`` replies to a prompt is correct, for ``k`` = 1 and
+``eval.samples_per_prompt``; ``verdict/<why>`` the share of replies each verdict reason
 (``correct``, ``wrong``, ``unparsed``, ``timeout``, ...) covers, where the reward counts them.
 """
 
@@ -29,14 +29,14 @@ def task_metrics(scores: torch.Tensor, samples_per_prompt: int, reward_fn: Any) 
     correct = (scores >= CORRECT_SCORE).reshape(-1, samples_per_prompt).sum(dim=1).tolist()
     metrics = {
         "accuracy": float((scores >= CORRECT_SCORE).float().mean()),
-        "pass@1": mean_pass_at_k(correct, samples_per_prompt, 1),
+        "pass_at_1": mean_pass_at_k(correct, samples_per_prompt, 1),
     }
     if samples_per_prompt > 1:
-        metrics[f"pass@{samples_per_prompt}"] = mean_pass_at_k(
+        metrics[f"pass_at_{samples_per_prompt}"] = mean_pass_at_k(
             correct, samples_per_prompt, samples_per_prompt
         )
     reasons = reason_counts(reward_fn)
     if reasons:
         total = sum(reasons.values())
-        metrics.update({f"reason/{why}": count / total for why, count in sorted(reasons.items())})
+        metrics.update({f"verdict/{why}": count / total for why, count in sorted(reasons.items())})
     return metrics

@@ -131,7 +131,7 @@ def collect_rollout(
 
 def verdict_metrics(reward_fn: RewardFn, all_ranks: bool) -> dict[str, float]:
     """For a verifier reward: ``reward/verifier_errors``, the replies it failed on (a timeout
-    or an error, each scored 0.0), and ``reward/reason/<why>``, the share of replies of each
+    or an error, each scored 0.0), and ``verdict/<why>``, the share of replies of each
     verdict reason, over every rank's replies with ``all_ranks``; ``{}`` for another reward."""
     reasons = reason_counts(reward_fn)
     if not reasons:
@@ -144,7 +144,7 @@ def verdict_metrics(reward_fn: RewardFn, all_ranks: bool) -> dict[str, float]:
         dist.all_reduce(counts)
     found = dict(zip(VERDICT_REASONS, counts.tolist(), strict=True))
     total = max(sum(found.values()), 1.0)
-    metrics = {f"reward/reason/{n}": c / total for n, c in found.items() if c > 0}
+    metrics = {f"verdict/{n}": c / total for n, c in found.items() if c > 0}
     metrics["reward/verifier_errors"] = sum(found[n] for n in FAILED_REASONS)
     return metrics
 

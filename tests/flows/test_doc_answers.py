@@ -57,8 +57,8 @@ def test_the_documented_answers_block_runs_verbatim(tiny_project):
         assert sample["score"] == expected, sample
     metrics = read_json(project / "reports" / "eval" / "metrics.json")
     for side in ("candidate", "baseline"):
-        assert 0.0 <= metrics[f"{side}/accuracy"] <= metrics[f"{side}/pass@4"] <= 1.0
-        assert metrics[f"{side}/pass@1"] == pytest.approx(metrics[f"{side}/accuracy"])
+        assert 0.0 <= metrics[f"{side}/accuracy"] <= metrics[f"{side}/pass_at_4"] <= 1.0
+        assert metrics[f"{side}/pass_at_1"] == pytest.approx(metrics[f"{side}/accuracy"])
     assert "delta/accuracy" in metrics
     decision = read_json(project / "reports" / "promotion.json")
     assert any("standard errors" in reason for reason in decision["reasons"]), decision

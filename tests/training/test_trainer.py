@@ -700,9 +700,9 @@ def test_a_verifier_rewards_reasons_and_failures_are_logged(tmp_path, tiny_model
         "train.iterations=1",
     )
     metrics = train(config).final_metrics
-    reasons = {k: v for k, v in metrics.items() if k.startswith("reward/")}
+    reasons = {k: v for k, v in metrics.items() if k.startswith(("reward/", "verdict/"))}
     assert reasons["reward/verifier_errors"] == 0.0
-    shares = [v for k, v in reasons.items() if k.startswith("reward/reason/")]
+    shares = [v for k, v in reasons.items() if k.startswith("verdict/")]
     assert shares and sum(shares) == pytest.approx(1.0), reasons
 
     class Failing:  # what a verifier that timed out on one reply and failed on another records
@@ -711,7 +711,7 @@ def test_a_verifier_rewards_reasons_and_failures_are_logged(tmp_path, tiny_model
 
     counted = verdict_metrics(Failing(), all_ranks=False)
     assert counted["reward/verifier_errors"] == 2.0
-    assert counted["reward/reason/timeout"] == 0.125 and counted["reward/reason/wrong"] == 0.5
+    assert counted["verdict/timeout"] == 0.125 and counted["verdict/wrong"] == 0.5
     assert verdict_metrics(lambda prompts, responses: None, all_ranks=False) == {}
 
 
