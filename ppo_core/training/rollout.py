@@ -120,8 +120,7 @@ def collect_rollout(
         importance_weights=_importance_weights(ppo, generated, policy_scored.logprobs),
     )
     metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
-    metrics["rollout/kl_coef"] = float(kl_coef)
-    metrics.update(verdict_metrics(reward_fn, all_ranks))
+    metrics.update({"rollout/kl_coef": float(kl_coef), **verdict_metrics(reward_fn, all_ranks)})
     rescorer = (actor_critic, generation.temperature, runtime) if measure_gap else None
     with watch.step("score"):
         metrics.update(_sampler_metrics(ppo, generated, batch, all_ranks, rescorer))
