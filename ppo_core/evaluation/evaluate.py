@@ -37,7 +37,6 @@ from ppo_core.experience.engines import VLLMEngine, check_engine, open_engine
 from ppo_core.experience.judges import load_reference
 from ppo_core.experience.sampling import (
     POSITIVE_SCORE,
-    check_context_length,
     longest_prompt,
     sample_responses,
     score_in_chunks,
@@ -325,7 +324,6 @@ def evaluate(
     tokenizer is not the KL reference's. The prompt token bound is the one ``ppo validate``
     held the data to, where it recorded one."""
     config = with_validated_settings(config, config.data.eval_file)
-    check_context_length(config)
     runtime = setup_runtime(config, distributed=False, model_folder=candidate)
     check_engine(config, runtime)
     prompts = load_prompts(

@@ -205,11 +205,13 @@ def with_validated_settings(config: Config, prompt_file: str | Path) -> Config:
 def longest_prompt(tokenizer, prompts: Sequence[Prompt], config: Config, where: str) -> int:
     """The number of tokens of the longest of ``prompts`` as the policy sees them
     (:func:`~ppo_core.models.generation.prompt_token_ids`, a chat rendered by its template),
-    refused past ``validation.max_tokens``, the bound every stage sizes contexts by: a prompt
-    ``ppo validate`` did not hold to it (``where`` names the file) is an error before
-    anything is sampled, never a row cut short."""
+    refused past the model's positions with ``generation.max_new_tokens``
+    (:func:`check_context_length`) or past ``validation.max_tokens``: a prompt ``ppo validate``
+    did not hold to it (``where`` names the file) is an error before anything is sampled,
+    never a row cut short."""
     lengths = [len(ids) for ids in prompt_token_ids(tokenizer, prompts)]
     longest = max(lengths, default=0)
+    check_context_length(config, longest, where)
     bound = config.validation.max_tokens
     if longest > bound:
         row = lengths.index(longest)
@@ -221,9 +223,9 @@ def longest_prompt(tokenizer, prompts: Sequence[Prompt], config: Config, where: 
     return longest
 
 
-def check_context_length(config: Config) -> None:
-    """Refuse, naming the keys, a run whose longest prompt (``validation.max_tokens``, which
-    validation holds every prompt to) plus ``generation.max_new_tokens`` does not fit the
+def check_context_length(config: Config, longest: int, where: str) -> None:
+    """Refuse, naming the key, a stage whose longest prompt (``longest`` tokens, of the file
+    ``where``; measured, not the bound) plus ``generation.max_new_tokens`` does not fit the
     positions ``model.policy``'s ``config.json`` declares. Past them a learned position table
     fails mid-run with an ``IndexError``, and a rotary model samples where it was never
     trained, silently."""
@@ -232,11 +234,11 @@ def check_context_length(config: Config) -> None:
     if found is None:
         return
     key, positions, path = found
-    needed = config.validation.max_tokens + config.generation.max_new_tokens
+    needed = longest + config.generation.max_new_tokens
     if needed > positions:
         raise ConfigError(
-            f"validation.max_tokens={config.validation.max_tokens} plus "
+            f"the longest prompt of {where} ({longest} tokens) plus "
             f"generation.max_new_tokens={config.generation.max_new_tokens} is {needed} "
             f"positions, more than the {positions} model.policy has ({key} in {path}); lower "
-            "one of them"
+            "generation.max_new_tokens or shorten the prompts"
         )

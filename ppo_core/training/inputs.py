@@ -9,7 +9,7 @@ from typing import Any
 from ppo_core.config import Config, code_free_folders
 from ppo_core.experience.engines import check_engine
 from ppo_core.experience.judges import build_reward
-from ppo_core.experience.sampling import check_context_length, longest_prompt
+from ppo_core.experience.sampling import longest_prompt
 from ppo_core.files import check_replaceable
 from ppo_core.models.adapter_folders import base_fingerprint
 from ppo_core.models.causal_lm import load_tokenizer
@@ -46,7 +46,6 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
     # A foreign folder in the output's place would only be found at the final save.
     check_replaceable(config.train.output_dir)
     check_model_folder(model.policy, "model.policy")
-    check_context_length(config)
     check_engine(config, runtime)
     tokenizer = load_tokenizer(model.policy, model.trust_remote_code)
     if model.reference is not None:

@@ -77,15 +77,17 @@ def test_scoring_in_length_ordered_chunks_gives_the_logprobs_of_one_plain_pass(s
         assert torch.where(mask, chunked.values - plain.values, 0.0).abs().max() < 1e-5
 
 
-def test_the_context_length_check_names_both_keys_and_the_models_positions(
+def test_the_context_length_check_names_the_key_and_the_models_positions(
     tmp_path, tiny_model_dir, prompt_files
 ):
+    """The longest prompt as measured (not the validation bound) plus the new tokens against
+    the tiny default's 64 positions."""
     fits = small_config(tmp_path, tiny_model_dir, prompt_files, "generation.max_new_tokens=32")
-    check_context_length(fits)  # 32 + 32 = the tiny default's 64 positions
+    check_context_length(fits, 32, "train.jsonl")  # 32 + 32 = the tiny default's 64 positions
     too_long = small_config(tmp_path, tiny_model_dir, prompt_files, "generation.max_new_tokens=33")
     with pytest.raises(
         ConfigError,
-        match=r"validation.max_tokens=32 plus generation.max_new_tokens=33 is 65 positions, "
-        r"more than the 64 model.policy has \(n_positions",
+        match=r"the longest prompt of train.jsonl \(32 tokens\) plus generation.max_new_tokens=33 "
+        r"is 65 positions, more than the 64 model.policy has \(n_positions",
     ):
-        check_context_length(too_long)
+        check_context_length(too_long, 32, "train.jsonl")

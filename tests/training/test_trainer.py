@@ -614,13 +614,16 @@ def test_a_checkpoint_from_before_a_key_existed_resumes_at_its_default():
 def test_new_tokens_past_the_models_positions_are_refused_before_anything_is_written(
     tmp_path, tiny_model_dir, prompt_files
 ):
-    """The tiny default has 64 positions: 32 prompt tokens (validation.max_tokens) plus 100 new
-    ones would fail mid-run with an IndexError; the run is refused at its start, naming both
-    keys and the model's own limit, with nothing written."""
+    """The tiny default has 64 positions: the longest prompt plus 100 new tokens would fail
+    mid-run with an IndexError; the run is refused at its start, naming the key and the
+    model's own limit, with nothing written."""
     from ppo_core.config import ConfigError
 
     config = small_config(tmp_path, tiny_model_dir, prompt_files, "generation.max_new_tokens=100")
-    with pytest.raises(ConfigError, match=r"max_new_tokens=100 is 132 positions, more than the 64"):
+    with pytest.raises(
+        ConfigError,
+        match=r"tokens\) plus generation.max_new_tokens=100 is \d+ positions, more than the 64",
+    ):
         train(config)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
 
@@ -628,10 +631,9 @@ def test_new_tokens_past_the_models_positions_are_refused_before_anything_is_wri
 def test_train_takes_the_prompt_bound_validate_held_the_data_to(
     tmp_path, tiny_model_dir, prompt_files
 ):
-    """Data validated with ``validation.max_tokens=48`` (its ``validated_with.json``) and a
-    run with the default 32: train adopts 48, so 48 + 20 new tokens is past the tiny default's
-    64 positions and refused before anything is written (with 32 the run would start, and
-    rows of the longest prompts would be cut)."""
+    """Data recorded as validated with ``validation.max_tokens=4`` (its ``validated_with.json``)
+    and a run with the default 32: train adopts 4, says so, and refuses the prompts longer
+    than it before anything is written (with 32 the run would start)."""
     from ppo_core.config import ConfigError
     from ppo_core.experience.sampling import BoundAdoptedWarning
 
@@ -639,17 +641,16 @@ def test_train_takes_the_prompt_bound_validate_held_the_data_to(
     data.mkdir()
     (data / "train.jsonl").write_bytes(prompt_files[0].read_bytes())
     (data / "manifest.json").write_text(json.dumps({"content_hash": "v1"}))
-    (data / "validated_with.json").write_text(json.dumps({"max_tokens": 48, "data_hash": "v1"}))
-    config = small_config(
-        tmp_path,
-        tiny_model_dir,
-        (data / "train.jsonl", prompt_files[1]),
-        "generation.max_new_tokens=20",
-    )
+    (data / "validated_with.json").write_text(json.dumps({"max_tokens": 4, "data_hash": "v1"}))
+    config = small_config(tmp_path, tiny_model_dir, (data / "train.jsonl", prompt_files[1]))
     assert config.validation.max_tokens == 32
     with (
-        pytest.warns(BoundAdoptedWarning, match="using 48"),
-        pytest.raises(ConfigError, match=r"validation.max_tokens=48 plus .*=20 is 68 positions"),
+        pytest.warns(BoundAdoptedWarning, match="using 4"),
+        pytest.raises(
+            ConfigError,
+            match=r"train.jsonl: prompt \d+ is \d+ tokens, more than "
+            r"validation.max_tokens=4",
+        ),
     ):
         train(config)
     assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "candidate").exists()
