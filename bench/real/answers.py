@@ -54,8 +54,8 @@ SETTINGS = [
     "ppo.old_logprobs=sampling",
     "generation.max_new_tokens=20",
     "optim.lr=2e-4",
-    "kl.coef=0.25",
-    "train.iterations=20",
+    "kl.coef=0.05",
+    "train.iterations=30",
     "validation.max_tokens=128",
     "validation.min_train_rows=32",
     "eval.num_prompts=100",
@@ -70,7 +70,10 @@ SETTINGS = [
 (a group of right and wrong replies is what the estimator learns from), 20 new tokens (the
 number and the end of the turn; a reply cut there loses 0.5 in training: the base ends only
 four in ten), held-out accuracy on 100 questions, four replies each, and a gate that asks for
-a gain of three standard errors. Distinct-2 is no guard here: a right answer is one number."""
+a gain of three standard errors. Distinct-2 is no guard here: a right answer is one number.
+With these settings held-out accuracy rose 0.117 -> 0.987 on add2 (seed 0) but the KL reached
+6.9 nats, past the gate's 4; ``kl.coef=0.25`` with 20 iterations held the KL near 1-2 nats
+and the rollout's accuracy to 0.31-0.47 (docs/training.md)."""
 
 
 def rows(task: str, count: int, seed: int) -> list[dict]:
