@@ -221,6 +221,7 @@ def validate_config(config: Config) -> None:
             f"optim.betas must be two numbers in [0, 1), got {shown_value(config.optim.betas)}"
         )
     _check_lora(config.model)
+    _check_reward_weights(config.model)
     _check_estimator(config)
     if ppo.tis_cap is not None and ppo.old_logprobs != "rescore":
         raise ConfigError(
@@ -232,6 +233,22 @@ def validate_config(config: Config) -> None:
         raise ConfigError(
             "parallel.reference_offload=true needs parallel.strategy=fsdp (got "
             f"{config.parallel.strategy!r}): only a sharded reference is offloaded"
+        )
+
+
+def _check_reward_weights(model: ModelConfig) -> None:
+    """One weight a reward (``model.reward`` first) or none at all."""
+    wanted = 1 + len(model.reward_terms)
+    if model.reward_weights and len(model.reward_weights) != wanted:
+        raise ConfigError(
+            f"model.reward_weights={shown_value(model.reward_weights)} holds "
+            f"{len(model.reward_weights)} weights for {wanted} rewards (model.reward and "
+            f"{len(model.reward_terms)} of model.reward_terms): give one a reward, model.reward "
+            "first, or none to weigh each 1"
+        )
+    if not all(math.isfinite(w) for w in model.reward_weights):
+        raise ConfigError(
+            f"model.reward_weights={shown_value(model.reward_weights)} must be finite numbers"
         )
 
 

@@ -88,6 +88,13 @@ class ModelConfig:
     """``builtin:sentiment`` (VADER), ``module:function`` (user code, called with lists of prompts
     and responses; it runs as Python), or a local folder of a sequence-classification reward
     model."""
+    reward_terms: list[str] = field(default_factory=list)
+    """More rewards added to ``model.reward``'s score in training (same forms): a format
+    check, a length penalty, as TRL's ``reward_funcs``. Each is logged as ``reward/<name>``;
+    evaluation and the gate judge with ``model.reward`` alone."""
+    reward_weights: list[float] = field(default_factory=list)
+    """The weights of ``model.reward`` and then of each of ``model.reward_terms`` (TRL's
+    ``reward_weights``); empty weighs each 1."""
     reward_timeout: float = bounded(600.0, ge=0)
     """Seconds one call of the reward (one batch, in training or evaluation) may take before the
     run stops with an error naming the reward, so a hung reward cannot block scheduled runs; 0

@@ -88,6 +88,7 @@ def check_inputs(config: Config, runtime: Runtime) -> RunInputs:
             code_free=code_free_folders(config),
             versions_dir=config.reward_model.versions_dir,
             reference_fields=fields,
+            with_terms=True,
         ),
         base_sha256=base_fingerprint(model.policy),
         longest_prompt=longest,

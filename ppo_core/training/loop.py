@@ -298,6 +298,8 @@ def save_output(
     output_dir = Path(config.train.output_dir)
     trained_with = {
         "reward": config.model.reward,
+        "reward_terms": list(config.model.reward_terms),
+        "reward_weights": list(config.model.reward_weights),
         "reference": str(config.model.reference or config.model.policy),
     }
 

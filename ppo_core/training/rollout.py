@@ -120,12 +120,17 @@ def collect_rollout(
         importance_weights=_importance_weights(ppo, generated, policy_scored.logprobs),
     )
     metrics = _rollout_metrics(batch, raw_scores, token_kl, generated.has_eos, all_ranks=all_ranks)
-    metrics.update({"rollout/kl_coef": float(kl_coef), **verdict_metrics(reward_fn, all_ranks)})
+    metrics.update({"rollout/kl_coef": float(kl_coef), **reward_metrics(reward_fn, all_ranks)})
     rescorer = (actor_critic, generation.temperature, runtime) if measure_gap else None
     with watch.step("score"):
         metrics.update(_sampler_metrics(ppo, generated, batch, all_ranks, rescorer))
     metrics.update(watch.metrics())
     return batch, metrics, responses
+
+
+def reward_metrics(reward_fn: RewardFn, all_ranks: bool) -> dict[str, float]:
+    """:func:`verdict_metrics` and :func:`term_metrics` of the batch's reward."""
+    return verdict_metrics(reward_fn, all_ranks) | term_metrics(reward_fn, all_ranks)
 
 
 def verdict_metrics(reward_fn: RewardFn, all_ranks: bool) -> dict[str, float]:
@@ -146,6 +151,27 @@ def verdict_metrics(reward_fn: RewardFn, all_ranks: bool) -> dict[str, float]:
     metrics = {f"verdict/{n}": c / total for n, c in found.items() if c > 0}
     metrics["reward/verifier_errors"] = sum(found[n] for n in FAILED_REASONS)
     return metrics
+
+
+def term_metrics(reward_fn: RewardFn, all_ranks: bool) -> dict[str, float]:
+    """For several rewards (``model.reward_terms``): ``reward/<name>``, each term's mean
+    unweighted score over the batch (every rank's rows with ``all_ranks``); ``{}`` for one."""
+    terms = getattr(getattr(reward_fn, "source", reward_fn), "last_terms", None)
+    if not isinstance(terms, dict) or not terms:
+        return {}
+    sums = torch.tensor(
+        [float(t.sum()) for t in terms.values()] + [float(len(next(iter(terms.values()))))],
+        dtype=torch.float64,
+    )
+    if all_ranks:
+        import torch.distributed as dist
+
+        dist.all_reduce(sums)
+    count = max(float(sums[-1]), 1.0)
+    return {
+        f"reward/{name}": float(total) / count
+        for name, total in zip(terms, sums[:-1].tolist(), strict=True)
+    }
 
 
 def _rewarded(

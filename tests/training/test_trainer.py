@@ -716,6 +716,36 @@ def test_a_verifier_rewards_reasons_and_failures_are_logged(tmp_path, tiny_model
     assert verdict_metrics(lambda prompts, responses: None, all_ranks=False) == {}
 
 
+def test_several_rewards_are_weighed_and_each_is_logged(tmp_path, tiny_model_dir, prompt_files):
+    """``model.reward`` plus a term of ``model.reward_terms``, weights 1 and 0.5: the rollout's
+    score is ``reward/exact_match + 0.5 * reward/varied_reward`` (the logged means), and the
+    candidate records the terms it was trained with."""
+    from ppo_core.prompts import load_prompts
+    from tests.helpers import answer_of
+
+    rows = [{"prompt": p, "answer": answer_of(p)} for p in load_prompts(prompt_files[0])]
+    train_file = tmp_path / "answers.jsonl"
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = small_config(
+        tmp_path,
+        tiny_model_dir,
+        (train_file, prompt_files[1]),
+        "data.reference_fields=[answer]",
+        "model.reward=builtin:exact_match",
+        "model.reward_terms=[tests.helpers:varied_reward]",
+        "model.reward_weights=[1.0,0.5]",
+        "train.iterations=1",
+    )
+    metrics = train(config).final_metrics
+    exact, varied = metrics["reward/exact_match"], metrics["reward/varied_reward"]
+    assert varied > 0.0  # the term scored something, so its weight shows in the sum
+    assert metrics["rollout/score"] == pytest.approx(exact + 0.5 * varied, abs=1e-6)
+    assert "reward/verifier_errors" in metrics  # the verifier's reasons still reach the logs
+    summary = json.loads((tmp_path / "candidate" / "training_summary.json").read_text())
+    assert summary["reward_terms"] == ["tests.helpers:varied_reward"]
+    assert summary["reward_weights"] == [1.0, 0.5]
+
+
 @pytest.mark.parametrize("case", ["another base", "no recorded base"])
 def test_a_checkpoint_of_another_or_an_unrecorded_base_is_not_resumed(
     tmp_path, tiny_model_dir, prompt_files, case
