@@ -25,6 +25,7 @@ from rich.console import Console
 
 from flows import operations
 from flows.command import ConfigOption, Overrides, app, console, load_settings, run_or_exit
+from flows.tasks import tasks
 from ppo_core.catalog import declared_in
 from ppo_core.files.artifacts import DATA_MANIFEST
 
@@ -357,7 +358,13 @@ def _add_stage_commands() -> None:
 
 _add_stage_commands()
 # After the stages, so that `ppo --help` lists the pipeline first.
-for command in (operations.rollback, operations.notify, operations.ingest, operations.compare):
+for command in (
+    operations.rollback,
+    operations.notify,
+    operations.ingest,
+    operations.compare,
+    tasks,
+):
     app.command()(command)
 
 

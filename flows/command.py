@@ -126,6 +126,7 @@ USER_ERRORS = (
     ("ppo_core.base_sources.kinds", "BaseSourceError"),
     ("ppo_core.registry.promotion", "StaleEvaluationError"),
     ("ppo_core.experience.engines", "EngineError"),
+    ("ppo_core.rewards.gym", "GymTaskError"),
 )
 
 

@@ -18,7 +18,8 @@ Built-in scorers, both rule based and CPU only, so that nothing is downloaded:
 
 Verifiers, which take the row's ``answer`` reference field as a keyword
 (:mod:`ppo_core.rewards.verifiers`): ``builtin:exact_match`` (the normalised final answer) and
-``builtin:math_answer`` (math-verify, symbolically, each reply bounded in time).
+``builtin:math_answer`` (math-verify, symbolically, each reply bounded in time), and
+``builtin:reasoning_gym``, a reasoning-gym task's own scorer (:mod:`ppo_core.rewards.gym`).
 """
 
 from __future__ import annotations
@@ -129,6 +130,35 @@ class MathAnswerReward:
         self, prompts: list[Prompt], responses: list[str], *, answer: list
     ) -> torch.Tensor:
         verdicts = [self.checker.check(r, str(a)) for r, a in zip(responses, answer, strict=True)]
+        return _scored(self, verdicts)
+
+
+@builtin_reward("builtin:reasoning_gym")
+class ReasoningGymReward:
+    """A reasoning-gym task's own scorer on the reply's ``<answer>...</answer>``, against the
+    row's ``answer``, ``task`` and ``metadata`` reference fields (rows written by ``ppo tasks``;
+    :mod:`ppo_core.rewards.gym`). Reasons (``correct``, ``wrong``, ``unparsed``, ``error``) are
+    counted in :attr:`last_reasons`."""
+
+    def __init__(self) -> None:
+        self.last_reasons: dict[str, int] = {}
+
+    def __call__(
+        self,
+        prompts: list[Prompt],
+        responses: list[str],
+        *,
+        answer: list,
+        task: list,
+        metadata: list | None = None,
+    ) -> torch.Tensor:
+        from ppo_core.rewards.gym import gym_verdict
+
+        extra = metadata if metadata is not None else [None] * len(responses)
+        verdicts = [
+            gym_verdict(r, str(a), str(t), m)
+            for r, a, t, m in zip(responses, answer, task, extra, strict=True)
+        ]
         return _scored(self, verdicts)
 
 

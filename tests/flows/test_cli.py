@@ -32,6 +32,7 @@ COMMANDS = [
     "notify",
     "ingest",
     "compare",
+    "tasks",
 ]
 NOTICE = "config: params.yaml (--config FILE for another, --config none for the defaults)\n"
 

@@ -59,7 +59,8 @@ def test_a_reward_error_names_the_key_that_set_it(monkeypatch, tmp_path):
         build_reward_fn("builtin:vibes", key="promote.check_reward")
     assert str(caught.value) == (
         "promote.check_reward='builtin:vibes' is not a built-in reward; the built-in ones are "
-        "builtin:sentiment, builtin:afinn, builtin:exact_match, builtin:math_answer"
+        "builtin:sentiment, builtin:afinn, builtin:exact_match, builtin:math_answer, "
+        "builtin:reasoning_gym"
     )
     with pytest.raises(RewardError, match=r"^promote.check_reward='no_such_module:f': cannot"):
         build_reward_fn("no_such_module:f", key="promote.check_reward")

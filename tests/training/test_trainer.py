@@ -746,6 +746,33 @@ def test_several_rewards_are_weighed_and_each_is_logged(tmp_path, tiny_model_dir
     assert summary["reward_weights"] == [1.0, 0.5]
 
 
+def test_reasoning_gym_rows_train_with_their_tasks_own_scorer(
+    tmp_path, tiny_model_dir, prompt_files
+):
+    """Rows written by ``ppo tasks`` (answer, task and a metadata object a row) train with
+    ``builtin:reasoning_gym``: every reply of the tiny model is judged (its verdict shares
+    sum to 1) and none failed the scorer."""
+    from ppo_core.rewards.gym import GYM_FIELDS, gym_rows
+
+    train_file = tmp_path / "tasks.jsonl"
+    rows = gym_rows(["chain_sum", "word_sorting"], size=8, seed=0)
+    # short prompts for the 64-position test model; the fields are the rows' own
+    rows = [{**row, "prompt": f"problem {i}"} for i, row in enumerate(rows)]
+    train_file.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    config = small_config(
+        tmp_path,
+        tiny_model_dir,
+        (train_file, prompt_files[1]),
+        f"data.reference_fields=[{','.join(GYM_FIELDS)}]",
+        "model.reward=builtin:reasoning_gym",
+        "train.iterations=1",
+    )
+    metrics = train(config).final_metrics
+    shares = [v for k, v in metrics.items() if k.startswith("verdict/")]
+    assert shares and sum(shares) == pytest.approx(1.0), metrics
+    assert metrics["reward/verifier_errors"] == 0.0
+
+
 @pytest.mark.parametrize("case", ["another base", "no recorded base"])
 def test_a_checkpoint_of_another_or_an_unrecorded_base_is_not_resumed(
     tmp_path, tiny_model_dir, prompt_files, case
