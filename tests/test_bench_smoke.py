@@ -18,7 +18,8 @@ asserts what the numbers are.
 Shell benchmarks (``bench/gpu/gpu.sh``) run their smoke with ``--device cpu`` where torch sees no
 CUDA device. ``bench/peers/ppo_vs_trl.py`` is run twice: this project's sides, and TRL's side, which
 needs ``bench/.trl-venv`` (``bash bench/peers/setup_trl.sh``): without it that case is skipped, except
-under ``PPO_SOAK=1`` (``make soak``), where its absence fails. ``bench/peers/export.py`` runs its
+under ``PPO_SOAK=1`` (``make soak``), where its absence fails; ``bench/peers/grpo_vs_trl.py``
+likewise (TRL's GRPOTrainer). ``bench/peers/export.py`` runs its
 llama.cpp side where ``bench/.llama-venv`` exists (``bash bench/peers/setup_llama_cpp.sh``); the case
 that requires it is likewise skipped without it, except under ``PPO_SOAK=1``.
 """
@@ -49,6 +50,7 @@ SLOW = {
     "engine.py",
     "estimators.py",
     "gpu.sh",
+    "grpo_vs_trl.py",
     "iteration_profile.py",
     "memory_scaling.py",
     "orchestration.py",
@@ -64,7 +66,10 @@ MACHINE_KEYS = ("cpu_capability", "matmul_fp32_gflops", "matmul_bf16_gflops")
 at least: the CPU and its fp32 and bf16 matmul rates, without which a number cannot be read (an
 AVX2 CPU emulates bf16; one with AVX-512 BF16 or AMX does not)."""
 
-EXTRA_ARGS = {"ppo_vs_trl.py": ["--sides", "ours", "ours_shared"]}
+EXTRA_ARGS = {
+    "ppo_vs_trl.py": ["--sides", "ours", "ours_shared"],
+    "grpo_vs_trl.py": ["--sides", "ours"],
+}
 """Options added to a benchmark's ``--smoke``; TRL's side of ``ppo_vs_trl.py`` is its own case."""
 
 
@@ -180,6 +185,25 @@ def test_ppo_vs_trl_smoke_of_the_trl_side(tmp_path: Path):
     for row in result["median"].values():
         assert row["trl"]["iteration_s"] > 0
     assert result["trl_reached"]["parameter_dtype"] == "torch.float32"
+
+
+@pytest.mark.slow
+@pytest.mark.soak
+def test_grpo_vs_trl_smoke_of_the_trl_side(tmp_path: Path):
+    """TRL 1.12's GRPOTrainer side of ``bench/peers/grpo_vs_trl.py`` trains with the project's
+    verifier, in fp32 without gradient checkpointing, and its adapter is judged by our
+    ``evaluate``."""
+    if not (TRL_VENV / "bin" / "python").exists():
+        reason = f"{TRL_VENV} is missing (bash bench/peers/setup_trl.sh builds it)"
+        if SOAK:
+            pytest.fail(f"PPO_SOAK=1 runs TRL's side of bench/peers/grpo_vs_trl.py, but {reason}")
+        pytest.skip(f"TRL's side of bench/peers/grpo_vs_trl.py not run: {reason}")
+    _, results = run_smoke(BENCH / "peers" / "grpo_vs_trl.py", tmp_path, "--sides", "trl")
+    (result,) = results
+    trl = result["sides"]["trl"]
+    assert trl["iterations"] >= 1 and trl["parameter_dtype"] == "torch.float32"
+    assert trl["gradient_checkpointing"] is False
+    assert trl["held_out"]["num_samples"] > 0
 
 
 @pytest.mark.slow
