@@ -231,7 +231,7 @@ def evaluate_model(
     responses, score = score_responses(reward_fn, tokenizer, expanded, generated, given)
     guard_metrics.update(_judged(expanded, responses, given, check_fn, previous_fn))
     if given:  # answers to check against: the task's accuracy and pass@k
-        guard_metrics.update(task_metrics(score, k, reward_fn))
+        guard_metrics.update(task_metrics(score, k, reward_fn, given.get("task")))
     metrics = {**_response_metrics(score, generated, responses), **guard_metrics}
     samples = [
         {"prompt": prompt_text(p), "response": r, "score": round(float(s), 4)}

@@ -5,11 +5,15 @@ A reply counts as correct when its score is at least :data:`CORRECT_SCORE` (a ve
 ``accuracy`` is the share of correct replies; ``pass_at_<k>`` the unbiased estimate of pass@k
 (Chen et al. 2021) that one of ``k`` replies to a prompt is correct, for ``k`` = 1 and
 ``eval.samples_per_prompt``; ``verdict/<why>`` the share of replies each verdict reason
-(``correct``, ``wrong``, ``unparsed``, ``timeout``, ...) covers, where the reward counts them.
+(``correct``, ``wrong``, ``unparsed``, ``timeout``, ...) covers, where the reward counts them;
+``accuracy/<task>`` the accuracy of each task's replies, where the rows carry a ``task`` field
+(``ppo tasks`` writes one).
 """
 
 from __future__ import annotations
 
+import re
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -23,9 +27,15 @@ CORRECT_SCORE = 1.0
 """The score from which a reply counts as correct (a verifier gives 1.0 to a right answer)."""
 
 
-def task_metrics(scores: torch.Tensor, samples_per_prompt: int, reward_fn: Any) -> dict[str, float]:
+def task_metrics(
+    scores: torch.Tensor,
+    samples_per_prompt: int,
+    reward_fn: Any,
+    tasks: Sequence[Any] | None = None,
+) -> dict[str, float]:
     """Accuracy, pass@1 and pass@k of ``scores`` ``[P * k]`` (the ``k`` replies of each prompt
-    consecutive), and the share of each reason the reward counted for them."""
+    consecutive), the share of each reason the reward counted for them, and with ``tasks`` (each
+    reply's row's ``task`` field) the accuracy of each task."""
     correct = (scores >= CORRECT_SCORE).reshape(-1, samples_per_prompt).sum(dim=1).tolist()
     metrics = {
         "accuracy": float((scores >= CORRECT_SCORE).float().mean()),
@@ -39,4 +49,17 @@ def task_metrics(scores: torch.Tensor, samples_per_prompt: int, reward_fn: Any) 
     if reasons:
         total = sum(reasons.values())
         metrics.update({f"verdict/{why}": count / total for why, count in sorted(reasons.items())})
+    if tasks is not None:
+        metrics.update(_accuracy_by_task(scores, tasks))
     return metrics
+
+
+def _accuracy_by_task(scores: torch.Tensor, tasks: Sequence[Any]) -> dict[str, float]:
+    """``accuracy/<task>`` for each task of the replies, its name made a metric name
+    (``[a-z][a-z0-9_]*``)."""
+    right: dict[str, list[bool]] = {}
+    for score, task in zip(scores.tolist(), tasks, strict=True):
+        name = re.sub(r"[^a-z0-9_]+", "_", str(task).lower()).strip("_")
+        name = name if name[:1].isalpha() else f"task_{name}"
+        right.setdefault(name, []).append(score >= CORRECT_SCORE)
+    return {f"accuracy/{name}": sum(hits) / len(hits) for name, hits in sorted(right.items())}

@@ -629,3 +629,23 @@ def test_the_evaluation_seed_alone_decides_the_samples(tmp_path, tiny_model_dir,
     first = samples("seed=0", "eval.seed=1234")
     assert samples("seed=7", "eval.seed=1234") == first
     assert samples("seed=0", "eval.seed=99") != first
+
+
+def test_task_metrics_by_hand_with_accuracy_by_task():
+    """Two prompts, two replies each: chain_sum [1, 0] and [1, 1], word_sorting's [0.2, 0].
+    Accuracy 3/6; pass@1 = mean(1/2, 1, 0) = 0.5; pass@2 = mean(1, 1, 0) = 2/3; by task
+    chain_sum 3/4 and word sorting 0 (its 0.2 is partial, not correct; "Word Sorting" named
+    as a metric)."""
+    import torch
+
+    from ppo_core.evaluation.task import task_metrics
+
+    scores = torch.tensor([1.0, 0.0, 1.0, 1.0, 0.2, 0.0])
+    tasks = ["chain_sum"] * 4 + ["Word Sorting"] * 2
+    metrics = task_metrics(scores, 2, reward_fn=None, tasks=tasks)
+    assert metrics["accuracy"] == pytest.approx(0.5)
+    assert metrics["pass_at_1"] == pytest.approx(0.5)
+    assert metrics["pass_at_2"] == pytest.approx(2 / 3)
+    assert metrics["accuracy/chain_sum"] == pytest.approx(0.75)
+    assert metrics["accuracy/word_sorting"] == 0.0
+    assert not any(k.startswith("accuracy/") for k in task_metrics(scores, 2, None))
