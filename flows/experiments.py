@@ -15,7 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HEADLINE", "Comparison", "Run", "compare_runs", "parse_exp_show"]
+__all__ = [
+    "HEADLINE",
+    "TASK_HEADLINE",
+    "Comparison",
+    "Run",
+    "compare_runs",
+    "headline",
+    "parse_exp_show",
+]
 
 # (flattened metric key, short column title): the held-out evaluation of the candidate and the
 # training speed.
@@ -28,6 +36,9 @@ HEADLINE = (
     ("candidate/distinct_2", "distinct-2"),
     ("perf.tokens_per_s", "tokens/s"),
 )
+
+# Columns shown when a run has them: the task's held-out accuracy, where rows carry answers.
+TASK_HEADLINE = (("candidate/accuracy", "accuracy"), ("delta/accuracy", "accuracy gain"))
 
 
 @dataclass(frozen=True)
@@ -44,6 +55,17 @@ class Comparison:
     runs: list[Run]
     changed: list[str]
     """Param keys whose value is not the same in every run, in the order of params.yaml."""
+
+    @property
+    def columns(self) -> list[tuple[str, str]]:
+        """:data:`HEADLINE`, then each of :data:`TASK_HEADLINE` that some run has."""
+        return headline(self.runs)
+
+
+def headline(runs: list[Run]) -> list[tuple[str, str]]:
+    """The metric columns for ``runs``: :data:`HEADLINE`, then the task columns some run has."""
+    present = {key for run in runs for key in run.metrics}
+    return [*HEADLINE, *(column for column in TASK_HEADLINE if column[0] in present)]
 
 
 def _flatten(tree: Any, prefix: str = "") -> dict[str, Any]:

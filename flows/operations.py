@@ -414,13 +414,14 @@ def compare(
 
     One row a run, with the params that differ between the runs and the headline numbers:
     held-out score, positive rate, KL to the reference, EOS rate and distinct-2 of the candidate
-    (`reports/eval/metrics.json`), and training tokens/s. Reads `dvc exp show --json`; `dvc exp
+    (`reports/eval/metrics.json`), and training tokens/s; where a run's rows carry answers, its
+    held-out accuracy and the gain over the baseline too. Reads `dvc exp show --json`; `dvc exp
     show` has every param and metric, `dvc exp diff A B` two runs change by change.
     """
     from rich import box
     from rich.table import Table
 
-    from flows.experiments import HEADLINE, compare_runs, format_number
+    from flows.experiments import compare_runs, format_number
 
     try:
         comparison = compare_runs(".", all_commits=all_commits)
@@ -434,11 +435,11 @@ def compare(
     table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True)
     table.add_column("run", no_wrap=True)
     # a column's name is the point of it: never cut
-    for title in [*comparison.changed, *(title for _, title in HEADLINE)]:
+    for title in [*comparison.changed, *(title for _, title in comparison.columns)]:
         table.add_column(title, justify="right", min_width=len(title), no_wrap=True)
     for run in comparison.runs:
         params = [str(run.params.get(key, "-")) for key in comparison.changed]
-        numbers = [format_number(run.metrics.get(key)) for key, _ in HEADLINE]
+        numbers = [format_number(run.metrics.get(key)) for key, _ in comparison.columns]
         table.add_row(run.name, *params, *numbers)
     out = Console()
     out.print(table)

@@ -108,6 +108,17 @@ def test_the_headline_names_metrics_the_pipeline_writes():
     ).get("metrics", [])
 
 
+def test_the_accuracy_columns_appear_where_a_run_has_them():
+    """The task columns show only where a run has them (evaluate writes ``candidate/accuracy``
+    and ``delta/accuracy`` for rows with answers: tests/flows/test_doc_answers.py)."""
+    from flows.experiments import TASK_HEADLINE, Run, headline
+
+    plain = Run("a", {}, {"candidate/score": 0.5})
+    checked = Run("b", {}, {"candidate/score": 0.5, "candidate/accuracy": 0.9})
+    assert headline([plain]) == list(HEADLINE)
+    assert headline([plain, checked]) == [*HEADLINE, TASK_HEADLINE[0]]
+
+
 def test_compare_reads_runs_params_and_metrics_from_exp_show():
     def entry(rev, name, clip, score):
         return {
