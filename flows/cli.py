@@ -87,6 +87,13 @@ def prepare(config: ConfigOption = None, overrides: Overrides = None) -> None:
             f"ratings, {f['ratings_unpaired']} ratings without a counterpart, "
             f"{f['duplicates']} duplicates dropped)"
         )
+        capped = f.get("ratings_capped_per_prompt", 0) + f.get("ratings_capped_total", 0)
+        if capped:
+            console.print(
+                f"feedback: {capped} pairs of ratings not made (data.max_pairs_per_prompt="
+                f"{cfg.data.max_pairs_per_prompt}, data.max_rating_pairs="
+                f"{cfg.data.max_rating_pairs})"
+            )
 
 
 @app.command()

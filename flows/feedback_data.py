@@ -87,7 +87,12 @@ def prepare_feedback(config: Config) -> FeedbackVersion:
         counts["rating_rows"] += len(ratings)
         pairs += file_pairs
         ratings_all += ratings
-    from_ratings, rating_counts = pairs_from_ratings(ratings_all, normalise_prompt)
+    from_ratings, rating_counts = pairs_from_ratings(
+        ratings_all,
+        normalise_prompt,
+        per_prompt=data.max_pairs_per_prompt,
+        total=data.max_rating_pairs,
+    )
     counts.update({f"ratings_{k}": v for k, v in rating_counts.items()})
     rows, dropped = _distinct_rows([*pairs, *from_ratings])
     counts.update(dropped)

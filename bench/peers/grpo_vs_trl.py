@@ -146,49 +146,14 @@ def run_ours(config) -> dict:
 def run_trl(args, config, overrides: list[str], wall_s: float) -> dict:
     """Train TRL's side in its venv for ``wall_s`` seconds at most, then judge its adapter with
     our ``evaluate`` from a copy of our candidate folder."""
-    from flows import stages
-    from ppo_core.config import load_config
-    from ppo_core.prompts import load_prompts
-    from ppo_core.references import load_references
-
     work = args.work / "trl"
     work.mkdir(parents=True, exist_ok=True)
-    train_file = config.data.train_file
-    prompts = load_prompts(train_file, config.data.prompt_field)
-    answers_ = [row["answer"] for row in load_references(train_file, ["answer"])]
-    rows_file = work / "rows.jsonl"
-    rows_file.write_text(
-        "".join(
-            json.dumps({"messages": p, "answer": a}) + "\n"
-            for p, a in zip(prompts, answers_, strict=True)
-        )
-    )
-    ppo = config.ppo
-    job = {
-        "root": str(ROOT),
-        "policy": str(Path(config.model.policy).resolve()),
-        "rows": str(rows_file),
-        "output_dir": str(work / "trainer"),
-        "threads": config.threads,
-        "seed": config.seed,
-        "wall_s": wall_s,
-        "iterations": config.train.iterations,
-        "rollout": ppo.rollout_batch_size,
-        "mini": ppo.mini_batch_size,
-        "micro": ppo.micro_batch_size,
-        "generations": ppo.samples_per_prompt,
-        "max_new_tokens": config.generation.max_new_tokens,
-        "kl_coef": config.kl.coef,
-        "lr": config.optim.lr,
-        "lora_rank": config.model.lora.rank,
-        "missing_eos_penalty": ppo.missing_eos_penalty,
-    }
-    (work / "job.json").write_text(json.dumps(job, indent=1))
-    started = time.perf_counter()
-    side = ROOT / "bench" / "peers" / "_trl_grpo_side.py"
     job_file = work / "job.json"
+    job_file.write_text(json.dumps(_trl_job(config, work, wall_s), indent=1))
+    side = ROOT / "bench" / "peers" / "_trl_grpo_side.py"
     # the verifier's worker (python -m ppo_core.rewards.math_worker) finds the project there
     environment = {**os.environ, "PYTHONPATH": str(ROOT)}
+    started = time.perf_counter()
     subprocess.run(
         [str(TRL_PYTHON), str(side), "--job", str(job_file), "--out", str(work)],
         check=True,
@@ -196,22 +161,8 @@ def run_trl(args, config, overrides: list[str], wall_s: float) -> dict:
     )
     run_s = time.perf_counter() - started
     trl = json.loads((work / "trl.json").read_text())
-    candidate = Path(config.train.output_dir).resolve()
-    copy = candidate.with_name("candidate_trl")
-    shutil.rmtree(copy, ignore_errors=True)
-    shutil.copytree(candidate, copy)
-    for name in ("adapter_model.safetensors", "adapter_config.json"):
-        shutil.copy2(work / "adapter" / name, copy / name)
-    judged = load_config(
-        overrides=[
-            *overrides,
-            f"base.source={config.base.source}",
-            f"train.output_dir={copy}",
-            "eval.output_dir=reports/eval_trl",
-        ]
-    )
-    evaluation = stages.evaluate(judged)
-    per_iteration = max(1, ppo.rollout_batch_size // ppo.mini_batch_size)
+    evaluation = _judge_trl(config, overrides, work / "adapter")
+    per_iteration = max(1, config.ppo.rollout_batch_size // config.ppo.mini_batch_size)
     ends = trl["step_end_s"][per_iteration - 1 :: per_iteration]
     seconds = [b - a for a, b in zip([0.0, *ends], ends, strict=False)]
     accuracy = [
@@ -230,6 +181,65 @@ def run_trl(args, config, overrides: list[str], wall_s: float) -> dict:
         "gradient_checkpointing": trl["gradient_checkpointing"],
         **_held_out(evaluation),
     }
+
+
+def _trl_job(config, work: Path, wall_s: float) -> dict:
+    """TRL's job: our prepared train rows (chat and answer) written for it, and our settings."""
+    from ppo_core.prompts import load_prompts
+    from ppo_core.references import load_references
+
+    train_file = config.data.train_file
+    prompts = load_prompts(train_file, config.data.prompt_field)
+    answers_ = [row["answer"] for row in load_references(train_file, ["answer"])]
+    rows_file = work / "rows.jsonl"
+    rows_file.write_text(
+        "".join(
+            json.dumps({"messages": p, "answer": a}) + "\n"
+            for p, a in zip(prompts, answers_, strict=True)
+        )
+    )
+    ppo = config.ppo
+    return {
+        "root": str(ROOT),
+        "policy": str(Path(config.model.policy).resolve()),
+        "rows": str(rows_file),
+        "output_dir": str(work / "trainer"),
+        "threads": config.threads,
+        "seed": config.seed,
+        "wall_s": wall_s,
+        "iterations": config.train.iterations,
+        "rollout": ppo.rollout_batch_size,
+        "mini": ppo.mini_batch_size,
+        "micro": ppo.micro_batch_size,
+        "generations": ppo.samples_per_prompt,
+        "max_new_tokens": config.generation.max_new_tokens,
+        "kl_coef": config.kl.coef,
+        "lr": config.optim.lr,
+        "lora_rank": config.model.lora.rank,
+        "missing_eos_penalty": ppo.missing_eos_penalty,
+    }
+
+
+def _judge_trl(config, overrides: list[str], adapter: Path) -> dict:
+    """Our ``evaluate`` of TRL's ``adapter``, put in a copy of our candidate folder."""
+    from flows import stages
+    from ppo_core.config import load_config
+
+    candidate = Path(config.train.output_dir).resolve()
+    copy = candidate.with_name("candidate_trl")
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(candidate, copy)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        shutil.copy2(adapter / name, copy / name)
+    judged = load_config(
+        overrides=[
+            *overrides,
+            f"base.source={config.base.source}",
+            f"train.output_dir={copy}",
+            "eval.output_dir=reports/eval_trl",
+        ]
+    )
+    return stages.evaluate(judged)
 
 
 def _curve(seconds: list[float], accuracy: list[float]) -> list[dict]:

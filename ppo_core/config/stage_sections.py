@@ -75,6 +75,13 @@ class DataConfig:
     When it holds any, ``ppo prepare`` and ``ppo validate`` make a pair version of them beside
     the prompts (``feedback/`` in ``data.interim_dir`` and ``data.prepared_dir``), split by
     prompt with ``data.eval_fraction``, and ``ppo reward`` trains a reward model on it."""
+    max_pairs_per_prompt: int = bounded(64, ge=1, most=MAX_ROWS)
+    """Most preference pairs the ratings of one prompt make (each liked reply against each
+    disliked one would make ``liked x disliked``: 600 ratings, 90,000 pairs); the rest are not
+    made, and counted in the pair version's manifest (``ratings_capped_per_prompt``)."""
+    max_rating_pairs: int = bounded(200_000, ge=1, most=MAX_ROWS)
+    """Most preference pairs all ratings together make; the rest are counted
+    (``ratings_capped_total``)."""
 
 
 @dataclass

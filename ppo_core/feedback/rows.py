@@ -171,7 +171,10 @@ def load_feedback_file(
 
 
 def pairs_from_ratings(
-    ratings: list[Rating], prompt_key: Callable[[Prompt], str]
+    ratings: list[Rating],
+    prompt_key: Callable[[Prompt], str],
+    per_prompt: int | None = None,
+    total: int | None = None,
 ) -> tuple[list[PreferencePair], dict[str, int]]:
     """Preference pairs made from ratings, and counts of what happened to the ratings.
 
@@ -184,6 +187,12 @@ def pairs_from_ratings(
     pair is made twice. A text rated both liked and disliked for the same prompt is
     contradictory and is used in no pair. Neutral ratings are used in none.
 
+    ``per_prompt`` caps the pairs of one group and ``total`` all of them (None: no cap): ``L``
+    liked and ``D`` disliked replies could make ``L * D`` pairs, so 600 ratings of one prompt
+    would make 90,000. A capped group keeps the pairs of liked ``i`` and disliked ``j`` with the
+    smallest ``i + j`` (then ``i``), so that its pairs use as many distinct replies as they can,
+    in the order above; pairs past a cap are not made, only counted.
+
     A pair's prompt and source are the liked rating's; its id is ``"<liked id>|<disliked id>"``
     when both ratings have one, else None.
 
@@ -191,7 +200,8 @@ def pairs_from_ratings(
         The pairs, and counts: ``ratings`` (all), ``liked``, ``disliked``, ``neutral``,
         ``contradictory`` (liked and disliked ratings of a contradictory reply), ``pairs``
         (made), ``unpaired`` (liked or disliked ratings, not contradictory, whose prompt had
-        no usable reply of the other kind).
+        no usable reply of the other kind), ``capped_per_prompt`` and ``capped_total`` (pairs
+        not made for ``per_prompt`` and for ``total``).
     """
     groups: dict[str, list[Rating]] = {}
     for rating in ratings:
@@ -204,6 +214,8 @@ def pairs_from_ratings(
         "contradictory": 0,
         "pairs": 0,
         "unpaired": 0,
+        "capped_per_prompt": 0,
+        "capped_total": 0,
     }
     pairs: list[PreferencePair] = []
     for group in groups.values():
@@ -221,16 +233,31 @@ def pairs_from_ratings(
                 for rating in group
             )
             continue
-        for good in usable_liked:
-            for bad in usable_disliked:
-                pair_id = (
-                    f"{good.id}|{bad.id}" if good.id is not None and bad.id is not None else None
-                )
-                pairs.append(
-                    PreferencePair(good.prompt, good.response, bad.response, pair_id, good.source)
-                )
+        possible = len(usable_liked) * len(usable_disliked)
+        wanted = possible if per_prompt is None else min(possible, per_prompt)
+        counts["capped_per_prompt"] += possible - wanted
+        room = wanted if total is None else max(0, min(wanted, total - len(pairs)))
+        counts["capped_total"] += wanted - room
+        for i, j in sorted(_diagonal_pairs(len(usable_liked), len(usable_disliked), room)):
+            good, bad = usable_liked[i], usable_disliked[j]
+            pair_id = f"{good.id}|{bad.id}" if good.id is not None and bad.id is not None else None
+            pairs.append(
+                PreferencePair(good.prompt, good.response, bad.response, pair_id, good.source)
+            )
     counts["pairs"] = len(pairs)
     return pairs, counts
+
+
+def _diagonal_pairs(liked: int, disliked: int, count: int) -> list[tuple[int, int]]:
+    """The first ``count`` index pairs ``(i, j)``, ``i < liked``, ``j < disliked``, in the
+    order of ``i + j``, then ``i``; never builds more than ``count``."""
+    found: list[tuple[int, int]] = []
+    for diagonal in range(liked + disliked - 1):
+        for i in range(max(0, diagonal - disliked + 1), min(liked, diagonal + 1)):
+            if len(found) == count:
+                return found
+            found.append((i, diagonal - i))
+    return found
 
 
 def _replies(group: list[Rating], liked: bool) -> dict[str, Rating]:

@@ -111,6 +111,8 @@ def test_rating_rows_and_the_rule_that_pairs_them(tmp_path):
         "contradictory": 2,
         "pairs": 3,
         "unpaired": 2,
+        "capped_per_prompt": 0,
+        "capped_total": 0,
     }
 
 
@@ -133,9 +135,43 @@ def test_the_rule_orders_pairs_as_the_ratings_came():
     assert pairs_from_ratings([], whitespace_key) == (
         [],
         dict.fromkeys(
-            ("ratings", "liked", "disliked", "neutral", "contradictory", "pairs", "unpaired"), 0
+            (
+                "ratings",
+                "liked",
+                "disliked",
+                "neutral",
+                "contradictory",
+                "pairs",
+                "unpaired",
+                "capped_per_prompt",
+                "capped_total",
+            ),
+            0,
         ),
     )
+
+
+def test_pairs_from_ratings_are_capped_per_prompt_and_in_total_and_counted():
+    """600 ratings of one prompt (300 liked, 300 disliked) could make 90,000 pairs: capped at
+    5 a prompt they make 5, by hand the diagonals (0,0), (0,1), (1,0), (0,2), (1,1), listed
+    liked-first; a second prompt's 2 x 2 = 4 then meet the total cap of 7 (2 made, 2
+    counted). Seen failing with the caps ignored (90,004 pairs)."""
+    many = [Rating("P", f"good {i}", True) for i in range(300)]
+    many += [Rating("P", f"bad {i}", False) for i in range(300)]
+    second = [Rating("Q", f"yes {i}", True) for i in range(2)]
+    second += [Rating("Q", f"no {i}", False) for i in range(2)]
+    made, counts = pairs_from_ratings([*many, *second], whitespace_key, per_prompt=5, total=7)
+    assert [(p.chosen, p.rejected) for p in made] == [
+        ("good 0", "bad 0"),
+        ("good 0", "bad 1"),
+        ("good 0", "bad 2"),
+        ("good 1", "bad 0"),
+        ("good 1", "bad 1"),
+        ("yes 0", "no 0"),
+        ("yes 0", "no 1"),
+    ]
+    assert counts["capped_per_prompt"] == 90_000 - 5 and counts["capped_total"] == 2
+    assert counts["pairs"] == 7
 
 
 def test_chat_rows(tmp_path):
