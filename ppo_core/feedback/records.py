@@ -132,6 +132,7 @@ def parquet_records(
         )
     tables = _measured_row_groups(file, name, columns, rows, max_rows, max_bytes)
     values = {column: _column_values(tables, column, name) for column in columns}
+    _check_value_sizes(values, name)
     if "id" in values and _is_float_column(schema, "id"):
         values["id"] = [_integral_id(value) for value in values["id"]]
     for row in range(sum(table.num_rows for table in tables)):
@@ -255,6 +256,28 @@ def _column_values(tables: list[Any], column: str, name: str) -> list[Any]:
                     ) from None
             raise FeedbackFileError(f"{name}: column {column!r} is not valid UTF-8") from None
     return values
+
+
+def _check_value_sizes(values: dict[str, list[Any]], name: str) -> None:
+    """Each value at most :data:`~ppo_core.prompts.MAX_LINE_BYTES` characters (a chat's turns'
+    contents together), as a JSONL feedback line is bounded: a few kB of Parquet can hold a
+    reply of megabytes, which the whole file's cap alone would let through."""
+    for column, column_values in values.items():
+        for row, value in enumerate(column_values):
+            if isinstance(value, str):
+                size = len(value)
+            elif isinstance(value, list):
+                size = sum(
+                    len(str(turn.get("content", ""))) if isinstance(turn, dict) else len(str(turn))
+                    for turn in value
+                )
+            else:
+                continue
+            if size > MAX_LINE_BYTES:
+                raise FeedbackFileError(
+                    f"{name} row {row}: {column!r} is {size} characters long, over the limit of "
+                    f"{MAX_LINE_BYTES} a value (a JSONL feedback line's limit)"
+                )
 
 
 def _is_float_column(schema: Any, column: str) -> bool:

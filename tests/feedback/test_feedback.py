@@ -488,3 +488,18 @@ def test_feedback_sources(tmp_path):
     (folder / "f.jsonl").mkdir()
     with pytest.raises(FeedbackFileError, match="is a folder, not a feedback file"):
         feedback_sources(folder)
+
+
+def test_a_parquet_feedback_value_is_bounded_as_a_jsonl_line_is(tmp_path):
+    """A Parquet file of a few kB can hold a reply of megabytes (repeated text compresses to
+    nothing); each value is bounded as a JSONL feedback line is. Seen failing before the bound
+    (the 2 MiB reply was accepted)."""
+    from ppo_core.prompts import MAX_LINE_BYTES
+
+    path = tmp_path / "ratings.parquet"
+    reply = "great " * (2 * MAX_LINE_BYTES // 6)
+    table = pa.table({"prompt": ["A film?"], "response": [reply], "rating": [1]})
+    pq.write_table(table, path, compression="zstd")
+    assert path.stat().st_size < 20_000
+    with pytest.raises(FeedbackFileError, match=r"row 0: 'response' is \d+ characters long"):
+        load_feedback_file(path)
