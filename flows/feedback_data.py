@@ -203,6 +203,7 @@ def validate_feedback(config: Config) -> Any:
         min_train_pairs=rules.min_train_pairs,
         min_eval_pairs=rules.min_eval_pairs,
         report_dir=Path(rules.report_dir) / FEEDBACK_FOLDER,
+        max_mirrored_share=rules.max_mirrored_share,
     )
 
 

@@ -52,6 +52,7 @@ from flows.validation_results import (
     short_repr,
     token_stats,
 )
+from ppo_core.feedback.rows import mirrored_pairs
 from ppo_core.files import atomic_write_text
 from ppo_core.files.artifacts import VALIDATION_SUMMARY
 
@@ -76,6 +77,7 @@ DERIVED_COLUMNS = {
     "chosen_tokens": "chosen",
     "rejected_tokens": "rejected",
     "same_reply": "chosen",
+    "mirrored": "chosen",
 }
 # Outside these bounds on the share of pairs whose chosen reply is longer, describe() warns.
 # summary.json's "validation": tells these reports from another validation's in the same folder.
@@ -93,6 +95,7 @@ def validate_feedback_pairs(
     min_train_pairs: int,
     min_eval_pairs: int,
     report_dir: str | Path,
+    max_mirrored_share: float = 0.0,
 ) -> ValidationResult:
     """Validate the train and eval preference pairs with Great Expectations; write Data Docs and a
     summary (with the chosen-longer share, a length bias a reward model would learn).
@@ -102,7 +105,9 @@ def validate_feedback_pairs(
     whitespace); the two replies differ; each reply with its prompt is ``1..max_tokens`` tokens
     long (``count_tokens(prompts, replies)``, called once for the chosen and once for the
     rejected replies of a split, with the rows whose texts are strings); at least
-    ``min_train_pairs`` / ``min_eval_pairs`` pairs; on eval, no prompt also a train prompt.
+    ``min_train_pairs`` / ``min_eval_pairs`` pairs; on eval, no prompt also a train prompt; at
+    most ``max_mirrored_share`` of the pairs mirrored (the same prompt and replies, swapped, also
+    in the split: feedback that contradicts itself, which a reward model cannot learn).
     Never raises on bad data: the result says what failed (raise `DataValidationError` with it).
     """
     if max_tokens < 1:
@@ -119,7 +124,12 @@ def validate_feedback_pairs(
     for split in SPLITS:
         leak_set = [html.escape(p) for p in train_prompts] if split == "eval" else None
         split_reports[split], split_lengths = _check_split(
-            ge, split, frames[split], count_tokens, max_tokens, min_pairs[split], leak_set
+            ge,
+            split,
+            frames[split],
+            count_tokens,
+            (max_tokens, min_pairs[split], max_mirrored_share),
+            leak_set,
         )
         lengths.append(split_lengths)
 
@@ -161,14 +171,17 @@ def _check_split(
     split: str,
     pairs: pd.DataFrame,
     count_tokens: CountTokens,
-    max_tokens: int,
-    min_pairs: int,
+    bounds: tuple[int, int, float],
     leak_set: list[str] | None,
 ) -> tuple[dict[str, Any], tuple[pd.Series, pd.Series]]:
     """One split's expectations run by Great Expectations: its report (rows, columns, token
-    statistics, length bias, every check) and its chosen and rejected token lengths."""
+    statistics, length bias, mirrored pairs, every check) and its chosen and rejected token
+    lengths. ``bounds``: the most tokens, the fewest pairs, the largest mirrored share."""
+    max_tokens, min_pairs, max_mirrored = bounds
     frame, names = _frame_for_ge(pairs, count_tokens, split)
-    expectations = _expectations(ge.gx, names, max_tokens, min_pairs, leak_set=leak_set)
+    expectations = _expectations(
+        ge.gx, names, (max_tokens, min_pairs, max_mirrored), leak_set=leak_set
+    )
     # GE gets the texts HTML-escaped for the Data Docs (escaping is one-to-one, and every
     # length was counted from the texts themselves); the examples are read from the texts.
     checks = [
@@ -184,6 +197,7 @@ def _check_split(
         "chosen_tokens": token_stats(frame[names["chosen_tokens"]]),
         "rejected_tokens": token_stats(frame[names["rejected_tokens"]]),
         "length_bias": measure_length_bias([lengths]),
+        "mirrored_pairs": int(frame[names["mirrored"]].sum()),
         "expectations": checks,
     }
     return report, lengths
@@ -272,6 +286,11 @@ def _frame_for_ge(
         for chosen, rejected in zip(texts["chosen"], texts["rejected"], strict=True)
     ]
     out[names["same_reply"]] = pd.Series(same, index=out.index, dtype=bool)
+    out[names["mirrored"]] = pd.Series(
+        mirrored_pairs(texts["prompt"], texts["chosen"], texts["rejected"]),
+        index=out.index,
+        dtype=bool,
+    )
     return out, names
 
 
@@ -310,9 +329,11 @@ def _escaped(frame: pd.DataFrame) -> pd.DataFrame:
 
 
 def _expectations(
-    gx, names: dict[str, str], max_tokens: int, min_pairs: int, leak_set: list[str] | None
+    gx, names: dict[str, str], bounds: tuple[int, int, float], leak_set: list[str] | None
 ) -> list:
-    """The suite of one split (``leak_set``: the train prompts, checked on eval only)."""
+    """The suite of one split (``bounds``: the most tokens, the fewest pairs, the largest
+    mirrored share; ``leak_set``: the train prompts, checked on eval only)."""
+    max_tokens, min_pairs, max_mirrored = bounds
     e = gx.expectations
     derived = list(names.values())
     suite = [
@@ -351,6 +372,7 @@ def _expectations(
             ),
         )
     )
+    suite.append(_mirrored_expectation(e, names["mirrored"], max_mirrored))
     for reply in REPLIES:
         tokens = names[f"{reply}_tokens"]
         suite.append(
@@ -376,6 +398,18 @@ def _expectations(
             )
         )
     return suite
+
+
+def _mirrored_expectation(e, column: str, max_share: float):
+    return e.ExpectColumnValuesToBeInSet(
+        column=column,
+        value_set=[False],
+        mostly=1.0 - max_share,
+        description=(
+            f"At most {max_share:.0%} of the pairs are mirrored (`{column}`: the same prompt and "
+            "replies, swapped, are also a pair; validation.max_mirrored_share)"
+        ),
+    )
 
 
 def _read_check(
@@ -431,6 +465,13 @@ def _column_details(
         )
     if kind == "expect_column_values_to_be_in_set" and role == "same_reply":
         return f"{count} of {rows} pairs have the same chosen and rejected reply ({column})"
+    if kind == "expect_column_values_to_be_in_set" and role == "mirrored":
+        allowed = 1.0 - float(kwargs.get("mostly", 1.0))
+        return (
+            f"{count} of {rows} pairs are mirrored (the same prompt and replies, swapped, are "
+            f"also a pair), more than the share {allowed:.2g} allowed ({column}; "
+            "validation.max_mirrored_share)"
+        )
     if kind == "expect_column_values_to_not_be_in_set":
         return f"{count} of {rows} eval prompts also appear in train (leakage)"
     return f"{count} of {rows} values unexpected"

@@ -100,6 +100,10 @@ class ValidationConfig:
     """Fewest preference pairs the feedback's train split may hold (when there is feedback)."""
     min_eval_pairs: int = bounded(8, ge=0, most=MAX_ROWS)
     """Fewest held-out preference pairs: the reward model's gate judges on them."""
+    max_mirrored_share: float = bounded(0.05, ge=0, le=1)
+    """Largest share of a feedback split's pairs that may be mirrored (the same prompt and
+    replies, swapped, also a pair): some annotators disagree, but feedback that mostly
+    contradicts itself trains a reward model to accuracy 0.5."""
     report_dir: str = "reports/validation"
     """Where the Data Docs HTML and ``summary.json`` go (written on failure too)."""
 

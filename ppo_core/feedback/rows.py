@@ -75,6 +75,7 @@ __all__ = [
     "Rating",
     "feedback_sources",
     "load_feedback_file",
+    "mirrored_pairs",
     "pairs_from_ratings",
 ]
 
@@ -258,6 +259,20 @@ def _diagonal_pairs(liked: int, disliked: int, count: int) -> list[tuple[int, in
                 return found
             found.append((i, diagonal - i))
     return found
+
+
+def mirrored_pairs(prompts: list[Any], chosen: list[Any], rejected: list[Any]) -> list[bool]:
+    """For each pair, whether the swapped pair (its prompt, its rejected reply as chosen, its
+    chosen as rejected; texts stripped) is also among them: feedback that contradicts itself.
+    A value that is not a string is never mirrored (the pair suite fails it on its own)."""
+    keys = [
+        tuple(v.strip() if isinstance(v, str) else None for v in row)
+        for row in zip(prompts, chosen, rejected, strict=True)
+    ]
+    present = set(keys)
+    return [
+        None not in key and key[1] != key[2] and (key[0], key[2], key[1]) in present for key in keys
+    ]
 
 
 def _replies(group: list[Rating], liked: bool) -> dict[str, Rating]:

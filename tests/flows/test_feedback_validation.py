@@ -80,8 +80,9 @@ def test_good_pairs_pass_and_report_the_length_bias(tmp_path, monkeypatch):
     result = validate(tmp_path, train=train, count_tokens=counting)
     assert result.success and result.failures == [], result.describe()
     assert calls == [40, 40, 10, 10]  # once for chosen and once for rejected per split
-    # schema, 3 types, 3 not null, 2 not empty, replies differ, 2 token lengths, pairs; eval: leak
-    assert result.evaluated == 13 + 14
+    # schema, 3 types, 3 not null, 2 not empty, replies differ, mirrored, 2 token lengths,
+    # pairs; eval: leak
+    assert result.evaluated == 14 + 15
     reports = tmp_path / "reports" / "feedback"
     assert result.docs_index == reports / "data_docs" / "index.html"
     assert result.docs_index.is_file()
@@ -113,7 +114,7 @@ def test_good_pairs_pass_and_report_the_length_bias(tmp_path, monkeypatch):
     }
     assert summary["splits"]["eval"]["rejected_tokens"] == {"min": 5, "max": 8, "mean": 6.5}
     assert summary["splits"]["train"]["columns"] == ["prompt", "chosen", "rejected", "id", "source"]
-    assert len(summary["splits"]["eval"]["expectations"]) == 14
+    assert len(summary["splits"]["eval"]["expectations"]) == 15
     described = result.describe()
     assert described.startswith("Feedback pair validation passed: 27 expectations")
     assert "chosen reply has more tokens than the rejected one in 50.0% of 50 pairs" in described
@@ -251,6 +252,26 @@ def test_too_few_pairs(tmp_path):
     )
 
 
+def test_mirrored_pairs_fail_past_their_share_and_are_counted(tmp_path):
+    """The train pairs and their 40 swapped copies: every one of the 80 is mirrored, past the
+    default share of 5 %; allowed with max_mirrored_share=1. Two mirrored of 41 (4.9 %) pass
+    at 5 % and are counted in the summary. Seen failing without the expectation (the 80 passed)."""
+    train = train_pairs()
+    swapped = {"prompt": train["prompt"], "chosen": train["rejected"], "rejected": train["chosen"]}
+    # the tie pairs ("It is" / "Not so") swapped are still different replies: mirrored too
+    both = {key: train[key] + swapped[key] for key in train}
+    result = validate(tmp_path / "a", train=both, max_mirrored_share=0.05)
+    assert ("train", "expect_column_values_to_be_in_set", "mirrored") in failed(result)
+    assert "80 of 80 pairs are mirrored" in result.describe()
+    allowed = validate(tmp_path / "b", train=both, max_mirrored_share=1.0)
+    assert allowed.success
+    few = {key: train[key] + swapped[key][:1] for key in train}  # the first pair mirrored
+    one = validate(tmp_path / "c", train=few, max_mirrored_share=0.05)
+    assert one.success, one.describe()
+    summary = json.loads((tmp_path / "c" / "reports" / "feedback" / "summary.json").read_text())
+    assert summary["splits"]["train"]["mirrored_pairs"] == 2
+
+
 @pytest.mark.parametrize(
     ("change", "example"),
     [
@@ -321,7 +342,7 @@ def test_texts_reach_the_data_docs_escaped_and_the_summary_as_they_are(tmp_path)
 def test_error_message_names_the_feedback_pairs(tmp_path):
     result = validate(tmp_path, train=_set(train_pairs(), "chosen", 0, ""))
     message = str(DataValidationError(result))
-    assert message.startswith("Feedback pair validation failed: 1 of 27 expectations")
+    assert message.startswith("Feedback pair validation failed: 1 of 29 expectations")
     assert "Fix the feedback pairs" in message and str(result.docs_index) in message
 
 
