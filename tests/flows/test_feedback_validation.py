@@ -116,7 +116,7 @@ def test_good_pairs_pass_and_report_the_length_bias(tmp_path, monkeypatch):
     assert summary["splits"]["train"]["columns"] == ["prompt", "chosen", "rejected", "id", "source"]
     assert len(summary["splits"]["eval"]["expectations"]) == 15
     described = result.describe()
-    assert described.startswith("Feedback pair validation passed: 27 expectations")
+    assert described.startswith("Feedback pair validation passed: 29 expectations")
     assert "chosen reply has more tokens than the rejected one in 50.0% of 50 pairs" in described
     assert "Warning" not in described
     assert list(cwd.iterdir()) == []  # GE wrote nothing into the working directory
