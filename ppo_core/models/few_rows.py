@@ -27,6 +27,7 @@ import contextlib
 import functools
 import json
 import os
+import stat
 import time
 import types
 from collections.abc import Iterator
@@ -35,6 +36,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from ppo_core.files.atomic import atomic_write_text
 
 __all__ = ["FEW_ROWS", "MARGIN", "MIN_WIDTH", "cold_bytes", "few_row_products", "table_path"]
 
@@ -170,25 +173,50 @@ def cold_bytes(caches: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> int
     return max(2 * largest, 64 << 20)
 
 
+MAX_TABLE_BYTES = 1 << 20
+"""Largest layout table read (a real one is a few kB)."""
+
+
 def _load(path: Path) -> None:
     if path in _LOADED:
         return
     _LOADED.add(path)
+    text = _read_table(path)
     try:
-        stored = json.loads(path.read_text())
-    except (OSError, ValueError):
+        stored = json.loads(text) if text is not None else None
+    except ValueError:
         return
     if isinstance(stored, dict):
         _TABLE.update({k: v for k, v in stored.items() if isinstance(v, bool) and k not in _TABLE})
 
 
-def _save(path: Path) -> None:
-    """Write the table beside its old version and rename it over (a reader never sees half a
-    file); a folder that cannot be written is no error: the table stays in this process."""
+def _read_table(path: Path) -> str | None:
+    """The table's text when ``path`` is a regular file of at most :data:`MAX_TABLE_BYTES`;
+    None for anything else (missing, a link, a FIFO that would block a reader for ever, a
+    device, a huge file): the layouts are then measured again."""
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        partial = path.with_suffix(f".{os.getpid()}.partial")
-        partial.write_text(json.dumps(dict(sorted(_TABLE.items())), indent=1))
-        partial.replace(path)
+        fd = os.open(path, flags)
     except OSError:
-        pass
+        return None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode) or info.st_size > MAX_TABLE_BYTES:
+            return None
+        data = os.read(fd, MAX_TABLE_BYTES + 1)
+    except OSError:
+        return None
+    finally:
+        os.close(fd)
+    try:
+        return data.decode("utf-8") if len(data) <= MAX_TABLE_BYTES else None
+    except UnicodeDecodeError:
+        return None
+
+
+def _save(path: Path) -> None:
+    """Write the table atomically through ``files/`` (a unique new sibling renamed over it: a
+    reader never sees half a file, and no link planted beside it is written through); a folder
+    that cannot be written is no error: the table stays in this process."""
+    with contextlib.suppress(OSError):
+        atomic_write_text(path, json.dumps(dict(sorted(_TABLE.items())), indent=1))

@@ -164,3 +164,32 @@ def test_sampling_draws_the_same_tokens_in_either_layout(layouts):
     assert torch.equal(ids, plain_ids)
     difference = float((logprobs - plain_logprobs).abs().max())
     assert difference <= 2e-5, difference
+
+
+def test_a_fifo_or_a_link_at_the_tables_path_is_neither_read_nor_written_through(
+    layouts, tmp_path
+):
+    """A FIFO at the table's path would block a reader for ever (the run hung): it is passed
+    over and the layouts measured again; a link there is not followed, and the table is
+    written as a new file in its place (the link's target untouched). Seen failing: the read
+    blocked on the FIFO."""
+    import os
+    import threading
+
+    path = few_rows.table_path()
+    path.parent.mkdir(parents=True)
+    os.mkfifo(path)
+    done = threading.Event()
+    threading.Thread(target=lambda: (few_rows._load(path), done.set()), daemon=True).start()
+    assert done.wait(10), "reading the table blocked on a FIFO"
+    os.unlink(path)
+    target = tmp_path / "elsewhere.json"
+    target.write_text('{"planted": true}')
+    path.symlink_to(target)
+    few_rows._LOADED.clear()
+    few_rows._load(path)
+    assert "planted" not in few_rows._TABLE
+    few_rows._TABLE["576x1536x1 float32"] = True
+    few_rows._save(path)
+    assert not path.is_symlink() and json.loads(path.read_text()) == few_rows._TABLE
+    assert target.read_text() == '{"planted": true}'
