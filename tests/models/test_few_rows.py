@@ -166,9 +166,7 @@ def test_sampling_draws_the_same_tokens_in_either_layout(layouts):
     assert difference <= 2e-5, difference
 
 
-def test_a_fifo_or_a_link_at_the_tables_path_is_neither_read_nor_written_through(
-    layouts, tmp_path
-):
+def test_a_fifo_or_a_link_at_the_tables_path_is_neither_read_nor_written_through(layouts, tmp_path):
     """A FIFO at the table's path would block a reader for ever (the run hung): it is passed
     over and the layouts measured again; a link there is not followed, and the table is
     written as a new file in its place (the link's target untouched). Seen failing: the read
