@@ -26,6 +26,7 @@ from ppo_core.files.artifacts import (
 from ppo_core.files.output_paths import real_path
 from ppo_core.registry.gate import gate
 from ppo_core.registry.lineage import read_lineage
+from ppo_core.registry.rewards import REWARD_SPEC_PREFIX, load_reward_registry
 from ppo_core.registry.versions import record_decision
 
 __all__ = ["StaleEvaluationError", "evaluation_of_candidate", "is_promotion_report", "promote"]
@@ -79,6 +80,25 @@ def evaluation_of_candidate(config: Config) -> tuple[dict, dict]:
     return read[EVAL_METRICS], models
 
 
+def _check_reward_still_current(config: Config, trained: Any, judged: Any) -> None:
+    """With ``model.reward=reward:current``, a :class:`StaleEvaluationError` when the candidate
+    was trained (``training_summary.json``) or judged (``models.json``) against a reward
+    version that is no longer the current one: a rollback or a newer version came since, and a
+    policy trained on a withdrawn reward must not become production."""
+    if config.model.reward != f"{REWARD_SPEC_PREFIX}current":
+        return
+    current = load_reward_registry(config.reward_model.versions_dir).get("current")
+    now = f"{REWARD_SPEC_PREFIX}{current}" if current else "none"
+    for what, spec in (("trained", trained), ("judged", judged)):
+        if isinstance(spec, str) and spec.startswith(REWARD_SPEC_PREFIX) and spec != now:
+            raise StaleEvaluationError(
+                f"the candidate was {what} against the reward version {printable(spec)}, but "
+                f"the current reward version is {now} (model.reward=reward:current; a rollback "
+                "or a newer version came since): train and evaluate again against it, or set "
+                f"model.reward={printable(spec)} to promote on the version it was {what} against"
+            )
+
+
 def promote(config: Config, code_version: dict[str, Any]) -> dict:
     """Apply the promotion gate to the evaluation in ``eval.output_dir``; on a pass, publish the
     candidate as a new production version. Writes the decision to ``promote.report`` either way
@@ -97,8 +117,9 @@ def promote(config: Config, code_version: dict[str, Any]) -> dict:
     candidate = side("candidate")
     if candidate is None:
         raise ValueError(f"{Path(config.eval.output_dir) / EVAL_METRICS} has no candidate metrics")
-    decision = gate(candidate, side("baseline"), rules, config.generation.max_new_tokens)
     summary = read_training_summary(config.train.output_dir)
+    _check_reward_still_current(config, summary.get("reward"), models.get("reward"))
+    decision = gate(candidate, side("baseline"), rules, config.generation.max_new_tokens)
     config_file = Path(config.train.output_dir) / TRAINED_CONFIG
     trained_with = config_file.read_text() if config_file.is_file() else None
     entry = record_decision(

@@ -5,6 +5,7 @@ and never promotes on what such files lack."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,44 @@ def test_a_models_file_that_is_not_json_decides_nothing(tmp_path):
     with pytest.raises(StaleEvaluationError, match="models.json is not valid JSON"):
         stages.promote(config)
     assert not Path(config.promote.registry).exists()
+
+
+def test_a_candidate_of_a_withdrawn_reward_version_is_not_promoted(tmp_path):
+    """Trained and judged against reward:r0002, then the reward rolled back to r0001: with
+    model.reward=reward:current, promote refuses, naming both versions, and writes nothing.
+    Seen failing before the check (the candidate was promoted with reward:r0002 recorded)."""
+    from ppo_core.registry.rewards import record_reward_decision, roll_back_reward
+
+    (tmp_path / "base").mkdir()
+    (tmp_path / "base" / "config.json").write_text("{}")
+    (tmp_path / "base" / "model.safetensors").write_text("base weights")
+    versions = tmp_path / "rewards"
+    for weights in ("w1", "w2"):
+        folder = tmp_path / "reward-candidates" / weights
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+        (folder / "model.safetensors").write_text(weights)
+        stats = {"reasons": [], "data_hash": weights, "score_mean": 0.0, "score_std": 1.0}
+        record_reward_decision(versions, folder, True, stats)
+    models = {
+        "candidate": str(tmp_path / "candidate"),
+        "check_reward": "builtin:afinn",
+        "reward": "reward:r0002",
+    }
+    config = planted(tmp_path, flat(candidate=SIDE, baseline={**SIDE, "score": 0.3}), models)
+    (tmp_path / "candidate" / "training_summary.json").write_text(
+        json.dumps({"reward": "reward:r0002"})
+    )
+    config = replace(
+        config,
+        model=replace(config.model, reward="reward:current"),
+        reward_model=replace(config.reward_model, versions_dir=str(versions)),
+    )
+    roll_back_reward(versions, "r0001", "r0002 prefers long replies", "ops")
+    with pytest.raises(
+        StaleEvaluationError,
+        match="trained against the reward version reward:r0002, but the current reward version is reward:r0001",
+    ):
+        stages.promote(config)
+    assert not Path(config.promote.registry).exists()
+    assert not Path(config.promote.report).exists()
