@@ -14,6 +14,7 @@ start without importing torch, transformers, Great Expectations or Prefect.
 from __future__ import annotations
 
 import ast
+import contextlib
 import json
 import sys
 import time
@@ -131,10 +132,14 @@ def reward(config: ConfigOption = None, overrides: Overrides = None) -> None:
     it trains nothing.
     """
     from flows.loggers import ConsoleProgress
+    from flows.orchestration.project import stage_retrain_lock
     from flows.reward_stage import reward as run_reward
 
     cfg = load_settings(config, overrides)
     bar = ConsoleProgress(0, label="reward model", unit="step")
+    held = contextlib.ExitStack()
+    # a rollback of the reward while it trains must not be undone by its decision
+    run_or_exit(lambda: held.enter_context(stage_retrain_lock()))
     try:
         run_or_exit(
             lambda: run_reward(
@@ -145,6 +150,7 @@ def reward(config: ConfigOption = None, overrides: Overrides = None) -> None:
         )
     finally:
         bar.close()
+        held.close()
 
 
 @app.command()

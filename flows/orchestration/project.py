@@ -91,3 +91,53 @@ def stays(production: str | None) -> str:
     if not production:
         return "no production model yet"
     return f"production stays {Path(production).name}: {production}"
+
+
+@contextlib.contextmanager
+def stage_retrain_lock(repo: str | Path = "."):
+    """The retraining lock for a stage run on its own (``ppo reward``, ``dvc repro reward``):
+    taken, or refused at once naming the run that holds it; when the holder is this process or
+    one it descends from (a run of the flow, whose ``dvc repro`` runs the stage), the stage runs
+    under that run's lock."""
+    from ppo_core.files import exclusive_run
+
+    lock = Path(repo) / RETRAIN_LOCK
+    if _held_by_an_ancestor(lock):
+        yield
+        return
+    with exclusive_run(lock, RETRAIN_LOCK_HOLDER):
+        yield
+
+
+def _held_by_an_ancestor(lock: Path) -> bool:
+    """Whether ``lock`` names as its holder (``pid N since ...``, what the holder writes once it
+    holds it) this process or one of its parents, and is held."""
+    import fcntl
+    import re
+
+    import psutil
+
+    try:
+        note = lock.read_text(errors="replace")[:256]
+    except OSError:
+        return False
+    found = re.match(r"pid (\d+) since ", note)
+    if found is None:
+        return False
+    holder = int(found.group(1))
+    me = psutil.Process()
+    if holder not in {me.pid, *(parent.pid for parent in me.parents())}:
+        return False
+    # a stale note of an ancestor that no longer holds it: the lock is free, so take it instead
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | os.O_CLOEXEC
+    try:
+        fd = os.open(lock, flags)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True  # held exclusively, by the ancestor the note names
+    finally:
+        os.close(fd)
+    return False

@@ -222,6 +222,7 @@ def record_reward_decision(
             "decision": "rejected",
             "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         }
+        _check_parent_still_current(registry, entry, candidate_dir)
         if not promote:
             registry["entries"].append(entry)
             _write(versions_dir, registry)
@@ -253,6 +254,23 @@ def record_reward_decision(
         registry["current"] = name
         _write(versions_dir, registry)
         return entry
+
+
+def _check_parent_still_current(
+    registry: dict[str, Any], entry: dict[str, Any], candidate_dir: str | Path
+) -> None:
+    """A :class:`RewardRegistryError` when the decision was judged against a ``parent`` that is
+    no longer the current version (a rollback or another promotion came while the reward model
+    trained): decided against the old current, it would undo the change. Checked under the
+    registry's lock; an entry without a ``parent`` key is not checked."""
+    if "parent" not in entry or entry["parent"] == registry.get("current"):
+        return
+    raise RewardRegistryError(
+        f"the reward model in {candidate_dir} was judged against {entry['parent'] or 'no version'}"
+        f", but the current reward version is now {registry.get('current') or 'none'} (a "
+        "rollback or another promotion came while it trained): nothing was recorded; run "
+        "`ppo reward` again to judge it against the current version"
+    )
 
 
 def roll_back_reward(versions_dir: str | Path, name: str, reason: str, by: str) -> dict[str, Any]:

@@ -259,6 +259,32 @@ def test_a_rollback_makes_an_earlier_version_current_and_records_it(tmp_path):
     assert listing(versions) == ["r0001", "r0002", "r0003", "registry.json"]
 
 
+def test_a_decision_judged_against_a_parent_no_longer_current_is_refused(tmp_path):
+    """`ppo rollback --reward r0001` while a reward model judged against r0002 trained: its
+    decision is refused under the registry's lock, nothing recorded, r0001 stays current. Seen
+    failing before the check (r0003 became current, a child of the rolled-back r0002)."""
+    versions = tmp_path / "rewards"
+    promote(versions, tmp_path, "w1")
+    promote(versions, tmp_path, "w2")
+    roll_back_reward(versions, "r0001", "r0002 prefers long replies", "ops")
+    before = load_reward_registry(versions)
+    for passes in (True, False):
+        with pytest.raises(RewardRegistryError, match="judged against r0002, but the current"):
+            record_reward_decision(
+                versions,
+                model_folder(tmp_path, f"w3{passes}", "w3"),
+                passes,
+                {**ENTRY, "parent": "r0002"},
+            )
+    assert load_reward_registry(versions) == before
+    assert listing(versions) == ["r0001", "r0002", "registry.json"]
+    # judged against the current version, it is recorded
+    entry = record_reward_decision(
+        versions, model_folder(tmp_path, "w4", "w4"), True, {**ENTRY, "parent": "r0001"}
+    )
+    assert entry["version"] == "r0003"
+
+
 # --- A promotion killed at each step -------------------------------------------------------
 
 # Runs record_reward_decision in a process of its own that SIGKILLs itself at the marked
