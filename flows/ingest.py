@@ -48,7 +48,7 @@ from ppo_core.files import (
     fsync_folder,
     printable,
 )
-from ppo_core.prompts import PromptFileError
+from ppo_core.prompts import PromptFileError, is_chat
 
 INGESTED_EVENT = "ppo.data.ingested"
 # The resource of every prompt ingest event: the trigger of on-new-data in prefect.yaml matches it.
@@ -242,6 +242,7 @@ def _ingest_locked(config: Config, files: Sequence[str | Path], inbox: Inbox) ->
     if not sources:
         return result
     parts: list[tuple[Path, Path]] = []
+    kinds: dict[str, set[bool]] = {}
     try:
         for path in sources:
             # Hidden (no run takes it), with the original's suffix (the reader goes by it).
@@ -260,6 +261,8 @@ def _ingest_locked(config: Config, files: Sequence[str | Path], inbox: Inbox) ->
                 )
             else:
                 result.prompts[path.name] = _count_prompts(config, part, path)
+            kinds[path.name] = _kinds(config, part, inbox)
+        _check_one_kind(config, inbox, kinds, {path.name for path in sources})
         for part, final in parts:
             os.link(part, final)  # FileExistsError rather than replacing a file put there
             result.added.append(final)
@@ -275,6 +278,48 @@ def _ingest_locked(config: Config, files: Sequence[str | Path], inbox: Inbox) ->
             with contextlib.suppress(FileNotFoundError):
                 part.unlink()
     return result
+
+
+def _kinds(config: Config, path: Path, inbox: Inbox) -> set[bool]:
+    """Whether the rows of ``path`` are chats (True) or plain prompts (False), read as
+    ``prepare`` reads the folder ``inbox`` feeds."""
+    if inbox == FEEDBACK:
+        data = config.data
+        pairs, ratings = load_feedback_file(
+            path, max_rows=data.max_rows_per_file, max_bytes=data.max_bytes_per_file
+        )
+        return {is_chat(row.prompt) for row in [*pairs, *ratings]}
+    return {is_chat(prompt) for prompt in read_raw_prompts(config, path)}
+
+
+def _check_one_kind(
+    config: Config, inbox: Inbox, new: dict[str, set[bool]], names: set[str]
+) -> None:
+    """The new files with the files already in the inbox and in the folder they join: one kind
+    of rows (plain or chat) in all, as ``prepare`` requires of a version; else an error naming
+    a new file and a file of the other kind. A file already there that does not read is left
+    for ``prepare`` to name."""
+    found: dict[bool, str] = {}
+    for name, kinds in new.items():
+        for kind in kinds:
+            found.setdefault(kind, name)
+    if len(found) < 2:
+        for folder in (inbox.folder(config), inbox.target(config)):
+            for path in sorted(folder.glob("*")) if folder.is_dir() else []:
+                if path.name in names or path.name.startswith(".") or path.suffix not in SUFFIXES:
+                    continue
+                try:
+                    kinds = _kinds(config, path, inbox)
+                except (PromptFileError, FeedbackFileError, OSError):
+                    continue
+                for kind in kinds:
+                    found.setdefault(kind, str(path))
+    if len(found) > 1:
+        raise inbox.error(
+            f"{found[True]} holds chat rows ('messages') and {found[False]} plain prompts: "
+            f"prepare would refuse the folder {inbox.target(config)} with both (a version holds "
+            "one kind); write the plain prompts as chats with one user turn, or keep them apart"
+        )
 
 
 def _count_prompts(config: Config, copy: Path, original: Path) -> int:

@@ -319,6 +319,10 @@ def _retrain(repo_dir: str, updates: dict[str, Any], taken: Taken, backup: bool)
     return outputs
 
 
+DATA_STAGES = ("prepare", "validate")
+"""The stages whose outcome the data decides: their failure sets the taken files aside."""
+
+
 def _run_stages(repo_dir: str, taken: Taken) -> tuple[dict[str, str], list[str]]:
     """Each stage as a task, in order; returns each stage's status and the files DVC asks to
     `git add`."""
@@ -332,8 +336,10 @@ def _run_stages(repo_dir: str, taken: Taken) -> tuple[dict[str, str], list[str]]
             with slot:
                 result = runner(stage, repo_dir, getattr(timeouts, f"{stage}_timeout"))
         except StageFailed as failed:
-            if stage == "validate" and taken and not isinstance(failed, StageTimedOut):
-                raise StageFailed(reject_ingested(repo_dir, taken, str(failed))) from None
+            # prepare and validate read the data alone: failing with files this run took, they
+            # fail on them, and every later run would too while they stay
+            if stage in DATA_STAGES and taken and not isinstance(failed, StageTimedOut):
+                raise StageFailed(reject_ingested(repo_dir, taken, str(failed), stage)) from None
             raise
         status[stage] = result["status"]
         to_track += [f for f in result["to_track"] if f not in to_track]

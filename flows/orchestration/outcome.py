@@ -135,21 +135,23 @@ def announce_decision(outputs: dict[str, Any]) -> None:
     )
 
 
-def reject_ingested(repo_dir: str, taken: Taken, failure: str) -> str:
-    """Validation rejected data that holds files this run took from the inboxes: set them all
-    aside (``ingest.rejected_dir``; prompt and feedback files alike) so that the raw and the
-    feedback folder are again the ones the prepared version was made from, publish the failed
-    expectations as the artifact ``validation-failure``, and return the run's error message."""
+def reject_ingested(repo_dir: str, taken: Taken, failure: str, stage: str = "validate") -> str:
+    """``stage`` (prepare or validate) failed on data that holds files this run took from the
+    inboxes: set them all aside (``ingest.rejected_dir``; prompt and feedback files alike, with
+    the reason) so that the raw and the feedback folder are again the ones the prepared version
+    was made from and the next run is not stopped by them, publish the failure as the artifact
+    ``<stage>-failure``, and return the run's error message."""
 
     config = load_params(repo_dir)
     with contextlib.chdir(repo_dir):
         folder = set_aside_rejected(config, taken.prompts, failure, taken.feedback)
     names = ", ".join(taken.names())
+    verb = "Validation rejected" if stage == "validate" else f"`{stage}` failed on"
     lines = [
-        f"**Validation rejected the data with the ingested files {escape_markdown(names)}**",
+        f"**{verb} the data with the ingested files {escape_markdown(names)}**",
         "",
         f"They were moved to `{escape_markdown(str(folder))}`; the prepared data, the production "
-        "model and the registry are unchanged. The validate stage said:",
+        f"model and the registry are unchanged. The {stage} stage said:",
         "",
         "```",
         failure.replace("`", "'"),
@@ -157,8 +159,8 @@ def reject_ingested(repo_dir: str, taken: Taken, failure: str) -> str:
     ]
     create_markdown_artifact(
         markdown="\n".join(lines),
-        key="validation-failure",
-        description="Expectations the ingested data failed",
+        key=f"{'validation' if stage == 'validate' else stage}-failure",
+        description=f"What the {stage} stage refused in the ingested data",
     )
     return (
         f"{failure}\nThe ingested files {names} were set aside in {folder}; the "

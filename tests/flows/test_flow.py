@@ -140,6 +140,25 @@ def test_a_first_run_then_retraining_from_production_then_bad_data_stopping_at_v
     ).read_bytes() == production
     assert (tiny_project / "models" / "registry.json").read_text() == registry_text
 
+    # 4. A file left in the inbox by hand that prepare refuses (chat rows among plain prompts)
+    # fails the run at prepare and is set aside with the reason, so that the next run is not
+    # stopped by it as well: it finds the data as it was and succeeds.
+    (tiny_project / "data" / "raw" / "bad.jsonl").unlink()
+    inbox = tiny_project / "data" / "inbox"
+    inbox.mkdir(exist_ok=True)
+    (inbox / "chats.jsonl").write_text(
+        json.dumps({"messages": [{"role": "user", "content": "A film?"}]}) + "\n"
+    )
+    with pytest.raises(StageFailed, match="prepare") as failed:
+        retrain()
+    assert "chats.jsonl were set aside" in str(failed.value)
+    assert not (tiny_project / "data" / "raw" / "chats.jsonl").exists()
+    [set_aside] = (tiny_project / "data" / "rejected").iterdir()
+    assert (set_aside / "chats.jsonl").is_file()
+    state = retrain(return_state=True)
+    assert state.is_completed(), state.message
+    assert (tiny_project / "models" / "registry.json").read_text() == registry_text
+
 
 @pytest.mark.slow  # starts a Prefect test server (about 27 s)
 def test_a_second_retraining_run_waits_while_one_runs(tmp_path, prefect_harness, monkeypatch):

@@ -117,6 +117,37 @@ def test_a_malformed_file_names_the_file_and_line_and_nothing_is_added(project, 
     assert listing(project / "data" / "inbox") == []
 
 
+def test_a_file_of_the_other_kind_than_its_folder_is_refused_as_prepare_would(
+    project, tmp_path_factory
+):
+    """A chat file into a folder of plain prompts, and chat feedback beside plain pairs, pass
+    each file's own check but make prepare fail on the folder, on every later run: ingest reads
+    the new file with the folder (and the inbox) it joins and refuses, naming both files; nothing
+    is added. Seen failing before (both were added)."""
+    outside = tmp_path_factory.mktemp("incoming")
+    chats = outside / "chats.jsonl"
+    chats.write_text(json.dumps({"messages": [{"role": "user", "content": "Hi?"}]}) + "\n")
+    with pytest.raises(PromptFileError, match=r"chats.jsonl holds chat rows .*raw/prompts.jsonl"):
+        ingest_files(Config(), [chats])
+    assert listing(project / "data" / "inbox") == []
+    plain = feedback_file(outside / "plain.jsonl", pairs=2, ratings=0)
+    assert ingest_files(Config(), [plain], FEEDBACK).added  # waits in the feedback inbox
+    chat_pairs = outside / "chat_pairs.jsonl"
+    chat_pairs.write_text(
+        json.dumps(
+            {
+                "messages": [{"role": "user", "content": "A film?"}],
+                "chosen": "Yes.",
+                "rejected": "-",
+            }
+        )
+        + "\n"
+    )
+    with pytest.raises(FeedbackFileError, match="chat_pairs.jsonl holds chat rows"):
+        ingest_files(Config(), [chat_pairs], FEEDBACK)
+    assert listing(project / "data" / "inbox-feedback") == ["plain.jsonl"]
+
+
 def test_rows_with_reference_fields_are_ingested_and_a_row_without_its_answer_is_not(
     project, tmp_path_factory
 ):
