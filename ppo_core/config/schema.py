@@ -294,6 +294,10 @@ class GenerationConfig:
     vllm_gpu_memory_utilization: float = bounded(0.3, gt=0, le=1)
     """On a GPU, the fraction of its memory vLLM may take (weights and KV cache); the trainer's
     models share the rest."""
+    vllm_request_timeout: float = bounded(900.0, gt=0, le=86400)
+    """Longest one request to the vLLM engine (a weight load, one chunk's sampling) may take,
+    in seconds, before the stage stops with an error naming this key; a hung engine otherwise
+    blocks training until the stage's own timeout."""
 
 
 @dataclass

@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import subprocess
-import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from multiprocessing.connection import Client, Connection
@@ -36,6 +35,13 @@ import torch
 from torch import Tensor, nn
 
 from ppo_core.config import Config, ConfigError, GenerationConfig
+from ppo_core.experience.engine_process import (
+    EngineError,
+    end_process_group,
+    engine_device_environment,
+    new_engine_folder,
+    terminate_as_exit,
+)
 from ppo_core.models.folders import declared_positions
 from ppo_core.models.generation import (
     GeneratedBatch,
@@ -61,17 +67,10 @@ __all__ = [
 ENGINE_START_SECONDS = 600.0
 """Longest the engine may take to start (import, load, warm up): 28-62 s measured on 2 cores."""
 
-ENGINE_CALL_SECONDS = 3600.0
-"""Longest one request (a weight load, one chunk's sampling) may take."""
-
 VLLM_MIN_TEMPERATURE = 0.01
 """vLLM (0.32, ``SamplingParams.__post_init__``) samples any temperature in (0, 0.01) at 0.01."""
 
 WORKER = Path(__file__).with_name("vllm_worker.py")
-
-
-class EngineError(RuntimeError):
-    """The rollout engine could not start, or failed or died while serving a request."""
 
 
 def check_engine(config: Config, runtime: Runtime) -> None:
@@ -164,24 +163,6 @@ def open_engine(
         yield engine
 
 
-def engine_device_environment(device: torch.device, env: dict[str, str]) -> dict[str, str]:
-    """The environment that puts a rank's engine on the rank's own GPU: ``CUDA_VISIBLE_DEVICES``
-    narrowed to ``device`` (counted among the GPUs ``env`` already makes visible, as torch
-    counts them), so that vLLM's ``cuda:0`` is the trainer's ``device``; nothing on a CPU."""
-    if device.type != "cuda":
-        return {}
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    visible = [v.strip() for v in env.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
-    if not visible:
-        return {"CUDA_VISIBLE_DEVICES": str(index)}
-    if index >= len(visible):
-        raise EngineError(
-            f"generation.engine=vllm: device {device} is not among CUDA_VISIBLE_DEVICES="
-            f"{env['CUDA_VISIBLE_DEVICES']!r}"
-        )
-    return {"CUDA_VISIBLE_DEVICES": visible[index]}
-
-
 def row_seeds(chunk_seed: int, rows: int) -> list[int]:
     """One seed per row of a chunk, drawn from the chunk's seed: the draws of row ``i`` depend
     on ``chunk_seed`` and ``i`` only, so a chunk repeats on one machine."""
@@ -209,7 +190,7 @@ class VLLMEngine:
         self.max_model_len = max_model_len
         _check_python(generation)
         python = Path(generation.vllm_python)
-        self._folder = Path(tempfile.mkdtemp(prefix="ppo-vllm-"))
+        self._folder = new_engine_folder()
         self._address = str(self._folder / "socket")
         self._key = secrets.token_bytes(32)
         settings = {
@@ -245,8 +226,11 @@ class VLLMEngine:
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
+                start_new_session=True,  # its helpers in its group: closing ends them all
             )
         self._closed = False
+        self._held = contextlib.ExitStack()
+        self._held.enter_context(terminate_as_exit())
         atexit.register(self.close)
         self._connection: Connection | None = None
         self.start_seconds = self._connect()
@@ -269,14 +253,14 @@ class VLLMEngine:
         self._receive(ENGINE_START_SECONDS, "start")
         return time.perf_counter() - started
 
-    def _receive(self, seconds: float, what: str) -> Any:
+    def _receive(self, seconds: float, what: str, key: str = "") -> Any:
         assert self._connection is not None
         deadline = time.monotonic() + seconds
         while not self._connection.poll(1.0):
             if self._process.poll() is not None:
                 self._fail(self._died(f"died during {what}"))
             if time.monotonic() > deadline:
-                self._fail(f"the vLLM engine took over {seconds:g} s to {what}")
+                self._fail(f"the vLLM engine took over {seconds:g} s to {what}{key}")
         try:
             answer = self._connection.recv()
         except (EOFError, OSError):
@@ -301,7 +285,8 @@ class VLLMEngine:
             self._connection.send(request)
         except OSError:
             self._fail(self._died(f"died before {what}"))
-        return self._receive(ENGINE_CALL_SECONDS, what)
+        seconds = self.generation.vllm_request_timeout
+        return self._receive(seconds, what, f" (generation.vllm_request_timeout={seconds:g})")
 
     def _died(self, what: str) -> str:
         code = self._process.poll()
@@ -338,6 +323,8 @@ class VLLMEngine:
             except subprocess.TimeoutExpired:
                 self._process.kill()
                 self._process.wait()
+        end_process_group(self._process.pid)  # helpers the worker started, if any are left
+        self._held.close()
         atexit.unregister(self.close)
         for leftover in self._folder.glob("*"):
             if not (keep_log and leftover.name == "engine.log"):

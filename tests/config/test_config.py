@@ -462,7 +462,7 @@ def test_every_range_declared_beside_a_field_is_enforced_at_its_edges():
     ranged = {
         key: b for key, b in field_bounds().items() if b.low is not None or b.high is not None
     }
-    assert len(ranged) == 73  # 73 keys with a range, of 88 with a bound of any kind
+    assert len(ranged) == 74  # 74 keys with a range, of 89 with a bound of any kind
     for key, bounds in ranged.items():
         assert defaults[key] is None or bounds.holds(defaults[key]), key
         edges = [(bounds.low, bounds.low_open, -0.5), (bounds.high, bounds.high_open, 0.5)]
