@@ -35,7 +35,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from flows.raw_data import read_raw_prompts, read_raw_references
+from flows.raw_data import (
+    SUFFIXES,
+    kinds_found,
+    read_raw_prompts,
+    read_raw_references,
+    row_kinds,
+)
 from ppo_core.config import Config
 from ppo_core.feedback.fields import FeedbackFileError
 from ppo_core.feedback.rows import load_feedback_file
@@ -48,7 +54,7 @@ from ppo_core.files import (
     fsync_folder,
     printable,
 )
-from ppo_core.prompts import PromptFileError, is_chat
+from ppo_core.prompts import PromptFileError
 
 INGESTED_EVENT = "ppo.data.ingested"
 # The resource of every prompt ingest event: the trigger of on-new-data in prefect.yaml matches it.
@@ -56,7 +62,6 @@ RAW_DATA_RESOURCE = "ppo.raw-data"
 FEEDBACK_INGESTED_EVENT = "ppo.feedback.ingested"
 # The resource of every feedback ingest event: the trigger of on-new-feedback matches it.
 FEEDBACK_RESOURCE = "ppo.feedback"
-SUFFIXES = (".jsonl", ".parquet")
 # An inbox's lock: held by `ppo ingest` while it checks and adds files, and by a run while it
 # takes them (hidden, so no run takes it).
 LOCK_NAME = ".ingest.lock"
@@ -261,7 +266,7 @@ def _ingest_locked(config: Config, files: Sequence[str | Path], inbox: Inbox) ->
                 )
             else:
                 result.prompts[path.name] = _count_prompts(config, part, path)
-            kinds[path.name] = _kinds(config, part, inbox)
+            kinds[path.name] = row_kinds(config, part, inbox == FEEDBACK)
         _check_one_kind(config, inbox, kinds, {path.name for path in sources})
         for part, final in parts:
             os.link(part, final)  # FileExistsError rather than replacing a file put there
@@ -280,40 +285,14 @@ def _ingest_locked(config: Config, files: Sequence[str | Path], inbox: Inbox) ->
     return result
 
 
-def _kinds(config: Config, path: Path, inbox: Inbox) -> set[bool]:
-    """Whether the rows of ``path`` are chats (True) or plain prompts (False), read as
-    ``prepare`` reads the folder ``inbox`` feeds."""
-    if inbox == FEEDBACK:
-        data = config.data
-        pairs, ratings = load_feedback_file(
-            path, max_rows=data.max_rows_per_file, max_bytes=data.max_bytes_per_file
-        )
-        return {is_chat(row.prompt) for row in [*pairs, *ratings]}
-    return {is_chat(prompt) for prompt in read_raw_prompts(config, path)}
-
-
 def _check_one_kind(
     config: Config, inbox: Inbox, new: dict[str, set[bool]], names: set[str]
 ) -> None:
     """The new files with the files already in the inbox and in the folder they join: one kind
     of rows (plain or chat) in all, as ``prepare`` requires of a version; else an error naming
-    a new file and a file of the other kind. A file already there that does not read is left
-    for ``prepare`` to name."""
-    found: dict[bool, str] = {}
-    for name, kinds in new.items():
-        for kind in kinds:
-            found.setdefault(kind, name)
-    if len(found) < 2:
-        for folder in (inbox.folder(config), inbox.target(config)):
-            for path in sorted(folder.glob("*")) if folder.is_dir() else []:
-                if path.name in names or path.name.startswith(".") or path.suffix not in SUFFIXES:
-                    continue
-                try:
-                    kinds = _kinds(config, path, inbox)
-                except (PromptFileError, FeedbackFileError, OSError):
-                    continue
-                for kind in kinds:
-                    found.setdefault(kind, str(path))
+    a new file and a file of the other kind."""
+    folders = (inbox.folder(config), inbox.target(config))
+    found = kinds_found(config, new, folders, names, inbox == FEEDBACK)
     if len(found) > 1:
         raise inbox.error(
             f"{found[True]} holds chat rows ('messages') and {found[False]} plain prompts: "

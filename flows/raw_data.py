@@ -7,13 +7,18 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 from ppo_core.config import Config
-from ppo_core.feedback.rows import feedback_sources
+from ppo_core.feedback.fields import FeedbackFileError
+from ppo_core.feedback.rows import feedback_sources, load_feedback_file
 from ppo_core.files import entry_kind, file_sha256, printable
-from ppo_core.prompts import Prompt, PromptFileError, chat_json, load_prompts
+from ppo_core.prompts import Prompt, PromptFileError, chat_json, is_chat, load_prompts
 from ppo_core.references import Reference, load_references
+
+SUFFIXES = (".jsonl", ".parquet")
+"""The files prepare reads from a raw or feedback folder."""
 
 
 def _normalise(text: str) -> str:
@@ -40,7 +45,7 @@ def raw_sources(raw_dir: Path) -> list[Path]:
     file's suffix (a FIFO, a device such as a link to ``/dev/zero``, a folder, a dangling
     link) is a :class:`PromptFileError` saying what it is, before anything reads it: reading
     one would block, or never end."""
-    sources = sorted(p for p in raw_dir.glob("*") if p.suffix in (".jsonl", ".parquet"))
+    sources = sorted(p for p in raw_dir.glob("*") if p.suffix in SUFFIXES)
     for path in sources:
         kind = entry_kind(path)
         if kind is not None:
@@ -149,3 +154,45 @@ def check_raw_data_is_prepared(config: Config) -> None:
             "validate`) to train on it, or pass train.allow_stale_data=true to train on the "
             "prepared version as it is"
         )
+
+
+def row_kinds(config: Config, path: Path, feedback: bool) -> set[bool]:
+    """Whether the rows of ``path`` are chats (True) or plain prompts (False), read as
+    ``prepare`` reads a raw prompt file (a feedback file with ``feedback``)."""
+    if feedback:
+        data = config.data
+        pairs, ratings = load_feedback_file(
+            path, max_rows=data.max_rows_per_file, max_bytes=data.max_bytes_per_file
+        )
+        return {is_chat(row.prompt) for row in pairs} | {is_chat(row.prompt) for row in ratings}
+    return {is_chat(prompt) for prompt in read_raw_prompts(config, path)}
+
+
+def kinds_found(
+    config: Config,
+    new: dict[str, set[bool]],
+    folders: Sequence[Path],
+    skip: set[str],
+    feedback: bool,
+) -> dict[bool, str]:
+    """Each kind of rows (chat: True, plain: False) and the first file that holds it: the new
+    files' (``new``, by name), then, while one kind alone is found, the files of ``folders``
+    but those named in ``skip``. A file there that does not read is left for ``prepare`` to
+    name."""
+    found: dict[bool, str] = {}
+    for name, kinds in new.items():
+        for kind in kinds:
+            found.setdefault(kind, name)
+    for folder in folders:
+        if len(found) > 1 or not folder.is_dir():
+            continue
+        for path in sorted(folder.glob("*")):
+            if path.name in skip or path.name.startswith(".") or path.suffix not in SUFFIXES:
+                continue
+            try:
+                kinds = row_kinds(config, path, feedback)
+            except (PromptFileError, FeedbackFileError, OSError):
+                continue
+            for kind in kinds:
+                found.setdefault(kind, str(path))
+    return found
