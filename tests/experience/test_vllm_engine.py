@@ -490,13 +490,18 @@ train(config)
 
 def test_killing_the_stage_ends_its_engine(engine_python, tmp_path, tiny_model_dir, prompt_files):
     """SIGKILL the training stage while its engine runs: the engine process is gone within
-    seconds (the kernel's parent-death signal), not left serving nobody."""
+    seconds (the kernel's parent-death signal), not left serving nobody; its folder, which
+    nothing could remove then, is removed by the next engine's start (its owner is gone)."""
+    from ppo_core.experience.engine_process import remove_stale_engine_folders
+
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
     stage = subprocess.Popen(
         [sys.executable, "-c", KILL_STAGE, str(tmp_path), str(tiny_model_dir)]
         + [str(p) for p in prompt_files]
         + [str(engine_python)],
         cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(ROOT), "TMPDIR": str(temporary)},
     )
     try:
         engine = _wait_for_engine(stage, seconds=600)
@@ -511,6 +516,8 @@ def test_killing_the_stage_ends_its_engine(engine_python, tmp_path, tiny_model_d
         while engine.is_running() and engine.status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline, "the engine outlived its stage by 30 s"
             time.sleep(0.2)
+        [left] = list(temporary.glob("ppo-vllm-*"))
+        assert remove_stale_engine_folders(temporary) == [left] and not left.exists()
     finally:
         stage.kill()
 
