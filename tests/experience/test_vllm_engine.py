@@ -494,8 +494,7 @@ def test_killing_the_stage_ends_its_engine(engine_python, tmp_path, tiny_model_d
     nothing could remove then, is removed by the next engine's start (its owner is gone)."""
     from ppo_core.experience.engine_process import remove_stale_engine_folders
 
-    temporary = tmp_path / "tmp"
-    temporary.mkdir()
+    temporary = tmp_path  # $TMPDIR of the stage: its engine's folder goes there
     stage = subprocess.Popen(
         [sys.executable, "-c", KILL_STAGE, str(tmp_path), str(tiny_model_dir)]
         + [str(p) for p in prompt_files]
@@ -517,7 +516,7 @@ def test_killing_the_stage_ends_its_engine(engine_python, tmp_path, tiny_model_d
             assert time.monotonic() < deadline, "the engine outlived its stage by 30 s"
             time.sleep(0.2)
         [left] = list(temporary.glob("ppo-vllm-*"))
-        assert remove_stale_engine_folders(temporary) == [left] and not left.exists()
+        assert [left] == remove_stale_engine_folders(temporary) and not left.exists()
     finally:
         stage.kill()
 
