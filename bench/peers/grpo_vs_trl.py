@@ -42,7 +42,7 @@ from bench.real import answers
 
 ROOT = Path(__file__).resolve().parents[2]
 TRL_PYTHON = ROOT / "bench" / ".trl-venv" / "bin" / "python"
-ROLLOUT, MINI, MICRO, GENERATIONS, LORA_RANK, LR, EOS_PENALTY = 32, 16, 8, 8, 16, 2e-4, 0.5
+ROLLOUT, MINI, MICRO, GENERATIONS, LORA_RANK, LR, EOS_PENALTY = 32, 16, 8, 8, 16, 2e-4, 1.0
 
 
 def settings(iterations: int, kl: float, max_new_tokens: int, threads: int, seed: int) -> list:
