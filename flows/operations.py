@@ -414,8 +414,10 @@ def compare(
 
     One row a run, with the params that differ between the runs and the headline numbers:
     held-out score, positive rate, KL to the reference, EOS rate and distinct-2 of the candidate
-    (`reports/eval/metrics.json`), and training tokens/s; where a run's rows carry answers, its
-    held-out accuracy and the gain over the baseline too. Reads `dvc exp show --json`; `dvc exp
+    (`reports/eval/metrics.json`), training tokens/s, and the held-out accuracy and its gain
+    where rows carry answers.
+
+    Reads `dvc exp show --json`; `dvc exp
     show` has every param and metric, `dvc exp diff A B` two runs change by change.
     """
     from rich import box

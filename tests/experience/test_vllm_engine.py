@@ -446,7 +446,10 @@ def test_each_ddp_rank_samples_with_an_engine_of_its_own(
 
     def watch() -> None:  # the engines started while the ranks run
         while not done.is_set():
-            seen.update(p.pid for p in _engines())
+            # an engine's own short-lived children (forked, so named like it) are not engines
+            engines = _engines()
+            pids = {p.pid for p in engines}
+            seen.update(p.pid for p in engines if _parent_pid(p) not in pids)
             time.sleep(0.2)
 
     watcher = threading.Thread(target=watch, daemon=True)
@@ -463,6 +466,13 @@ def test_each_ddp_rank_samples_with_an_engine_of_its_own(
     assert summary["world_size"] == 2
     assert metrics["rollout/sampler_gap_max"] < 1e-4
     assert not _engines()
+
+
+def _parent_pid(process: psutil.Process) -> int | None:
+    try:
+        return process.ppid()
+    except psutil.Error:
+        return None
 
 
 def _engines(root: psutil.Process | None = None) -> list[psutil.Process]:
