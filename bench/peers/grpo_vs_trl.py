@@ -18,7 +18,7 @@ project's ``evaluate`` on the same held-out questions (TRL's adapter in a copy o
 folder): held-out accuracy after the same wall clock, and the seconds an iteration took.
 
     bash bench/peers/setup_trl.sh                  # once: bench/.trl-venv (trl, math-verify)
-    .venv/bin/python -m bench.peers.grpo_vs_trl    # about 40 minutes on 2 cores
+    .venv/bin/python -m bench.peers.grpo_vs_trl    # about 23 minutes on 2 cores
     .venv/bin/python -m bench.peers.grpo_vs_trl --smoke   # the tiny chat model; TRL with its venv
 
 Writes ``bench/results/grpo_vs_trl.json`` and ``docs/grpo-vs-trl.png`` (``--smoke``: a
@@ -165,10 +165,10 @@ def run_trl(args, config, overrides: list[str], wall_s: float) -> dict:
     per_iteration = max(1, config.ppo.rollout_batch_size // config.ppo.mini_batch_size)
     ends = trl["step_end_s"][per_iteration - 1 :: per_iteration]
     seconds = [b - a for a, b in zip([0.0, *ends], ends, strict=False)]
-    accuracy = [
-        statistics.mean(trl["accuracy_by_step"][i : i + per_iteration])
-        for i in range(0, len(trl["accuracy_by_step"]), per_iteration)
-    ]
+    logged = trl["accuracy_by_step"]
+    # TRL logs the rewards once a generation (an iteration), or with every step
+    group = per_iteration if len(logged) > len(seconds) else 1
+    accuracy = [statistics.mean(logged[i : i + group]) for i in range(0, len(logged), group)]
     return {
         "iterations": len(seconds),
         "iteration_s": seconds,
