@@ -34,6 +34,7 @@ def main() -> None:
 
     torch.set_num_threads(job["threads"])
     torch.manual_seed(job["seed"])
+    from _trl_side import _lora_config  # beside this file: the PPO side's LoRA config
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOTrainer
@@ -172,18 +173,6 @@ def _grpo_config(job: dict):
         bf16=False,
         fp16=False,
         seed=job["seed"],
-    )
-
-
-def _lora_config(job: dict):
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=job["lora_rank"],
-        lora_alpha=2 * job["lora_rank"],
-        lora_dropout=0.0,
-        target_modules="all-linear",
-        task_type="CAUSAL_LM",
     )
 
 

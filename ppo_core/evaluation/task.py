@@ -12,13 +12,13 @@ A reply counts as correct when its score is at least :data:`CORRECT_SCORE` (a ve
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 from ppo_core.math.pass_at_k import mean_pass_at_k
+from ppo_core.rewards.combined import metric_name
 from ppo_core.rewards.verifiers import reason_counts
 
 __all__ = ["CORRECT_SCORE", "task_metrics"]
@@ -59,7 +59,6 @@ def _accuracy_by_task(scores: torch.Tensor, tasks: Sequence[Any]) -> dict[str, f
     (``[a-z][a-z0-9_]*``)."""
     right: dict[str, list[bool]] = {}
     for score, task in zip(scores.tolist(), tasks, strict=True):
-        name = re.sub(r"[^a-z0-9_]+", "_", str(task).lower()).strip("_")
-        name = name if name[:1].isalpha() else f"task_{name}"
+        name = metric_name(str(task), "task")
         right.setdefault(name, []).append(score >= CORRECT_SCORE)
     return {f"accuracy/{name}": sum(hits) / len(hits) for name, hits in sorted(right.items())}

@@ -18,9 +18,16 @@ from torch import Tensor
 
 from ppo_core.prompts import Prompt
 
-__all__ = ["WeightedReward", "term_names"]
+__all__ = ["WeightedReward", "metric_name", "term_names"]
 
 _NOT_NAME = re.compile(r"[^a-z0-9_]+")
+
+
+def metric_name(text: str, prefix: str) -> str:
+    """``text`` as the name part of a metric (``[a-z][a-z0-9_]*``): lower case, other
+    characters runs of ``_``; ``prefix`` + ``_`` before one that does not start with a letter."""
+    name = _NOT_NAME.sub("_", text.lower()).strip("_")
+    return name if name[:1].isalpha() else f"{prefix}_{name}".rstrip("_")
 
 
 def term_names(specs: Sequence[str]) -> list[str]:
@@ -36,9 +43,7 @@ def term_names(specs: Sequence[str]) -> list[str]:
             raw = spec.rpartition(":")[2]
         else:
             raw = PurePath(spec).name
-        name = _NOT_NAME.sub("_", raw.lower()).strip("_")
-        if not name or not name[0].isalpha():
-            name = f"r_{name}".rstrip("_")
+        name = metric_name(raw, "r")
         unique, count = name, 1
         while unique in names:
             count += 1
