@@ -48,8 +48,12 @@ fi
 # environment with `pip install vllm`) and .venv-vllm's on a CPU
 if [ "$DEVICE" = cuda ]; then ENGINE_PRECISION=bf16; else ENGINE_PRECISION=fp32; fi
 VLLM_PY=$(command -v "${VLLM_PY:-$([ "$DEVICE" = cuda ] && echo "$PY" || echo .venv-vllm/bin/python)}" || true)
+# (the smoke takes one shape: the options are the same for each, and each start of the engine
+# costs a minute on 2 CPU cores)
+SHAPES=(smollm2 gpt2-124m qwen2-0.5b)
+if [ ${#SMOKE[@]} -gt 0 ]; then SHAPES=(smollm2); fi
 if [ -n "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm" 2>/dev/null; then
-    for SHAPE in smollm2 gpt2-124m qwen2-0.5b; do
+    for SHAPE in "${SHAPES[@]}"; do
         "$PY" -m bench.speed.engine --device "$DEVICE" --precision "$ENGINE_PRECISION" \
             --shape "$SHAPE" --rows 32 128 --vllm-python "$VLLM_PY" \
             --out "bench/results/engine_gpu_$SHAPE.json" "${SMOKE[@]}"
