@@ -110,7 +110,8 @@ fuzz: $(STAMP)
 
 # The long scenarios that `make test` runs shortened or not at all (PPO_SOAK=1): the full 20-kill
 # SIGKILL loop, three scheduled generations of each kind of weights through a work pool with a
-# restore from the DVC remote, the TRL side of the benchmark smoke runs and llama.cpp's side of
+# restore from the DVC remote, the whole smoke runs of bench/gpu/gpu.sh and
+# bench/speed/orchestration.py, the TRL side of the benchmark smoke runs and llama.cpp's side of
 # the export's (bench/.trl-venv and bench/.llama-venv are built first when missing, from PyPI;
 # llama.cpp compiles in about 11 minutes on two cores). It prints how long it took.
 soak: $(STAMP)

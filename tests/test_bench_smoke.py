@@ -22,6 +22,10 @@ under ``PPO_SOAK=1`` (``make soak``), where its absence fails; ``bench/peers/grp
 likewise (TRL's GRPOTrainer). ``bench/peers/export.py`` runs its
 llama.cpp side where ``bench/.llama-venv`` exists (``bash bench/peers/setup_llama_cpp.sh``); the case
 that requires it is likewise skipped without it, except under ``PPO_SOAK=1``.
+
+Two smoke runs are ``make soak``'s alone (:data:`SOAK_ONLY`), each with a short variant in
+``make test`` that fails on the same break: ``gpu.sh``'s steps with ``--options-only`` (here), and
+``orchestration.py``'s reading of the flow's log on the flow run of ``tests/flows/test_flow.py``.
 """
 
 from __future__ import annotations
@@ -60,6 +64,14 @@ SLOW = {
 }
 """The smoke runs that took 20 s or more on two shared CPU cores: mostly the start of several processes that each import torch and transformers, and for
 orchestration.py the whole pipeline twice (direct and through the flow)."""
+
+SOAK_ONLY = {
+    "gpu.sh": "test_gpu_sh_passes_each_step_options_it_takes",
+    "orchestration.py": "tests/flows/test_flow.py (the flow's log read by the bench's parsers)",
+}
+"""Smoke runs of several minutes on 2 CPU cores (gpu.sh 427 s: each step's own smoke again;
+orchestration.py 235 s: the whole pipeline twice) that only ``make soak`` runs, and the short
+variant ``make test`` runs in their place."""
 
 MACHINE_KEYS = ("cpu_capability", "matmul_fp32_gflops", "matmul_bf16_gflops")
 """What every JSON result's top-level ``machine`` block (``bench/common.py``'s ``machine()``) holds
@@ -158,17 +170,48 @@ def run_smoke(script: Path, tmp_path: Path, *extra: str) -> tuple[str, list[dict
 @pytest.mark.parametrize(
     "script",
     [
-        pytest.param(path, id=path.name, marks=[pytest.mark.slow] if path.name in SLOW else [])
+        pytest.param(
+            path,
+            id=path.name,
+            marks=[pytest.mark.slow] * (path.name in SLOW)
+            + [pytest.mark.soak] * (path.name in SOAK_ONLY),
+        )
         for path in benchmarks()
     ],
 )
 def test_smoke_run(script: Path, tmp_path: Path):
     """The benchmark's smoke run succeeds and measures something."""
+    if script.name in SOAK_ONLY and not SOAK:
+        pytest.skip(f"make soak runs it (PPO_SOAK=1); make test runs {SOAK_ONLY[script.name]}")
     _, results = run_smoke(script, tmp_path, *EXTRA_ARGS.get(script.name, []))
     if script.name == "ppo_vs_trl.py":
         for row in results[0]["median"].values():
             for side in ("ours", "ours_shared"):
                 assert row[side]["iteration_s"] > 0
+
+
+def test_gpu_sh_passes_each_step_options_it_takes():
+    """``bench/gpu/gpu.sh --options-only`` runs each of its steps (both throughput runs, the
+    memory run, the engine for each shape, the sharding run) until it has parsed the options the
+    script passes, so that one a step no longer takes fails here in seconds."""
+    done = subprocess.run(
+        ["bash", str(BENCH / "gpu" / "gpu.sh"), "--smoke", "--device", "cpu", "--options-only"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT_S,
+    )
+    output = done.stdout + done.stderr
+    assert done.returncode == 0, output[-6000:]
+    read = [line.split(":")[0] for line in done.stdout.splitlines() if ": options read" in line]
+    engine = ["bench.speed.engine"] * 3 if "bench/speed/engine.py skipped" not in output else []
+    assert read == [
+        "bench.gpu.gpu_throughput",
+        "bench.gpu.gpu_throughput",
+        "bench.speed.memory_scaling",
+        *engine,
+        "bench.speed.sharding",
+    ], output
 
 
 @pytest.mark.slow

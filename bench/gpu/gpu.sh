@@ -8,20 +8,25 @@
 # bench/results/engine_gpu_*.json.
 #
 #   bash bench/gpu/gpu.sh [options of the first gpu_throughput.py run]
-#   bash bench/gpu/gpu.sh --smoke [--device cpu]
+#   bash bench/gpu/gpu.sh --smoke [--device cpu] [--options-only]
 #
 # --smoke runs every step below with the same options plus its script's --smoke (the smallest
 # sizes, outputs to a temporary folder), so that a renamed option fails here too; with
 # --device cpu it runs without a GPU (FSDP, which needs 2 GPUs, is left out then).
+# --options-only runs each step only until it has parsed its options (bench/_options.py):
+# seconds, where the whole smoke takes minutes on 2 CPU cores (`make test` runs this one, `make
+# soak` the whole smoke).
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 SMOKE=()
 DEVICE=cuda
+RUN=(-m)
 while [ $# -gt 0 ]; do
     case $1 in
         --smoke) SMOKE=(--smoke); shift ;;
         --device) DEVICE=$2; shift 2 ;;
+        --options-only) RUN=(-m bench._options); shift ;;
         *) break ;;
     esac
 done
@@ -32,15 +37,15 @@ elif [ ${#SMOKE[@]} -eq 0 ]; then
     echo "--device $DEVICE: only with --smoke (this script measures GPUs)" >&2
     exit 2
 fi
-"$PY" -m bench.gpu.gpu_throughput --device "$DEVICE" --precision bf16 --configs tiny gpt2-100m \
+"$PY" "${RUN[@]}" bench.gpu.gpu_throughput --device "$DEVICE" --precision bf16 --configs tiny gpt2-100m \
     --batch 128 --micro 32 --prompt-length 64 --response-length 128 --steps 5 "${SMOKE[@]}" "$@"
 # the same in fp32, for the bf16 gain
-"$PY" -m bench.gpu.gpu_throughput --device "$DEVICE" --precision fp32 --configs gpt2-100m \
+"$PY" "${RUN[@]}" bench.gpu.gpu_throughput --device "$DEVICE" --precision fp32 --configs gpt2-100m \
     --batch 128 --micro 32 --steps 3 --out bench/results/gpu_throughput_fp32.json "${SMOKE[@]}"
 # Memory and time of one PPO iteration on the GPU in bf16: full fine-tuning, LoRA and LoRA with
 # gradient checkpointing at ~350M, and a Qwen2-0.5B-shaped model with LoRA + checkpointing
 # (random weights; GPU peak = torch.cuda.max_memory_allocated)
-"$PY" -m bench.speed.memory_scaling --device "$DEVICE" --precision bf16 --sizes 350M \
+"$PY" "${RUN[@]}" bench.speed.memory_scaling --device "$DEVICE" --precision bf16 --sizes 350M \
     --out bench/results/memory_scaling_gpu.json "${SMOKE[@]}"
 # The vLLM engine against the sampling loop (tokens/s) at the recipe's 32 rows and at 128, 64 new
 # tokens, random weights of SmolLM2-135M's, GPT-2 small's and Qwen2-0.5B's shapes (the GGUF file
@@ -51,10 +56,10 @@ VLLM_PY=$(command -v "${VLLM_PY:-$([ "$DEVICE" = cuda ] && echo "$PY" || echo .v
 # (the smoke takes one shape: the options are the same for each, and each start of the engine
 # costs a minute on 2 CPU cores)
 SHAPES=(smollm2 gpt2-124m qwen2-0.5b)
-if [ ${#SMOKE[@]} -gt 0 ]; then SHAPES=(smollm2); fi
+if [ ${#SMOKE[@]} -gt 0 ] && [ "${RUN[*]}" = -m ]; then SHAPES=(smollm2); fi
 if [ -n "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm" 2>/dev/null; then
     for SHAPE in "${SHAPES[@]}"; do
-        "$PY" -m bench.speed.engine --device "$DEVICE" --precision "$ENGINE_PRECISION" \
+        "$PY" "${RUN[@]}" bench.speed.engine --device "$DEVICE" --precision "$ENGINE_PRECISION" \
             --shape "$SHAPE" --rows 32 128 --vllm-python "$VLLM_PY" \
             --out "bench/results/engine_gpu_$SHAPE.json" "${SMOKE[@]}"
     done
@@ -67,8 +72,8 @@ if [ "$DEVICE" = cuda ]; then
 else
     GPUS=0
 fi
-if [ "$GPUS" -ge 2 ]; then
-    "$PY" -m bench.speed.sharding --device cuda --precision bf16 --ranks 1 "$GPUS" "${SMOKE[@]}"
+if [ "$GPUS" -ge 2 ] || [ "${RUN[*]}" != -m ]; then  # options are read without GPUs
+    "$PY" "${RUN[@]}" bench.speed.sharding --device cuda --precision bf16 --ranks 1 "$GPUS" "${SMOKE[@]}"
 else
     echo "bench/speed/sharding.py skipped: FSDP needs 2 or more GPUs, this machine has $GPUS"
 fi
