@@ -5,20 +5,33 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
+from bench.speed import orchestration
 from tests.flows.conftest import dvc, environment, experiment_scores, read_json
+from tests.flows.servers import start_server, stop
 
 
 @pytest.fixture(scope="module")
-def prefect_harness():
-    from prefect.testing.utilities import prefect_test_harness
+def prefect_harness(tmp_path_factory):
+    """A Prefect server for the flows this process runs (on a migrated database: seconds)."""
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    # A first start creates the server's database: about 40 s on two busy cores, not 30.
-    with prefect_test_harness(server_startup_timeout=120):
-        yield
+    from prefect.events.worker import EventsWorker
+    from prefect.logging.handlers import APILogWorker
+
+    env, _, server = start_server(tmp_path_factory.mktemp("prefect-server"))
+    try:
+        with temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}):
+            yield
+            # the logs and events still queued reach the server before it stops
+            APILogWorker.drain_all()
+            EventsWorker.drain_all()
+    finally:
+        stop(server)
 
 
 def run_like_make_run(project: Path, prefect_home: Path) -> str:
@@ -54,8 +67,20 @@ def test_a_first_run_then_retraining_from_production_then_bad_data_stopping_at_v
     # 1. A first run as `make run` starts it reads cleanly: nothing that reads as a failure (the
     # temporary server's telemetry), no progress bars, and DVC's advice to `git add dvc.lock`
     # once for the run, not once per stage.
+    started = time.time()
     output = run_like_make_run(tiny_project, tmp_path / "prefect-home")
+    took = time.time() - started
     assert "Traceback" not in output and "| ERROR" not in output, output
+    # bench/speed/orchestration.py reads this log (its smoke run is make soak's): the phases of
+    # the flow and the seconds of each stage that ran
+    assert all(seconds >= 0 for seconds in orchestration.phases(output, started, took).values())
+    assert set(orchestration.phases(output, started, took)) == {
+        "before_the_flow",
+        "stages",
+        "experiment_record",
+        "after_the_record",
+    }, output
+    assert set(orchestration.stage_seconds(output, started)) == {"train", "evaluate", "promote"}
     assert "Loading weights" not in output and "autostage" not in output, output
     assert output.count("git add") == 1, output
     assert "dvc.lock changed: `git add dvc.lock` records this run in git" in output
