@@ -7,7 +7,7 @@ removes. The final run must have resumed from the newest checkpoint written befo
 (``resumed_from`` in its ``training_summary.json``, and ``resumed at N`` on the console): a run
 started over would reach the same parameters too, since training is deterministic, so equal
 parameters alone would not show that anything resumed. ``PPO_KILLS`` sets the number of kills:
-5 in `make test`, 20 in `make soak` (``PPO_SOAK=1``); the test prints what happened.
+3 in `make test`, 20 in `make soak` (``PPO_SOAK=1``); the test prints what happened.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from ppo_core.checkpoints.store import list_checkpoints, load_checkpoint_state
 pytestmark = [pytest.mark.slow, pytest.mark.soak]
 
 ROOT = Path(__file__).resolve().parents[2]
-KILLS = int(os.environ.get("PPO_KILLS", "20" if os.environ.get("PPO_SOAK") == "1" else "5"))
+KILLS = int(os.environ.get("PPO_KILLS", "20" if os.environ.get("PPO_SOAK") == "1" else "3"))
 # A kill during training comes at most 0.15 s after a new checkpoint, so each adds one to three
 # iterations; the run must outlast every kill, and the uninterrupted reference runs them all.
 ITERATIONS = 8 * KILLS + 10
