@@ -18,10 +18,9 @@ from tests.flows.servers import start_server, stop
 @pytest.fixture(scope="module")
 def prefect_harness(tmp_path_factory):
     """A Prefect server for the flows this process runs (on a migrated database: seconds)."""
-    from prefect.settings import PREFECT_API_URL, temporary_settings
-
     from prefect.events.worker import EventsWorker
     from prefect.logging.handlers import APILogWorker
+    from prefect.settings import PREFECT_API_URL, temporary_settings
 
     env, _, server = start_server(tmp_path_factory.mktemp("prefect-server"))
     try:
