@@ -167,22 +167,29 @@ def run_smoke(script: Path, tmp_path: Path, *extra: str) -> tuple[str, list[dict
     return output, results
 
 
+def smoke_marks(name: str) -> list:
+    """``slow`` for the runs in :data:`SLOW`; ``soak`` and a skip outside ``make soak`` (before
+    any fixture is built) for those in :data:`SOAK_ONLY`."""
+    marks = [pytest.mark.slow] if name in SLOW else []
+    if name in SOAK_ONLY:
+        reason = f"make soak runs it (PPO_SOAK=1); make test runs {SOAK_ONLY[name]}"
+        marks += [pytest.mark.soak, pytest.mark.skipif(not SOAK, reason=reason)]
+    return marks
+
+
 @pytest.mark.parametrize(
     "script",
     [
         pytest.param(
             path,
             id=path.name,
-            marks=[pytest.mark.slow] * (path.name in SLOW)
-            + [pytest.mark.soak] * (path.name in SOAK_ONLY),
+            marks=smoke_marks(path.name),
         )
         for path in benchmarks()
     ],
 )
 def test_smoke_run(script: Path, tmp_path: Path):
     """The benchmark's smoke run succeeds and measures something."""
-    if script.name in SOAK_ONLY and not SOAK:
-        pytest.skip(f"make soak runs it (PPO_SOAK=1); make test runs {SOAK_ONLY[script.name]}")
     _, results = run_smoke(script, tmp_path, *EXTRA_ARGS.get(script.name, []))
     if script.name == "ppo_vs_trl.py":
         for row in results[0]["median"].values():

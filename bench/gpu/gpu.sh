@@ -21,15 +21,16 @@ cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
 SMOKE=()
 DEVICE=cuda
-RUN=(-m)
+OPTIONS_ONLY=0
 while [ $# -gt 0 ]; do
     case $1 in
         --smoke) SMOKE=(--smoke); shift ;;
         --device) DEVICE=$2; shift 2 ;;
-        --options-only) RUN=(-m bench._options); shift ;;
+        --options-only) OPTIONS_ONLY=1; shift ;;
         *) break ;;
     esac
 done
+if [ "$OPTIONS_ONLY" = 1 ]; then RUN=(-m bench._options); else RUN=(-m); fi
 if [ "$DEVICE" = cuda ]; then
     "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'no CUDA device visible to torch')"
     "$PY" -c "import torch; print(torch.__version__, torch.cuda.get_device_name(0))"
@@ -56,7 +57,7 @@ VLLM_PY=$(command -v "${VLLM_PY:-$([ "$DEVICE" = cuda ] && echo "$PY" || echo .v
 # (the smoke takes one shape: the options are the same for each, and each start of the engine
 # costs a minute on 2 CPU cores)
 SHAPES=(smollm2 gpt2-124m qwen2-0.5b)
-if [ ${#SMOKE[@]} -gt 0 ] && [ "${RUN[*]}" = -m ]; then SHAPES=(smollm2); fi
+if [ ${#SMOKE[@]} -gt 0 ] && [ "$OPTIONS_ONLY" = 0 ]; then SHAPES=(smollm2); fi
 if [ -n "$VLLM_PY" ] && "$VLLM_PY" -c "import vllm" 2>/dev/null; then
     for SHAPE in "${SHAPES[@]}"; do
         "$PY" "${RUN[@]}" bench.speed.engine --device "$DEVICE" --precision "$ENGINE_PRECISION" \
@@ -72,7 +73,7 @@ if [ "$DEVICE" = cuda ]; then
 else
     GPUS=0
 fi
-if [ "$GPUS" -ge 2 ] || [ "${RUN[*]}" != -m ]; then  # options are read without GPUs
+if [ "$GPUS" -ge 2 ] || [ "$OPTIONS_ONLY" = 1 ]; then  # options are read without GPUs
     "$PY" "${RUN[@]}" bench.speed.sharding --device cuda --precision bf16 --ranks 1 "$GPUS" "${SMOKE[@]}"
 else
     echo "bench/speed/sharding.py skipped: FSDP needs 2 or more GPUs, this machine has $GPUS"

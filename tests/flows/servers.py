@@ -75,19 +75,25 @@ def migrated_database() -> Path:
     return database
 
 
+def migrated_home(home: Path) -> Path:
+    """``home`` (made if missing) as a ``PREFECT_HOME`` holding a copy of
+    :func:`migrated_database`, so that a server started there does not migrate first."""
+    import shutil
+
+    home.mkdir(exist_ok=True)
+    shutil.copyfile(migrated_database(), home / "prefect.db")
+    return home
+
+
 def start_server(
     tmp_path: Path, settings: dict[str, str] | None = None
 ) -> tuple[dict[str, str], Path, subprocess.Popen]:
     """A Prefect server on a free loopback port, up and healthy, on a copy of
     :func:`migrated_database`: the environment that points at it (plus ``settings``), the folder
     of the logs, and its process (:func:`stop` it)."""
-    import shutil
-
     port = free_port()
     api = f"http://127.0.0.1:{port}/api"
-    home = tmp_path / "prefect-home"
-    home.mkdir()
-    shutil.copyfile(migrated_database(), home / "prefect.db")
+    home = migrated_home(tmp_path / "prefect-home")
     env = environment() | {
         "PREFECT_API_URL": api,
         "PREFECT_HOME": str(home),

@@ -3,7 +3,6 @@ free of the model stack (what lets it start in seconds)."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import urllib.request
@@ -12,14 +11,12 @@ import pytest
 
 from flows.orchestration.local_server import LocalServer, LocalServerError, start_if_needed
 from tests.flows.conftest import ROOT
-from tests.flows.servers import migrated_database
+from tests.flows.servers import migrated_home
 
 
 def test_the_server_answers_on_loopback_and_is_gone_after_stop(tmp_path, monkeypatch):
-    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "prefect-home"))
     # a migrated database: tests/flows/test_flow.py starts one on an empty home, as `make run` does
-    (tmp_path / "prefect-home").mkdir()
-    shutil.copyfile(migrated_database(), tmp_path / "prefect-home" / "prefect.db")
+    monkeypatch.setenv("PREFECT_HOME", str(migrated_home(tmp_path / "prefect-home")))
     server = LocalServer()
     try:
         server.wait_until_up()

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import yaml
 
 from flows.orchestration.local_server import LocalServer
 from tests.flows.conftest import ROOT
-from tests.flows.servers import migrated_database
+from tests.flows.servers import migrated_home
 
 
 @pytest.fixture(scope="module")
@@ -18,8 +16,7 @@ def prefect_api(tmp_path_factory):
 
     from prefect.settings import temporary_settings
 
-    home = tmp_path_factory.mktemp("prefect-home")
-    shutil.copyfile(migrated_database(), home / "prefect.db")  # no migration to wait for
+    home = migrated_home(tmp_path_factory.mktemp("prefect-home"))  # no migration to wait for
     before = os.environ.get("PREFECT_HOME")
     os.environ["PREFECT_HOME"] = str(home)  # the server's database, not the user's
     server = LocalServer()
